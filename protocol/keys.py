@@ -1,0 +1,83 @@
+"""Every Redis key Carpool writes, in one place (the role rq's `Job.key_for` plays for rq).
+
+RQ owns `rq:*` (queues, jobs, registries, workers); Carpool adds its own keys under `carpool:*`
+for what RQ has no notion of: token streams, leases with fencing tokens, cancel flags, the
+models that live workers serve, and worker statistics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.messages import Priority
+
+# The RQ function path recorded on every job. Carpool workers never call it by name: they take
+# jobs straight off the RQ queues into their batch. It makes the job legible in rq info and
+# rq-dashboard, and would let a plain `rq worker` run a job unbatched.
+RQ_JOB_FUNCTION = "worker.rq_entry.generate"
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    prefix: str = "carpool"
+
+    # RQ queue names (RQ itself prefixes them with rq:queue:). Listed highest priority first,
+    # the order in which workers take jobs.
+    def queue_name(self, priority: Priority) -> str:
+        return f"{self.prefix}-{priority.value}"
+
+    def queue_names(self) -> list[str]:
+        return [self.queue_name(p) for p in Priority.ordered()]
+
+    # Per job.
+    def state(self, job_id: str) -> str:
+        """Hash: Carpool's view of the job (status, owner, timings, usage); see JobState fields."""
+        return f"{self.prefix}:job:{job_id}"
+
+    def stream(self, job_id: str) -> str:
+        """Stream: one entry per token, then one final entry (StreamEntry)."""
+        return f"{self.prefix}:job:{job_id}:stream"
+
+    def lease(self, job_id: str) -> str:
+        """String with a TTL: the fencing token of the worker that currently owns the job."""
+        return f"{self.prefix}:job:{job_id}:lease"
+
+    def fence(self, job_id: str) -> str:
+        """Counter: incremented at each claim; its value is the new owner's fencing token."""
+        return f"{self.prefix}:job:{job_id}:fence"
+
+    # Shared sets.
+    def leases(self) -> str:
+        """Sorted set job_id -> lease deadline (ms since epoch): where recovery looks for lapsed jobs."""
+        return f"{self.prefix}:leases"
+
+    def canceled(self) -> str:
+        """Set of job ids whose cancellation was requested; workers check their batch against it."""
+        return f"{self.prefix}:canceled"
+
+    def jobs_by_owner(self, owner: str) -> str:
+        return f"{self.prefix}:owner:{owner}:jobs"
+
+    # Workers and models.
+    def models(self) -> str:
+        """Hash model name -> ModelCard JSON, written by workers at start."""
+        return f"{self.prefix}:models"
+
+    def model_tokenizer(self, model: str) -> str:
+        """String: the model's tokenizer.json, so the API can count tokens without model files."""
+        return f"{self.prefix}:model:{model}:tokenizer"
+
+    def worker_stats(self, worker_name: str) -> str:
+        """Hash with a TTL: a live worker's WorkerStats, refreshed every iteration."""
+        return f"{self.prefix}:worker:{worker_name}:stats"
+
+    def worker_stats_pattern(self) -> str:
+        return f"{self.prefix}:worker:*:stats"
+
+    # Metrics aggregated across workers (HINCRBY/HINCRBYFLOAT fields).
+    def counters(self) -> str:
+        return f"{self.prefix}:metrics:counters"
+
+    def histogram(self, name: str) -> str:
+        """Hash: bucket upper bound (as in HISTOGRAM_BUCKETS, or '+Inf') -> count, plus 'sum', 'count'."""
+        return f"{self.prefix}:metrics:hist:{name}"

@@ -1,0 +1,236 @@
+"""Payloads that cross Redis, as plain data with JSON codecs (never pickle)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Priority(str, Enum):
+    HIGH = "high"
+    NORMAL = "normal"
+    LOW = "low"
+
+    @classmethod
+    def ordered(cls) -> list["Priority"]:
+        return [cls.HIGH, cls.NORMAL, cls.LOW]
+
+
+class JobStatus(str, Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back on the queue's front, resumes from its stream
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELED = "canceled"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED)
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    CANCELED = "canceled"
+    ERROR = "error"  # the job failed; the final entry carries the message
+
+
+@dataclass(frozen=True, slots=True)
+class JobSpec:
+    """What a client asked for. Exactly one of `prompt` and `messages` is set."""
+
+    job_id: str
+    model: str
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    priority: Priority = Priority.NORMAL
+    owner: str = ""  # the API key's id that submitted it ("" when the API runs open)
+    created_at: float = field(default_factory=time.time)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["priority"] = self.priority.value
+        return json.dumps(data, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, payload: str | bytes) -> "JobSpec":
+        data = json.loads(payload)
+        data["priority"] = Priority(data.get("priority", Priority.NORMAL.value))
+        return cls(**data)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEntry:
+    """One entry of a job's token stream.
+
+    Token entries carry `index`, `token_id` and `text` (the text this token releases; may be ""
+    while a possible stop string or a split UTF-8 character is held back). The final entry has
+    `finish_reason` and usage, and `error` when the job failed.
+
+    Entry ids are explicit: the token with index i is `0-(i+1)` and the final entry follows the
+    last token, so Redis itself refuses a duplicate or out-of-order append.
+    """
+
+    kind: str  # "token" or "done"
+    index: int = -1
+    token_id: int = -1
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str = ""
+
+    TOKEN = "token"
+    DONE = "done"
+
+    @staticmethod
+    def token_entry_id(index: int) -> str:
+        return f"0-{index + 1}"
+
+    @staticmethod
+    def done_entry_id(num_tokens: int) -> str:
+        return f"0-{num_tokens + 1}"
+
+    def to_fields(self) -> dict[str, str]:
+        if self.kind == StreamEntry.TOKEN:
+            return {"kind": self.kind, "index": str(self.index), "token_id": str(self.token_id),
+                    "text": self.text}
+        return {
+            "kind": self.kind,
+            "finish_reason": self.finish_reason.value if self.finish_reason else "",
+            "prompt_tokens": str(self.prompt_tokens),
+            "completion_tokens": str(self.completion_tokens),
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_fields(cls, fields: dict[Any, Any]) -> "StreamEntry":
+        f = {_text(k): _text(v) for k, v in fields.items()}
+        if f["kind"] == cls.TOKEN:
+            return cls(kind=cls.TOKEN, index=int(f["index"]), token_id=int(f["token_id"]),
+                       text=f["text"])
+        return cls(
+            kind=cls.DONE,
+            finish_reason=FinishReason(f["finish_reason"]) if f["finish_reason"] else None,
+            prompt_tokens=int(f["prompt_tokens"]),
+            completion_tokens=int(f["completion_tokens"]),
+            error=f.get("error", ""),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class JobState:
+    """Carpool's view of a job, kept in the hash `Keys.state(job_id)` (fields as strings).
+
+    RQ's job hash keeps the queue's view (queued/started/finished...) and the final result;
+    this hash adds what RQ has no field for. Timestamps are seconds since the epoch, 0 = not yet.
+    """
+
+    job_id: str
+    status: JobStatus
+    owner: str = ""
+    model: str = ""
+    worker: str = ""  # the worker that holds (or last held) the job
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    error: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    created_at: float = 0.0
+    started_at: float = 0.0
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+
+    def to_fields(self) -> dict[str, str]:
+        out = {}
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            out[name] = value.value if isinstance(value, Enum) else ("" if value is None else str(value))
+        return out
+
+    @classmethod
+    def from_fields(cls, fields: dict[Any, Any]) -> "JobState":
+        f = {_text(k): _text(v) for k, v in fields.items()}
+        kwargs: dict[str, Any] = {}
+        for name, spec in cls.__dataclass_fields__.items():
+            if name not in f:
+                continue
+            raw = f[name]
+            if name == "status":
+                kwargs[name] = JobStatus(raw)
+            elif name == "finish_reason":
+                kwargs[name] = FinishReason(raw) if raw else None
+            elif spec.type in ("int",):
+                kwargs[name] = int(raw)
+            elif spec.type in ("float",):
+                kwargs[name] = float(raw)
+            else:
+                kwargs[name] = raw
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCard:
+    """What a worker tells the API about the model it serves."""
+
+    name: str
+    max_model_len: int
+    eos_token: str | None = None
+    bos_token: str | None = None
+    chat_template: str | None = None
+    created_at: float = field(default_factory=time.time)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, payload: str | bytes) -> "ModelCard":
+        return cls(**json.loads(payload))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerStats:
+    """A worker's live numbers, refreshed every iteration (for /metrics and /healthz)."""
+
+    name: str
+    model: str
+    mode: str
+    num_running: int = 0
+    num_waiting: int = 0
+    num_kv_blocks_used: int = 0
+    num_kv_blocks_total: int = 0
+    slot_utilisation: float = 0.0
+    max_num_seqs: int = 0
+    updated_at: float = 0.0
+
+    def to_fields(self) -> dict[str, str]:
+        return {k: str(v) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_fields(cls, fields: dict[Any, Any]) -> "WorkerStats":
+        f = {_text(k): _text(v) for k, v in fields.items()}
+        types = {"name": str, "model": str, "mode": str, "slot_utilisation": float,
+                 "updated_at": float}
+        return cls(**{k: types.get(k, int)(v) for k, v in f.items() if k in cls.__dataclass_fields__})
+
+
+# Latency histogram buckets in seconds, shared by the workers that observe and the API that renders.
+HISTOGRAM_BUCKETS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+)
+HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_latency_seconds")
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
