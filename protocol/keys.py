@@ -76,8 +76,11 @@ class Keys:
 
     # Metrics aggregated across workers (HINCRBY/HINCRBYFLOAT fields).
     def counters(self) -> str:
+        """Hash: counter name (protocol.messages.COUNTERS) -> running total over all workers."""
         return f"{self.prefix}:metrics:counters"
 
     def histogram(self, name: str) -> str:
-        """Hash: bucket upper bound (as in HISTOGRAM_BUCKETS, or '+Inf') -> count, plus 'sum', 'count'."""
+        """Hash: bucket upper bound (`str(bound)` of HISTOGRAM_BUCKETS, or '+Inf') -> count, plus
+        'sum' and 'count'. Counts are cumulative, as Prometheus' `le` buckets: an observation
+        increments every bucket whose bound is >= it, and '+Inf' always."""
         return f"{self.prefix}:metrics:hist:{name}"

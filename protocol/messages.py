@@ -58,16 +58,47 @@ class JobSpec:
     owner: str = ""  # the API key's id that submitted it ("" when the API runs open)
     created_at: float = field(default_factory=time.time)
 
-    def to_json(self) -> str:
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data: the single argument recorded on the RQ job."""
         data = asdict(self)
         data["priority"] = self.priority.value
-        return json.dumps(data, separators=(",", ":"))
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "JobSpec":
+        """Inverse of to_dict; a malformed payload raises ValueError (never KeyError/TypeError)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"job spec must be a JSON object, got {type(data).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"job spec has unknown fields: {', '.join(unknown)}")
+        for name in ("job_id", "model"):
+            if not isinstance(data.get(name), str) or not data[name]:
+                raise ValueError(f"job spec needs a non-empty string {name!r}")
+        fields = dict(data)
+        try:
+            fields["priority"] = Priority(fields.get("priority", Priority.NORMAL.value))
+        except ValueError as exc:
+            raise ValueError(
+                f"job spec has an unknown priority {fields.get('priority')!r}") from exc
+        if "stop" in fields:
+            stop = fields["stop"]
+            fields["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
+        if (fields.get("prompt") is None) == (fields.get("messages") is None):
+            raise ValueError("job spec needs exactly one of 'prompt' and 'messages'")
+        return cls(**fields)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @classmethod
     def from_json(cls, payload: str | bytes) -> "JobSpec":
-        data = json.loads(payload)
-        data["priority"] = Priority(data.get("priority", Priority.NORMAL.value))
-        return cls(**data)
+        try:
+            data = json.loads(payload)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"job spec is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +166,9 @@ class JobState:
 
     RQ's job hash keeps the queue's view (queued/started/finished...) and the final result;
     this hash adds what RQ has no field for. Timestamps are seconds since the epoch, 0 = not yet.
+    Workers write prompt_tokens and first_token_at with the first token (and prompt_tokens on a
+    requeue); completion_tokens, text and token_ids with the final status. Progress in between
+    is the token stream (XLEN / the last entry id), which the per-token writes keep cheap.
     """
 
     job_id: str
@@ -151,13 +185,35 @@ class JobState:
     started_at: float = 0.0
     first_token_at: float = 0.0
     finished_at: float = 0.0
+    num_recoveries: int = 0  # times recovery requeued it after its worker's lease lapsed
+    # The final result (set with the final status): generated text and token ids.
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    # RQ's execution record of the current claim ("job_id:execution_id"), so recovery can
+    # remove it from the StartedJobRegistry when it requeues a job whose worker died.
+    execution: str = ""
 
     def to_fields(self) -> dict[str, str]:
         out = {}
         for name in self.__dataclass_fields__:
             value = getattr(self, name)
-            out[name] = value.value if isinstance(value, Enum) else ("" if value is None else str(value))
+            if isinstance(value, Enum):
+                out[name] = value.value
+            elif isinstance(value, tuple):
+                out[name] = json.dumps(list(value), separators=(",", ":"))
+            else:
+                out[name] = "" if value is None else str(value)
         return out
+
+    def result(self) -> "JobResult":
+        """The job's result as stored on the RQ job (meaningful once the status is final)."""
+        return JobResult(
+            job_id=self.job_id, status=self.status, text=self.text, token_ids=list(self.token_ids),
+            finish_reason=self.finish_reason, error=self.error, prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens, created_at=self.created_at,
+            started_at=self.started_at, first_token_at=self.first_token_at,
+            finished_at=self.finished_at, num_preemptions=self.num_preemptions, worker=self.worker,
+        )
 
     @classmethod
     def from_fields(cls, fields: dict[Any, Any]) -> "JobState":
@@ -172,12 +228,54 @@ class JobState:
             elif name == "finish_reason":
                 kwargs[name] = FinishReason(raw) if raw else None
             elif spec.type in ("int",):
-                kwargs[name] = int(raw)
+                kwargs[name] = int(raw) if raw else 0
             elif spec.type in ("float",):
-                kwargs[name] = float(raw)
+                kwargs[name] = float(raw) if raw else 0.0
+            elif spec.type.startswith("tuple"):
+                kwargs[name] = tuple(json.loads(raw)) if raw else ()
             else:
                 kwargs[name] = raw
         return cls(**kwargs)
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    """A job's final outcome: the RQ job's return value (`Job.return_value()`), as a JSON object.
+
+    Timestamps are seconds since the epoch: `created_at` is when it was queued.
+    """
+
+    job_id: str
+    status: JobStatus
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str = ""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    created_at: float = 0.0
+    started_at: float = 0.0
+    first_token_at: float = 0.0
+    finished_at: float = 0.0
+    num_preemptions: int = 0
+    worker: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["status"] = self.status.value
+        data["finish_reason"] = self.finish_reason.value if self.finish_reason else None
+        data["usage"] = {"prompt_tokens": self.prompt_tokens,
+                         "completion_tokens": self.completion_tokens,
+                         "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "JobResult":
+        fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        fields["status"] = JobStatus(fields["status"])
+        reason = fields.get("finish_reason")
+        fields["finish_reason"] = FinishReason(reason) if reason else None
+        return cls(**fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +328,17 @@ HISTOGRAM_BUCKETS: tuple[float, ...] = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 )
 HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_latency_seconds")
+# Counter fields of Keys.counters(), incremented by workers.
+COUNTERS = (
+    "generated_tokens_total",  # tokens appended to streams
+    "prompt_tokens_total",  # prompt tokens of jobs that ended
+    "jobs_finished_total",
+    "jobs_failed_total",
+    "jobs_canceled_total",
+    "jobs_preempted_total",  # put back on the queue by a worker (KV pressure or drain)
+    "jobs_recovered_total",  # put back on the queue by recovery after their lease lapsed
+    "fenced_writes_total",  # appends refused because the worker no longer held the lease
+)
 
 
 def _text(value: Any) -> str:

@@ -1,4 +1,4 @@
-"""`carpool`: one command line for the pieces (api, worker, up, submit, watch).
+"""`carpool`: one command line for the pieces (api, worker, up, submit, watch, bench).
 
 `carpool up` is the local run: a Redis (started if none answers), the API and one worker on the
 bundled model, all stopped by Ctrl-C. The pieces run as child processes, so the API process never
@@ -65,6 +65,17 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("job_id")
     _add_api_options(watch)
     watch.set_defaults(handler=_watch)
+
+    bench = sub.add_parser("bench", help="load-test continuous, static and sequential batching over REST")
+    bench.add_argument("--model", default="smollm2")
+    bench.add_argument("--redis-url", default=os.environ.get("CARPOOL_REDIS_URL", DEFAULT_REDIS_URL))
+    bench.add_argument("--modes", default="continuous,static,sequential")
+    bench.add_argument("--rates", default="1,4", help="arrival rates in jobs/s, comma-separated; inf = all at once")
+    bench.add_argument("--num-requests", type=int, default=32)
+    bench.add_argument("--max-output", type=int, default=128)
+    bench.add_argument("--max-num-seqs", type=int, default=32)
+    bench.add_argument("--out-dir", default="bench_out")
+    bench.set_defaults(handler=_bench)
     return parser
 
 
@@ -153,6 +164,20 @@ print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'co
 
 Ctrl-C stops everything.
 """, flush=True)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from loadgen.bench_run import BenchConfig, run_bench
+
+    config = BenchConfig(
+        model=args.model, redis_url=args.redis_url, modes=tuple(args.modes.split(",")),
+        rates=tuple(float(r) for r in args.rates.split(",")), num_requests=args.num_requests,
+        max_output=args.max_output, max_num_seqs=args.max_num_seqs, out_dir=Path(args.out_dir),
+    )
+    reports = run_bench(config)
+    return 0 if all(not r.summary()["failed"] for r in reports) else 1
 
 
 def _headers(args: argparse.Namespace) -> dict[str, str]:

@@ -1,0 +1,63 @@
+"""Rendering chat messages to the prompt text the worker will see, to count its tokens.
+
+It mirrors how Hugging Face renders a chat template (sandboxed jinja2, trim_blocks, lstrip_blocks,
+the special tokens as variables, `raise_exception`); where a card has no template, a ChatML-like
+approximation stands in and the worker's exact length check has the last word.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from functools import lru_cache
+from typing import Any, NoReturn
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from protocol import ModelCard
+
+
+class ChatTemplateError(ValueError):
+    """The template refused the conversation (e.g. roles that do not alternate): the client's fault."""
+
+
+def render_chat(card: ModelCard, messages: list[dict[str, str]]) -> tuple[str, bool]:
+    """The prompt text for `messages`, and whether it came from the model's own template."""
+    if card.chat_template:
+        try:
+            template = _compile(card.chat_template)
+            text = template.render(
+                messages=messages, add_generation_prompt=True, bos_token=card.bos_token or "",
+                eos_token=card.eos_token or "", tools=None, documents=None,
+            )
+            return text, True
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError:
+            pass  # a template using what we do not emulate: approximate, the worker decides
+    return _approximate(messages), False
+
+
+def _approximate(messages: list[dict[str, str]]) -> str:
+    parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
+    return "".join(parts) + "<|im_start|>assistant\n"
+
+
+def _raise(message: str) -> NoReturn:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+@lru_cache(maxsize=16)
+def _compile(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)

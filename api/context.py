@@ -1,0 +1,60 @@
+"""The objects one API process shares between requests, built once from its settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis
+import redis.asyncio as aioredis
+from fastapi import Request
+
+from api.auth import ApiKeyAuth
+from api.job_service import JobService
+from api.job_stream import JobStream
+from api.model_registry import ModelRegistry
+from api.settings import ApiSettings
+from api.tokenizer_cache import TokenizerCache
+from protocol import Keys
+
+
+@dataclass(slots=True)
+class AppContext:
+    settings: ApiSettings
+    keys: Keys
+    aio: aioredis.Redis  # reads, streams, metrics (decoded str replies)
+    sync: redis.Redis  # RQ and the protocol's sync helpers (bytes replies, as RQ requires)
+    auth: ApiKeyAuth
+    models: ModelRegistry
+    jobs: JobService
+
+    @classmethod
+    def build(cls, settings: ApiSettings, aio: aioredis.Redis | None = None,
+              sync: redis.Redis | None = None) -> "AppContext":
+        timeout = settings.redis_timeout_s
+        # A socket timeout must outlast the XREAD BLOCK of a waiting stream.
+        socket_timeout = timeout + settings.stream_block_ms / 1000
+        if aio is None:
+            aio = aioredis.Redis.from_url(settings.redis_url, decode_responses=True,
+                                          socket_connect_timeout=timeout,
+                                          socket_timeout=socket_timeout)
+        if sync is None:
+            sync = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=timeout,
+                                        socket_timeout=timeout)
+        keys = Keys(prefix=settings.keys_prefix)
+        models = ModelRegistry(aio, keys, settings.retry_after_s)
+        tokenizers = TokenizerCache(aio, keys)
+        jobs = JobService(aio, sync, keys, models, tokenizers, settings.max_queue_depth,
+                          settings.retry_after_s)
+        return cls(settings=settings, keys=keys, aio=aio, sync=sync,
+                   auth=ApiKeyAuth(settings.api_keys), models=models, jobs=jobs)
+
+    def stream(self, job_id: str) -> JobStream:
+        return JobStream(self.aio, self.keys, job_id, self.settings.stream_block_ms)
+
+    async def close(self) -> None:
+        await self.aio.aclose()
+        self.sync.close()
+
+
+def get_context(request: Request) -> AppContext:
+    return request.app.state.context

@@ -1,0 +1,229 @@
+"""Errors the API raises on purpose, and the handlers that turn every failure into a clean answer.
+
+Two answer shapes: the jobs API speaks FastAPI's (`{"detail": ...}`, 422 for invalid input), the
+OpenAI-compatible routes speak OpenAI's (`{"error": {message, type, param, code}}`, 400 for invalid
+input), so each family of clients gets the errors its tools already parse.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import redis.exceptions
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+# Routes tagged with this answer errors in OpenAI's shape.
+OPENAI_TAG = "openai"
+
+
+class ApiError(Exception):
+    """An answer other than success, decided by the API (not a bug)."""
+
+    status_code = 500
+    error_type = "server_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+
+class InvalidRequestError(ApiError):
+    """Input that fails a check pydantic cannot make alone (model limits, unknown model)."""
+
+    status_code = 422  # 400 on the OpenAI routes
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None,
+                 code: str = "invalid_value") -> None:
+        super().__init__(message, param=param, code=code)
+
+
+class AuthenticationError(ApiError):
+    status_code = 401
+    error_type = "invalid_request_error"  # what OpenAI itself answers for a bad key
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+class NotFoundError(ApiError):
+    status_code = 404
+    error_type = "invalid_request_error"
+
+
+class ConflictError(ApiError):
+    status_code = 409
+    error_type = "invalid_request_error"
+
+
+class QueueFullError(ApiError):
+    status_code = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message, code="queue_full", headers={"Retry-After": str(retry_after_s)})
+
+
+class ServiceUnavailableError(ApiError):
+    status_code = 503
+    error_type = "server_error"
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message, code="service_unavailable",
+                         headers={"Retry-After": str(retry_after_s)})
+
+
+class JobFailedError(ApiError):
+    """A job the worker failed, answered to a client that waited for its result."""
+
+    status_code = 500
+    error_type = "server_error"
+
+
+class ErrorJSONResponse(JSONResponse):
+    """JSON that survives any echoed input: NaN/Infinity become strings, lone surrogates are
+    escaped (ensure_ascii), so rendering an error can never become a second error."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(_finite(content), ensure_ascii=True, allow_nan=False,
+                          separators=(",", ":")).encode()
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)  # e.g. the exception pydantic puts in an error's ctx
+
+
+def is_openai_route(request: Request) -> bool:
+    route = request.scope.get("route")
+    return OPENAI_TAG in (getattr(route, "tags", None) or [])
+
+
+def openai_error_body(message: str, error_type: str, param: str | None, code: str | None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+
+
+def error_response(request: Request, error: ApiError) -> JSONResponse:
+    if is_openai_route(request):
+        status = 400 if isinstance(error, InvalidRequestError) else error.status_code
+        body = openai_error_body(error.message, error.error_type, error.param, error.code)
+        return ErrorJSONResponse(body, status_code=status, headers=error.headers)
+    if isinstance(error, InvalidRequestError):
+        # Same shape as FastAPI's own 422s, so clients parse one format for every invalid field.
+        loc = ["body", *error.param.split(".")] if error.param else ["body"]
+        detail: Any = [{"loc": loc, "msg": error.message, "type": error.code or "value_error"}]
+    else:
+        detail = error.message
+    return ErrorJSONResponse({"detail": detail}, status_code=error.status_code,
+                             headers=error.headers)
+
+
+def describe_validation_error(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """One readable sentence (naming the field and the limit) and the field, from pydantic's list."""
+    first = errors[0] if errors else {}
+    loc = [part for part in first.get("loc", ()) if part != "body"]
+    # A union adds the member that failed to the location ("tool_choice", "str"): not a field.
+    loc = [part for part in loc if not (isinstance(part, str) and _is_type_name(part))]
+    param = ".".join(str(part) for part in loc) or None
+    kind = first.get("type", "")
+    message = clean_message(first.get("msg", "invalid"))
+    if kind == "json_invalid":
+        reason = first.get("ctx", {}).get("error", "")
+        return f"The request body is not valid JSON ({reason})", None
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", param
+    if kind == "missing":
+        if param is None:
+            return "The request body is missing: send a JSON object", None
+        return f"Missing required parameter: '{param}'", param
+    if param is None:
+        return f"Invalid request body: {message}", None
+    got = first.get("input")
+    shown = ""
+    if kind != "value_error" and isinstance(got, str | int | float | bool):
+        shown = f" (got {json.dumps(got)[:80]})"
+    return f"Invalid value for '{param}': {message}{shown}", param
+
+
+def clean_message(message: str) -> str:
+    # pydantic prefixes the text of a ValueError raised by a validator; the text says it all.
+    return message.removeprefix("Value error, ")
+
+
+def _is_type_name(part: str) -> bool:
+    return part in {"str", "int", "float", "bool", "dict", "list", "none"} or "[" in part
+
+
+def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
+    async def on_api_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ApiError)
+        return error_response(request, exc)
+
+    async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        if is_openai_route(request):
+            message, param = describe_validation_error(exc.errors())
+            body = openai_error_body(message, "invalid_request_error", param, "invalid_value")
+            return ErrorJSONResponse(body, status_code=400)
+        return ErrorJSONResponse({"detail": _jsonable_errors(exc.errors())}, status_code=422)
+
+    async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        headers = dict(exc.headers or {})
+        if is_openai_route(request):
+            body = openai_error_body(str(exc.detail), "invalid_request_error", None, None)
+            return ErrorJSONResponse(body, status_code=exc.status_code, headers=headers)
+        return ErrorJSONResponse({"detail": exc.detail}, status_code=exc.status_code,
+                                 headers=headers)
+
+    async def on_redis_down(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("Redis unreachable: %s", exc)
+        return error_response(request, ServiceUnavailableError(
+            "Redis is unreachable; the job queue is unavailable, try again shortly", retry_after_s))
+
+    async def on_bug(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        error = ApiError("Internal server error (logged on the server)", code="internal_error")
+        return error_response(request, error)
+
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(redis.exceptions.ConnectionError, on_redis_down)
+    app.add_exception_handler(redis.exceptions.TimeoutError, on_redis_down)
+    app.add_exception_handler(Exception, on_bug)
+
+
+def _jsonable_errors(errors: Sequence[Any]) -> list[dict[str, Any]]:
+    out = []
+    for error in errors:
+        item = {k: v for k, v in error.items() if k != "url"}
+        item["msg"] = clean_message(str(item.get("msg", "")))
+        out.append(item)
+    return out

@@ -1,0 +1,62 @@
+"""Request field types shared by the jobs API and the OpenAI routes: one limit, one description.
+
+Numbers are strict (no "0.5" strings, no true-as-1): a client sending the wrong type hears so.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, BeforeValidator, Field
+
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+
+
+def _stop_as_list(value: Any) -> Any:
+    # OpenAI accepts one string or a list of them; everything downstream wants the list.
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    return value
+
+
+def _valid_unicode(value: str) -> str:
+    # JSON may carry a lone surrogate ("\\ud800"); it is not text, and no tokenizer takes it.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError("contains an unpaired surrogate (not valid Unicode text)") from exc
+    return value
+
+
+# Text that reaches the tokenizer, Redis and the worker (length checked on the str itself, so
+# the message says "at least 1 character").
+Text = Annotated[str, Field(strict=True), AfterValidator(_valid_unicode)]
+NonEmptyText = Annotated[str, Field(strict=True, min_length=1), AfterValidator(_valid_unicode)]
+
+Temperature = Annotated[float, Field(
+    strict=True, ge=0.0, le=2.0,
+    description="Sampling temperature, 0 to 2; 0 picks the most likely token every time.")]
+TopP = Annotated[float, Field(
+    strict=True, gt=0.0, le=1.0,
+    description="Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p.")]
+TopK = Annotated[int, Field(
+    strict=True, ge=0, description="Keep only the k most likely tokens; 0 disables the filter.")]
+Seed = Annotated[int | None, Field(
+    strict=True, ge=SEED_MIN, le=SEED_MAX,
+    description="Seed for sampling: the same seed, prompt and parameters give the same tokens.")]
+StopStrings = Annotated[
+    list[NonEmptyText],
+    BeforeValidator(_stop_as_list),
+    Field(max_length=MAX_STOP_STRINGS,
+          description=f"Up to {MAX_STOP_STRINGS} strings; generation stops before any of them "
+                      "(one string or a list)."),
+]
+IgnoreEos = Annotated[bool, Field(
+    strict=True, description="Keep generating past the end-of-sequence token (for benchmarks).")]
+MaxTokens = Annotated[int, Field(
+    strict=True, ge=1,
+    description="Most tokens to generate, 1 up to the model's context length minus the prompt.")]

@@ -1,0 +1,77 @@
+"""What the workers report through Redis: live WorkerStats, counters, histograms, RQ registries.
+
+Read-only, and a handful of commands per call, so /healthz and /metrics stay cheap to scrape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from protocol import JobStatus, Keys, Priority, WorkerStats
+from protocol.messages import HISTOGRAMS
+from protocol.rq_keys import RQKeys
+
+# RQ's registries, which Carpool workers maintain as an RQ worker would, count jobs by status.
+_REGISTRY_BY_STATUS = {
+    JobStatus.RUNNING: RQKeys.started,
+    JobStatus.FINISHED: RQKeys.finished,
+    JobStatus.FAILED: RQKeys.failed,
+    JobStatus.CANCELED: RQKeys.canceled,
+}
+
+
+# Counters every scrape shows, at 0 before any worker has counted one (a dashboard needs the
+# series); the names are the fields workers HINCRBY (worker/stream_publisher.py).
+DEFAULT_COUNTERS = ("generated_tokens_total", "prompt_tokens_total", "jobs_preempted_total")
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSnapshot:
+    queue_depths: dict[Priority, int]
+    jobs_by_status: dict[JobStatus, int]
+    workers: list[WorkerStats]
+    counters: dict[str, float]
+    histograms: dict[str, dict[str, str]]  # name -> the raw hash fields
+
+
+async def live_workers(redis: aioredis.Redis, keys: Keys) -> list[WorkerStats]:
+    """Workers whose TTL'd stats hash still exists, i.e. that reported recently."""
+    names = [name async for name in redis.scan_iter(match=keys.worker_stats_pattern(), count=200)]
+    if not names:
+        return []
+    async with redis.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.hgetall(name)
+        replies = await pipe.execute()
+    # A hash can expire between SCAN and HGETALL: an empty reply is a worker that just left.
+    workers = [WorkerStats.from_fields(fields) for fields in replies if fields]
+    return sorted(workers, key=lambda worker: worker.name)
+
+
+async def snapshot(redis: aioredis.Redis, keys: Keys) -> FleetSnapshot:
+    queue_names = {priority: keys.queue_name(priority) for priority in Priority.ordered()}
+    async with redis.pipeline(transaction=False) as pipe:
+        for name in queue_names.values():
+            pipe.llen(RQKeys.queue(name))
+        for registry in _REGISTRY_BY_STATUS.values():
+            for name in queue_names.values():
+                pipe.zcard(registry(name))
+        pipe.hgetall(keys.counters())
+        for histogram in HISTOGRAMS:
+            pipe.hgetall(keys.histogram(histogram))
+        replies = await pipe.execute()
+    num_queues = len(queue_names)
+    depths = dict(zip(queue_names, replies[:num_queues]))
+    jobs = {JobStatus.QUEUED: sum(depths.values())}
+    for i, status in enumerate(_REGISTRY_BY_STATUS):
+        start = num_queues * (i + 1)
+        jobs[status] = sum(replies[start:start + num_queues])
+    rest = replies[num_queues * (len(_REGISTRY_BY_STATUS) + 1):]
+    counters = {name: 0.0 for name in DEFAULT_COUNTERS}
+    counters.update({name: float(value) for name, value in rest[0].items()})
+    histograms = dict(zip(HISTOGRAMS, rest[1:]))
+    return FleetSnapshot(queue_depths=depths, jobs_by_status=jobs,
+                         workers=await live_workers(redis, keys), counters=counters,
+                         histograms=histograms)

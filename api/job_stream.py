@@ -1,0 +1,102 @@
+"""Following one job's token stream in Redis: replay from any entry id, then wait for more.
+
+Many readers may follow one stream; none of them consumes it (plain XREAD, no consumer group), so
+a reconnecting client or a late subscriber sees the same entries as the first one did.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from protocol import FinishReason, JobState, JobStatus, Keys, StreamEntry
+
+STREAM_START = "0-0"
+_ENTRY_ID = re.compile(r"^\d+-\d+$")
+
+
+def is_entry_id(value: str) -> bool:
+    return bool(_ENTRY_ID.match(value))
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEvent:
+    entry_id: str
+    entry: StreamEntry
+
+    @property
+    def is_done(self) -> bool:
+        return self.entry.kind == StreamEntry.DONE
+
+
+def _next_id(entry_id: str) -> str:
+    ms, seq = entry_id.split("-")
+    return f"{ms}-{int(seq) + 1}"
+
+
+def done_from_state(state: JobState) -> StreamEntry:
+    """The final entry a finished job's stream should have had (for jobs ended without one)."""
+    reason = state.finish_reason or {
+        JobStatus.CANCELED: FinishReason.CANCELED, JobStatus.FAILED: FinishReason.ERROR,
+    }.get(state.status, FinishReason.STOP)
+    return StreamEntry(kind=StreamEntry.DONE, finish_reason=reason,
+                       prompt_tokens=state.prompt_tokens,
+                       completion_tokens=state.completion_tokens, error=state.error)
+
+
+class JobStream:
+    """Reads `Keys.stream(job_id)` after a given entry id until the final entry."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, job_id: str, block_ms: int) -> None:
+        self._redis = redis
+        self._keys = keys
+        self.job_id = job_id
+        self._block_ms = block_ms
+
+    async def last_event(self) -> StreamEvent | None:
+        entries = await self._redis.xrevrange(self._keys.stream(self.job_id), count=1)
+        return _event(*entries[0]) if entries else None
+
+    async def read_all(self) -> list[StreamEvent]:
+        entries = await self._redis.xrange(self._keys.stream(self.job_id))
+        return [_event(entry_id, fields) for entry_id, fields in entries]
+
+    async def follow(self, after_id: str = STREAM_START) -> AsyncIterator[StreamEvent | None]:
+        """Yield each entry after `after_id`, and None whenever a wait of `block_ms` brought nothing.
+
+        The Nones let the caller send keep-alives and notice a gone client. Ends after the final
+        entry, or when the job's state hash is gone (expired). A job whose state says it ended
+        without a final entry in its stream gets one synthesized, so no reader waits forever.
+        """
+        key = self._keys.stream(self.job_id)
+        last_id = after_id
+        while True:
+            reply = await self._redis.xread({key: last_id}, block=self._block_ms, count=256)
+            if reply:
+                for entry_id, fields in reply[0][1]:
+                    event = _event(entry_id, fields)
+                    last_id = event.entry_id
+                    yield event
+                    if event.is_done:
+                        return
+                continue
+            state_fields = await self._redis.hgetall(self._keys.state(self.job_id))
+            if not state_fields:
+                return
+            state = JobState.from_fields(state_fields)
+            if state.status.is_final:
+                # Whatever was written with the final status is visible now; read once more.
+                tail = await self._redis.xread({key: last_id}, count=256)
+                if tail:
+                    continue
+                yield StreamEvent(_next_id(last_id), done_from_state(state))
+                return
+            yield None
+
+
+def _event(entry_id: object, fields: dict[object, object]) -> StreamEvent:
+    raw_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    return StreamEvent(raw_id, StreamEntry.from_fields(fields))

@@ -1,0 +1,173 @@
+"""The jobs API: submit a job, read its status, follow its tokens (SSE, resumable), cancel it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import redis.exceptions
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
+from fastapi.responses import JSONResponse
+
+from api.auth import caller_owner
+from api.context import AppContext, get_context
+from api.errors import InvalidRequestError
+from api.job_schemas import ErrorDetail, JobAccepted, JobCanceled, JobCreate, JobTimings, JobView, Usage
+from api.job_service import GenerationRequest
+from api.job_stream import STREAM_START, JobStream, StreamEvent, is_entry_id
+from api.sse import EventStreamResponse, sse_comment, sse_event
+from protocol import JobState, JobStatus, StreamEntry
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(caller_owner)])
+
+Owner = Annotated[str, Depends(caller_owner)]
+Context = Annotated[AppContext, Depends(get_context)]
+JobId = Annotated[str, Path(min_length=1, max_length=128, description="The job's id.")]
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorDetail, "description": "Missing or wrong API key."},
+    404: {"model": ErrorDetail, "description": "No such job, or another key's job."},
+    503: {"model": ErrorDetail, "description": "Redis is unreachable (see Retry-After)."},
+}
+
+
+@router.post("", status_code=202, response_model=JobAccepted, summary="Submit a generation job",
+             responses={**_ERRORS, 422: {"description": "Invalid field (the message names it)."},
+                        429: {"model": ErrorDetail, "description": "Queue full (see Retry-After)."}})
+async def create_job(body: JobCreate, request: Request, response: Response, owner: Owner,
+                     ctx: Context) -> JobAccepted:
+    accepted = await ctx.jobs.submit(GenerationRequest(
+        owner=owner, model=body.model, prompt=body.prompt,
+        messages=[m.model_dump() for m in body.messages] if body.messages else None,
+        max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
+        top_k=body.top_k, seed=body.seed, stop=body.stop, ignore_eos=body.ignore_eos,
+        priority=body.priority, input_param="prompt" if body.prompt is not None else "messages",
+    ))
+    spec = accepted.spec
+    status_url = str(request.url_for("get_job", job_id=spec.job_id))
+    response.headers["Location"] = status_url
+    return JobAccepted(job_id=spec.job_id, status=JobStatus.QUEUED, model=spec.model,
+                       priority=spec.priority, prompt_tokens=accepted.prompt_tokens,
+                       max_tokens=spec.max_tokens, status_url=status_url,
+                       stream_url=str(request.url_for("stream_job", job_id=spec.job_id)))
+
+
+@router.get("/{job_id}", response_model=JobView, summary="A job's status and text so far",
+            responses=_ERRORS)
+async def get_job(job_id: JobId, request: Request, owner: Owner, ctx: Context) -> JobView:
+    state = await ctx.jobs.state(job_id, owner)
+    stream = ctx.stream(job_id)
+    if state.status.is_final and (state.text or not state.completion_tokens):
+        text, num_tokens = state.text, state.completion_tokens
+    else:
+        tokens = [e.entry for e in await stream.read_all() if e.entry.kind == StreamEntry.TOKEN]
+        text, num_tokens = "".join(t.text for t in tokens), len(tokens)
+    return _job_view(state, text, num_tokens, str(request.url_for("stream_job", job_id=job_id)))
+
+
+@router.get(
+    "/{job_id}/stream", summary="Follow a job's tokens (Server-Sent Events)",
+    response_class=EventStreamResponse, status_code=200,
+    responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}, "description": (
+        "One `token` event per token (`id` = its stream entry id; data: index, token_id, text), "
+        "then one `done` event (data: finish_reason, usage, error). Comment lines keep an idle "
+        "connection alive. Reconnect with `Last-Event-ID` to get exactly the events after it.")},
+        204: {"description": "The Last-Event-ID given is the job's final event: nothing follows."}},
+)
+async def stream_job(
+    job_id: JobId, owner: Owner, ctx: Context,
+    last_event_id: Annotated[str | None, Header(
+        description="Resume after this event id (what EventSource sends on reconnect).")] = None,
+    after: Annotated[str | None, Query(
+        description="Same as Last-Event-ID, for clients that cannot set headers.")] = None,
+) -> Response:
+    await ctx.jobs.state(job_id, owner)  # 404 before any byte of the stream is sent
+    resume_from = last_event_id or after or STREAM_START
+    if not is_entry_id(resume_from):
+        raise InvalidRequestError(
+            f"'Last-Event-ID' must be an event id of this stream such as '0-3' (got {resume_from!r})",
+            param="last_event_id")
+    stream = ctx.stream(job_id)
+    last = await stream.last_event()
+    if last is not None and last.is_done and _id_key(last.entry_id) <= _id_key(resume_from):
+        return Response(status_code=204)  # tells EventSource to stop reconnecting
+    return EventStreamResponse(_job_events(stream, resume_from, ctx.settings.sse_keepalive_s),
+                               headers={"X-Carpool-Job-Id": job_id})
+
+
+@router.delete("/{job_id}", response_model=JobCanceled, summary="Cancel a job",
+               responses={**_ERRORS, 202: {"model": JobCanceled, "description": (
+                   "The job is running: its worker stops it at its next step.")}})
+async def cancel_job(job_id: JobId, owner: Owner, ctx: Context) -> JSONResponse:
+    status = await ctx.jobs.cancel(job_id, owner)
+    pending = not status.is_final
+    body = JobCanceled(job_id=job_id, status=status,
+                       canceled=status is JobStatus.CANCELED or pending)
+    return JSONResponse(body.model_dump(mode="json"), status_code=202 if pending else 200)
+
+
+async def _job_events(stream: JobStream, after: str, keepalive_s: float) -> AsyncIterator[bytes]:
+    last_sent = time.monotonic()
+    try:
+        async for event in stream.follow(after):
+            if event is None:
+                if time.monotonic() - last_sent >= keepalive_s:
+                    last_sent = time.monotonic()
+                    yield sse_comment()
+                continue
+            last_sent = time.monotonic()
+            yield _sse_for(event)
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        # Ending the response makes an EventSource reconnect with Last-Event-ID: nothing is lost.
+        log.warning("Redis lost while streaming job %s: %s", stream.job_id, exc)
+
+
+def _sse_for(event: StreamEvent) -> bytes:
+    entry = event.entry
+    if entry.kind == StreamEntry.TOKEN:
+        data: dict[str, Any] = {"index": entry.index, "token_id": entry.token_id, "text": entry.text}
+    else:
+        data = {
+            "finish_reason": entry.finish_reason.value if entry.finish_reason else None,
+            "usage": {"prompt_tokens": entry.prompt_tokens,
+                      "completion_tokens": entry.completion_tokens,
+                      "total_tokens": entry.prompt_tokens + entry.completion_tokens},
+            "error": entry.error or None,
+        }
+    return sse_event(json.dumps(data, ensure_ascii=False), event=entry.kind,
+                     event_id=event.entry_id)
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, seq = entry_id.split("-")
+    return int(ms), int(seq)
+
+
+def _job_view(state: JobState, text: str, num_tokens: int, stream_url: str) -> JobView:
+    def at(value: float) -> float | None:
+        return value or None
+
+    def since_created(value: float) -> float | None:
+        return round(value - state.created_at, 6) if value and state.created_at else None
+
+    usage = None
+    if state.status.is_final:
+        usage = Usage(prompt_tokens=state.prompt_tokens, completion_tokens=state.completion_tokens,
+                      total_tokens=state.prompt_tokens + state.completion_tokens)
+    return JobView(
+        job_id=state.job_id, status=state.status, model=state.model, text=text,
+        num_tokens=num_tokens, finish_reason=state.finish_reason, error=state.error or None,
+        usage=usage, num_preemptions=state.num_preemptions, worker=state.worker or None,
+        timings=JobTimings(
+            created_at=at(state.created_at), started_at=at(state.started_at),
+            first_token_at=at(state.first_token_at), finished_at=at(state.finished_at),
+            queued_s=since_created(state.started_at),
+            time_to_first_token_s=since_created(state.first_token_at),
+            e2e_s=since_created(state.finished_at)),
+        stream_url=stream_url,
+    )

@@ -1,0 +1,45 @@
+"""The API process's one settings object (environment prefix CARPOOL_), built once at start."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class ApiSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CARPOOL_", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="Interface uvicorn binds to.")
+    port: int = Field(8000, ge=1, le=65535)
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding queues and streams.")
+    keys_prefix: str = Field("carpool", description="Prefix of every Carpool key (protocol.Keys).")
+    # NoDecode: the variable is a comma-separated list ("key1,key2"), not JSON.
+    api_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Accepted bearer keys; empty means the API runs open (CARPOOL_API_KEYS=k1,k2).",
+    )
+    public_docs: bool = Field(
+        True, description="Serve /docs and /openapi.json without a key (they hold no job data)."
+    )
+    max_queue_depth: int = Field(
+        1000, ge=1, description="Jobs waiting over all priority queues before submissions get 429."
+    )
+    retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 429 and 503 answers.")
+    stream_block_ms: int = Field(
+        1000, ge=10, le=60_000,
+        description="XREAD BLOCK timeout: how often a waiting stream re-checks the job and client.",
+    )
+    sse_keepalive_s: float = Field(15.0, gt=0, description="Idle time before an SSE comment keep-alive.")
+    redis_timeout_s: float = Field(
+        5.0, gt=0, description="Connect/command timeout to Redis, so Redis down answers 503 quickly."
+    )
+    log_level: str = Field("info")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [key.strip() for key in value.split(",") if key.strip()]
+        return value

@@ -1,0 +1,74 @@
+"""The single dispatch point: Triton for CUDA tensors, the torch twin otherwise.
+
+The Triton modules are imported on first CUDA call only, so `import kernels` works where triton
+is missing or cannot initialise (CPU CI). If it fails on a CUDA machine the twin (which also runs
+on CUDA) takes over after one warning, so a broken triton install degrades speed, not service.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import warnings
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from kernels.torch_kv_cache_write import write_kv_cache_torch
+from kernels.torch_paged_attention import paged_attention_torch
+
+
+@functools.cache
+def _triton_module(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(f"kernels.{name}")
+    except (ImportError, RuntimeError, OSError) as exc:  # triton raises RuntimeError when it finds no driver
+        warnings.warn(f"Triton kernels unavailable ({exc!r}); CUDA tensors use the torch twin", stacklevel=3)
+        return None
+
+
+def _triton_function(module: str, function: str) -> Callable[..., Any] | None:
+    loaded = _triton_module(module)
+    return None if loaded is None else getattr(loaded, function)
+
+
+def write_kv_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], written in place
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, block_id * block_size + offset; negative: skip
+) -> None:
+    """Write token t's K/V into slot slot_mapping[t], i.e. key_cache[slot // block_size, slot % block_size]."""
+    if key.is_cuda and (triton_write := _triton_function("triton_kv_cache_write", "write_kv_cache_triton")):
+        triton_write(key, value, key_cache, value_cache, slot_mapping)
+        return
+    write_kv_cache_torch(key, value, key_cache, value_cache, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim], sequences packed one after another
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_num_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including this step's tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative query offsets
+    scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of every packed query row over its sequence's paged K/V cache.
+
+    Sequence s owns query rows query_start_loc[s]:query_start_loc[s + 1] (q_len of them); its j-th
+    row sits at position seq_lens[s] - q_len + j and attends to cached positions 0..that position,
+    read through block_tables[s] (whose entries past the sequence's last block are ignored). Query
+    head h reads kv head h // (num_heads // num_kv_heads). Rows outside every sequence come back as
+    zeros. The max_* hints are optional host-side ints; results never depend on them.
+    Returns [num_tokens, num_heads, head_dim] in query's dtype.
+    """
+    args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
+    if query.is_cuda and (triton_attention := _triton_function("triton_paged_attention", "paged_attention_triton")):
+        return triton_attention(*args, max_query_len=max_query_len, max_seq_len=max_seq_len)
+    return paged_attention_torch(*args, max_query_len=max_query_len, max_seq_len=max_seq_len)

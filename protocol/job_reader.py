@@ -1,0 +1,90 @@
+"""Reading a job back: its JobState, its token stream and its result (used by api and worker).
+
+Sync redis-py. The parsing helpers (`parse_entries`, `entry_index`) take what XRANGE/XREAD
+return, so an asyncio client can reuse them on its own replies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from redis import Redis
+
+from protocol.keys import Keys
+from protocol.messages import JobResult, JobState, StreamEntry
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRead:
+    """Entries read from a job's stream, with the id to resume after (`last_id`)."""
+
+    entries: list[StreamEntry]
+    last_id: str
+
+    @property
+    def is_done(self) -> bool:
+        return bool(self.entries) and self.entries[-1].kind == StreamEntry.DONE
+
+    @property
+    def tokens(self) -> list[StreamEntry]:
+        return [entry for entry in self.entries if entry.kind == StreamEntry.TOKEN]
+
+    @property
+    def done(self) -> StreamEntry | None:
+        return self.entries[-1] if self.is_done else None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def parse_entries(raw: Sequence[tuple[Any, dict[Any, Any]]], last_id: str = "0-0") -> StreamRead:
+    """Turn XRANGE's reply (or one stream's part of XREAD's) into StreamEntry objects."""
+    entries = [StreamEntry.from_fields(fields) for _, fields in raw]
+    return StreamRead(entries, _text(raw[-1][0]) if raw else last_id)
+
+
+def entry_index(entry_id: str | bytes) -> int:
+    """The position an entry id stands for: `0-(i+1)` is token i (the final entry follows)."""
+    return int(_text(entry_id).split("-", 1)[1]) - 1
+
+
+class JobReader:
+    """Read-only view of jobs in Redis, by job id."""
+
+    def __init__(self, redis: Redis, keys: Keys = Keys()) -> None:
+        self.redis = redis
+        self.keys = keys
+
+    def state(self, job_id: str) -> JobState | None:
+        """The JobState hash, or None for an unknown (or expired) job."""
+        fields = self.redis.hgetall(self.keys.state(job_id))
+        return JobState.from_fields(fields) if fields else None
+
+    def result(self, job_id: str) -> JobResult | None:
+        """The final result once the job has ended (finished, failed or canceled), else None."""
+        state = self.state(job_id)
+        if state is None or not state.status.is_final:
+            return None
+        return state.result()
+
+    def read(self, job_id: str, after: str = "0-0", count: int | None = None,
+             block_ms: int | None = None) -> StreamRead:
+        """Entries after entry id `after` ("0-0": from the start). With `block_ms`, waits up to
+        that long for new entries (XREAD BLOCK) when none are there yet."""
+        key = self.keys.stream(job_id)
+        if block_ms is None:
+            start = "-" if after == "0-0" else f"({after}"
+            return parse_entries(self.redis.xrange(key, start, "+", count=count), after)
+        reply = self.redis.xread({key: after}, count=count, block=block_ms)
+        raw = reply[0][1] if reply else []
+        return parse_entries(raw, after)
+
+    def tokens(self, job_id: str) -> list[StreamEntry]:
+        """Every token entry published so far, in index order."""
+        return self.read(job_id).tokens
+
+    def token_ids(self, job_id: str) -> list[int]:
+        return [entry.token_id for entry in self.tokens(job_id)]

@@ -1,0 +1,389 @@
+"""Throughput of the Carpool engine against Hugging Face baselines on one fixed chat workload.
+
+    python scripts/bench_engine.py                       # everything, SmolLM2, CPU, fp32
+    python scripts/bench_engine.py --num-requests 32 --baselines a,c --json out.json
+
+Workload: chat requests with short user prompts and long-tailed output lengths (a seeded
+lognormal clipped to [8, 256]), greedy, EOS ignored so that every system produces exactly the
+same number of tokens. "Useful" tokens are the ones a request asked for: padding and the tokens
+a static batch generates past a member's length do not count.
+
+Systems, measured one after another in this process:
+  carpool-continuous / carpool-static / carpool-sequential  the engine in each BatchingMode
+  hf-sequential (a)  model.generate, one request at a time
+  hf-static-8   (b)  model.generate on batches of 8, left padded
+  hf-cb         (c)  transformers' continuous batching (model.generate_batch)
+One-request-at-a-time systems run on an evenly spread subset (--sequential-subset) and are
+reported per token. Then: Carpool against a bare forward pass at its own tokens per step (the
+ceiling), and where the engine's time goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from worker import paged_attention_backend
+from worker.engine import Engine
+from worker.engine_config import BatchingMode, EngineConfig
+from worker.model_loader import load_model
+from worker.model_runner import resolve_device, resolve_dtype
+from worker.sampling_params import SamplingParams
+
+TOPICS = [
+    "the moon", "photosynthesis", "the French revolution", "black holes", "bread baking",
+    "the water cycle", "prime numbers", "volcanoes", "honey bees", "the internet", "jazz music",
+    "the Roman empire", "electric cars", "recycling", "the human heart", "chess openings",
+    "rainbows", "coffee", "the Pacific ocean", "machine learning", "penguins", "the printing press",
+    "solar panels", "tea ceremonies", "earthquakes", "the alphabet", "bicycles", "glaciers",
+]
+FORMS = [
+    "Tell me about {}.", "Explain {} to a child.", "Write a short poem about {}.",
+    "What are three facts about {}?", "Why is {} important?", "Summarise the history of {}.",
+    "Give me a fun question about {}.", "Describe {} in two sentences.",
+]
+
+
+@dataclass(slots=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    def subset(self, indices: list[int]) -> Workload:
+        return Workload([self.prompts[i] for i in indices], [self.output_lens[i] for i in indices])
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+@dataclass(slots=True)
+class Result:
+    system: str
+    num_requests: int
+    num_tokens: int
+    seconds: float
+    note: str = ""
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_tokens / self.seconds
+
+
+def build_workload(tokenizer: Any, num_requests: int, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    prompts, lens = [], []
+    for _ in range(num_requests):
+        text = rng.choice(FORMS).format(rng.choice(TOPICS))
+        chat = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        prompts.append(tokenizer.encode(chat, add_special_tokens=False))
+        lens.append(int(min(256, max(8, round(rng.lognormvariate(math.log(24), 1.1))))))
+    return Workload(prompts, lens)
+
+
+def spread(n: int, k: int) -> list[int]:
+    """k indices spread evenly over range(n), so a subset keeps the length distribution."""
+    k = min(k, n)
+    return sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)})
+
+
+# -- systems ---------------------------------------------------------------------------------
+
+
+def run_carpool(engine: Engine, work: Workload) -> float:
+    for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
+        engine.add_request(f"b{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    started = time.perf_counter()
+    produced = 0
+    while engine.has_unfinished():
+        for output in engine.step().outputs:
+            produced += len(output.tokens)
+    elapsed = time.perf_counter() - started
+    assert produced == work.num_tokens, (produced, work.num_tokens)
+    return elapsed
+
+
+def run_hf_sequential(model: Any, work: Workload) -> float:
+    started = time.perf_counter()
+    for prompt, n in zip(work.prompts, work.output_lens):
+        ids = torch.tensor([prompt], device=model.device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=2)
+        assert out.shape[1] - ids.shape[1] == n
+    return time.perf_counter() - started
+
+
+def run_hf_static(model: Any, work: Workload, batch_size: int = 8) -> float:
+    started = time.perf_counter()
+    for first in range(0, len(work.prompts), batch_size):
+        prompts = work.prompts[first : first + batch_size]
+        n = max(work.output_lens[first : first + batch_size])  # the batch runs to its longest member
+        width = max(map(len, prompts))
+        ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+        model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=2)
+    return time.perf_counter() - started
+
+
+def run_hf_cb(model: Any, work: Workload, max_batch_tokens: int, max_requests: int) -> float:
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    config = GenerationConfig(max_new_tokens=max(work.output_lens), do_sample=False, eos_token_id=None, pad_token_id=2)
+    # Sized like Carpool's run. Left to itself on a CPU it sizes the cache from all system RAM and
+    # its step budget at 8192 tokens, and builds an attention mask over both every step: many
+    # times slower than this.
+    page_size = 256
+    pages = sum(-(-(len(p) + n) // page_size) for p, n in zip(work.prompts, work.output_lens))
+    cb_config = ContinuousBatchingConfig(
+        page_size=page_size, num_blocks=pages + 8, max_batch_tokens=max_batch_tokens,
+        max_requests_per_batch=max_requests,
+    )
+    manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb_config)
+    manager.start()
+    try:
+        started = time.perf_counter()
+        for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
+            manager.add_request(prompt, request_id=f"cb{i}", max_new_tokens=n, eos_token_id=-1)
+        produced, done = 0, 0
+        while done < len(work.prompts):
+            result = manager.get_result(timeout=5)
+            if result is not None and result.is_finished():
+                produced += len(result.generated_tokens)
+                done += 1
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread died")
+        elapsed = time.perf_counter() - started
+    finally:
+        manager.stop(block=True)
+    assert produced == work.num_tokens, (produced, work.num_tokens)
+    return elapsed
+
+
+# -- ceiling and profile -------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class StepShape:
+    num_steps: int
+    tokens_per_step: float
+    sampled_per_step: float
+
+
+def bare_forward_tokens_per_s(model: Any, shape: StepShape, repeats: int = 5) -> float:
+    """Sampled tokens/s of a bare forward (no cache, no paging) of one step's token count."""
+    num_tokens, num_sampled = max(1, round(shape.tokens_per_step)), max(1, round(shape.sampled_per_step))
+    ids = torch.randint(3, 40000, (1, num_tokens), device=model.device)
+    keep = torch.arange(num_tokens - num_sampled, num_tokens, device=model.device)
+    with torch.inference_mode():
+        model(input_ids=ids, use_cache=False, logits_to_keep=keep)
+        started = time.perf_counter()
+        for _ in range(repeats):
+            model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits.argmax(-1).tolist()
+        elapsed = (time.perf_counter() - started) / repeats
+    return num_sampled / elapsed
+
+
+class SectionTimer:
+    """Wall time per named section; sections nest, and each parent's own time excludes children."""
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self.sync = sync
+        self.total: dict[str, float] = defaultdict(float)
+        self.stack: list[list[Any]] = []
+
+    @contextlib.contextmanager
+    def section(self, name: str) -> Iterator[None]:
+        self.sync()
+        frame = [name, time.perf_counter(), 0.0]
+        self.stack.append(frame)
+        try:
+            yield
+        finally:
+            self.sync()
+            elapsed = time.perf_counter() - frame[1]
+            self.stack.pop()
+            self.total[name] += elapsed - frame[2]
+            if self.stack:
+                self.stack[-1][2] += elapsed
+
+    def wrap(self, owner: Any, attribute: str, name: str) -> None:
+        original = getattr(owner, attribute)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with self.section(name):
+                return original(*args, **kwargs)
+
+        setattr(owner, attribute, timed)
+
+
+def profile_carpool(engine: Engine, work: Workload) -> tuple[dict[str, float], StepShape]:
+    sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
+    timer = SectionTimer(sync)
+    originals = {
+        name: getattr(paged_attention_backend, name) for name in ("write_kv_cache", "paged_attention")
+    }
+    timer.wrap(engine.scheduler, "schedule", "scheduler")
+    timer.wrap(engine.scheduler, "update", "scheduler")
+    timer.wrap(engine.runner, "prepare_inputs", "input metadata")
+    timer.wrap(engine.runner, "forward", "model forward (excl. attention)")
+    timer.wrap(engine.runner, "sample", "sampler (incl. host sync)")
+    timer.wrap(paged_attention_backend, "write_kv_cache", "attention: kv write")
+    timer.wrap(paged_attention_backend, "paged_attention", "attention: paged")
+    step = engine.step
+    steps = tokens = sampled = 0
+
+    def counted_step() -> Any:
+        nonlocal steps, tokens, sampled
+        with timer.section("detokenizer, outputs, other python"):
+            out = step()
+        steps += 1
+        tokens += out.stats.num_scheduled_tokens
+        sampled += sum(len(o.tokens) for o in out.outputs)
+        return out
+
+    engine.step = counted_step  # type: ignore[method-assign]
+    try:
+        run_carpool(engine, work)
+    finally:
+        for name, function in originals.items():
+            setattr(paged_attention_backend, name, function)
+        for attribute in ("schedule", "update"):
+            vars(engine.scheduler).pop(attribute, None)
+        for attribute in ("prepare_inputs", "forward", "sample"):
+            vars(engine.runner).pop(attribute, None)
+        vars(engine).pop("step", None)
+    return dict(timer.total), StepShape(steps, tokens / max(steps, 1), sampled / max(steps, 1))
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--sequential-subset", type=int, default=16,
+                        help="requests for the one-at-a-time systems (a, carpool-sequential)")
+    parser.add_argument("--baselines", default="a,b,c", help="any of a,b,c (or 'none')")
+    parser.add_argument("--modes", default="continuous,static,sequential")
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    args = parser.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(EngineConfig(dtype=args.dtype).dtype, device)
+    print(f"# model={args.model} device={device} dtype={dtype} threads={torch.get_num_threads()}", flush=True)
+    engine_model = load_model(args.model, dtype=dtype, device=str(device))
+    work = build_workload(engine_model.tokenizer, args.num_requests)
+    sequential_work = work.subset(spread(len(work.prompts), args.sequential_subset))
+    print(f"# {len(work.prompts)} requests, {work.num_tokens} output tokens "
+          f"(min {min(work.output_lens)}, median {sorted(work.output_lens)[len(work.output_lens) // 2]}, "
+          f"max {max(work.output_lens)}); one-at-a-time systems on {len(sequential_work.prompts)} of them",
+          flush=True)
+
+    results: list[Result] = []
+    shape: StepShape | None = None
+    profile: dict[str, float] = {}
+    max_len = max(len(p) for p in work.prompts) + max(work.output_lens) + 1
+    for mode in [m for m in args.modes.split(",") if m]:
+        config = EngineConfig(
+            model=args.model, dtype=args.dtype, device=args.device, mode=BatchingMode(mode),
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_len,
+        )
+        engine = Engine(config, loaded=engine_model)
+        run_carpool(engine, work.subset([0, 1]))  # warm up
+        mode_work = sequential_work if mode == "sequential" else work
+        seconds = run_carpool(engine, mode_work)
+        note = "subset" if mode == "sequential" else ""
+        results.append(Result(f"carpool-{mode}", len(mode_work.prompts), mode_work.num_tokens, seconds, note))
+        print(f"  carpool-{mode}: {results[-1].tokens_per_s:.1f} tok/s", flush=True)
+        if mode == "continuous":
+            profile, shape = profile_carpool(engine, work)
+        del engine
+
+    baselines = set() if args.baselines == "none" else set(args.baselines.split(","))
+    hf_model = None
+    if baselines:
+        # A separate instance: the engine's copy runs the paged attention implementation.
+        hf_model = load_model(args.model, dtype=dtype, device=str(device)).model
+    if "a" in baselines:
+        run_hf_sequential(hf_model, work.subset([0]))
+        seconds = run_hf_sequential(hf_model, sequential_work)
+        results.append(Result("hf-sequential (a)", len(sequential_work.prompts), sequential_work.num_tokens, seconds, "subset"))
+        print(f"  hf-sequential: {results[-1].tokens_per_s:.1f} tok/s", flush=True)
+    if "b" in baselines:
+        run_hf_static(hf_model, work.subset([0, 1]))
+        seconds = run_hf_static(hf_model, work)
+        results.append(Result("hf-static-8 (b)", len(work.prompts), work.num_tokens, seconds))
+        print(f"  hf-static-8: {results[-1].tokens_per_s:.1f} tok/s", flush=True)
+    if "c" in baselines:
+        cb_model = load_model(args.model, dtype=dtype, device=str(device)).model
+        run_hf_cb(cb_model, work.subset([0, 1]), args.max_num_batched_tokens, args.max_num_seqs)
+        seconds = run_hf_cb(cb_model, work, args.max_num_batched_tokens, args.max_num_seqs)
+        results.append(Result("hf-cb (c)", len(work.prompts), work.num_tokens, seconds))
+        print(f"  hf-cb: {results[-1].tokens_per_s:.1f} tok/s", flush=True)
+        del cb_model
+
+    ceiling = None
+    if shape is not None:
+        model = hf_model if hf_model is not None else load_model(args.model, dtype=dtype, device=str(device)).model
+        ceiling = bare_forward_tokens_per_s(model, shape)
+    print_report(results, ceiling, shape, profile)
+    if args.json:
+        payload = {
+            "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],
+            "ceiling_tokens_per_s": ceiling,
+            "step_shape": asdict(shape) if shape else None,
+            "profile_s": profile,
+            "args": {k: str(v) for k, v in vars(args).items()},
+        }
+        args.json.write_text(json.dumps(payload, indent=2))
+    return 0
+
+
+def print_report(results: list[Result], ceiling: float | None, shape: StepShape | None, profile: dict[str, float]) -> None:
+    by_name = {r.system: r for r in results}
+    refs = [(label, by_name.get(name)) for label, name in
+            (("vs a", "hf-sequential (a)"), ("vs b", "hf-static-8 (b)"), ("vs c", "hf-cb (c)"))]
+    refs = [(label, r) for label, r in refs if r is not None]
+    header = f"{'system':<22}{'requests':>9}{'tokens':>8}{'seconds':>9}{'tok/s':>9}" + "".join(f"{label:>8}" for label, _ in refs)
+    print("\n" + header)
+    print("-" * len(header))
+    for r in results:
+        ratios = "".join(f"{r.tokens_per_s / ref.tokens_per_s:>7.2f}x" for _, ref in refs)
+        note = f"  ({r.note})" if r.note else ""
+        print(f"{r.system:<22}{r.num_requests:>9}{r.num_tokens:>8}{r.seconds:>9.1f}{r.tokens_per_s:>9.1f}{ratios}{note}")
+    continuous = by_name.get("carpool-continuous")
+    if ceiling and shape and continuous:
+        print(f"\nceiling: a bare forward of {shape.tokens_per_step:.0f} tokens/step sampling {shape.sampled_per_step:.0f} "
+              f"gives {ceiling:.1f} tok/s; carpool-continuous reaches {continuous.tokens_per_s / ceiling:.0%} of it")
+    if profile:
+        total = sum(profile.values())
+        print(f"\nwhere carpool-continuous spends its time ({total:.1f} s profiled run):")
+        for name, seconds in sorted(profile.items(), key=lambda item: -item[1]):
+            print(f"  {name:<38}{seconds:>7.2f} s {seconds / total:>6.1%}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,284 @@
+"""Benchmark paged attention and KV-cache writes at SmolLM2-135M engine shapes.
+
+    python scripts/bench_kernels.py                  # CPU: the torch twin against naive baselines
+    python scripts/bench_kernels.py --device cuda    # GPU: adds the Triton kernels and flex attention
+
+Shapes (num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, shuffled block tables):
+  decode-64: 64 sequences, one new token each, contexts uniform in 50..600
+  mixed-256: one 256-token prefill chunk after a 256-token cached prefix, plus 63 decodes as above
+Implementations:
+  twin         kernels.paged_attention_torch (the CPU product path)
+  triton       kernels.paged_attention on CUDA tensors (cuda only)
+  naive-loop   per sequence: gather K/V through the block table, then one SDPA call
+  sdpa-dense   SDPA on K/V already un-paged and padded (one call for the decodes, one per prefill
+               chunk): what attention costs with no paging at all
+  flex         flex_attention (compiled) on the packed, un-paged K/V with a document mask (cuda only)
+Prints one table, ms per call (median). On a shared CPU box use --threads 1 --clock cpu: with two
+OpenMP threads, a descheduled thread stalls every op and wall times swing by 3-5x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels import paged_attention, paged_attention_torch, write_kv_cache, write_kv_cache_torch  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(slots=True)
+class Batch:
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor  # [num_seqs, max_num_blocks_per_seq] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    keys: list[torch.Tensor]  # per sequence, un-paged: [seq_len, num_kv_heads, head_dim]
+    values: list[torch.Tensor]
+    query_lens: list[int]
+    ctx_lens: list[int]
+
+    @property
+    def scale(self) -> float:
+        return HEAD_DIM ** -0.5
+
+
+def build_batch(query_lens: list[int], ctx_lens: list[int], dtype: torch.dtype, device: str, seed: int = 0) -> Batch:
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks_per_seq = [-(-c // BLOCK_SIZE) for c in ctx_lens]
+    num_blocks = sum(num_blocks_per_seq) + 8
+    perm = torch.randperm(num_blocks, generator=gen)
+    key_cache = torch.zeros(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    block_tables = torch.zeros(len(ctx_lens), max(num_blocks_per_seq), dtype=torch.int32)
+    keys, values, used = [], [], 0
+    for s, ctx in enumerate(ctx_lens):
+        blocks = perm[used:used + num_blocks_per_seq[s]]
+        used += num_blocks_per_seq[s]
+        block_tables[s, :len(blocks)] = blocks.int()
+        k = torch.randn(ctx, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        v = torch.randn(ctx, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        slots = blocks.repeat_interleave(BLOCK_SIZE)[:ctx] * BLOCK_SIZE + torch.arange(ctx) % BLOCK_SIZE
+        key_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] = k
+        value_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots] = v
+        keys.append(k.to(device))
+        values.append(v.to(device))
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    query = torch.randn(starts[-1], NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    return Batch(
+        query.to(device), key_cache.to(device), value_cache.to(device), block_tables.to(device),
+        torch.tensor(ctx_lens, dtype=torch.int32, device=device),
+        torch.tensor(starts, dtype=torch.int32, device=device), keys, values, query_lens, ctx_lens,
+    )
+
+
+def shapes(seed: int = 0) -> dict[str, tuple[list[int], list[int]]]:
+    gen = torch.Generator().manual_seed(seed)
+    decode_ctx = torch.randint(50, 601, (64,), generator=gen).tolist()
+    return {
+        "decode-64": ([1] * 64, decode_ctx),
+        "mixed-256": ([256] + [1] * 63, [512] + decode_ctx[:63]),
+    }
+
+
+def _causal_mask(q_len: int, ctx: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(ctx, device=device)[None, :] <= torch.arange(ctx - q_len, ctx, device=device)[:, None]
+
+
+def naive_loop(b: Batch) -> torch.Tensor:
+    out = torch.empty_like(b.query)
+    group = NUM_HEADS // NUM_KV_HEADS
+    start = 0
+    for s, (q_len, ctx) in enumerate(zip(b.query_lens, b.ctx_lens)):
+        blocks = b.block_tables[s, :-(-ctx // BLOCK_SIZE)].long()
+        slots = (blocks[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE, device=blocks.device)).flatten()[:ctx]
+        k = b.key_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots].transpose(0, 1)
+        v = b.value_cache.view(-1, NUM_KV_HEADS, HEAD_DIM)[slots].transpose(0, 1)
+        q = b.query[start:start + q_len].transpose(0, 1)
+        mask = _causal_mask(q_len, ctx, q.device)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=b.scale, enable_gqa=group > 1)
+        out[start:start + q_len] = o.transpose(0, 1)
+        start += q_len
+    return out
+
+
+def _dense_call(b: Batch, seqs: list[int]) -> Callable[[], torch.Tensor]:
+    """One padded SDPA call over `seqs` with K/V already un-paged and contiguous."""
+    device = b.query.device
+    starts = [sum(b.query_lens[:s]) for s in seqs]
+    q_lens, ctxs = [b.query_lens[s] for s in seqs], [b.ctx_lens[s] for s in seqs]
+    count, group, q_max, c_max = len(seqs), NUM_HEADS // NUM_KV_HEADS, max(q_lens), max(ctxs)
+    k = torch.zeros(count, NUM_KV_HEADS, c_max, HEAD_DIM, dtype=b.query.dtype, device=device)
+    v = torch.zeros_like(k)
+    q = torch.zeros(count, NUM_KV_HEADS, group * q_max, HEAD_DIM, dtype=b.query.dtype, device=device)
+    mask = torch.zeros(count, 1, group * q_max, c_max, dtype=torch.bool, device=device)
+    for i, (s, start, q_len, ctx) in enumerate(zip(seqs, starts, q_lens, ctxs)):
+        k[i, :, :ctx] = b.keys[s].transpose(0, 1)
+        v[i, :, :ctx] = b.values[s].transpose(0, 1)
+        rows = b.query[start:start + q_len].view(q_len, NUM_KV_HEADS, group, HEAD_DIM).permute(1, 2, 0, 3)
+        q.view(count, NUM_KV_HEADS, group, q_max, HEAD_DIM)[i, :, :, :q_len] = rows
+        m = mask.view(count, group, q_max, c_max)[i]
+        m[:, :q_len, :ctx] = _causal_mask(q_len, ctx, device)
+        m[:, q_len:, 0] = True  # padded rows attend somewhere, so they stay finite
+    return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=b.scale)
+
+
+def make_sdpa_dense(b: Batch) -> Callable[[], list[torch.Tensor]]:
+    """The floor without paging: one padded call for all decode rows, one call per prefill chunk."""
+    decode = [s for s, q in enumerate(b.query_lens) if q == 1]
+    calls = ([_dense_call(b, decode)] if decode else []) + [
+        _dense_call(b, [s]) for s, q in enumerate(b.query_lens) if q > 1]
+    return lambda: [call() for call in calls]
+
+
+def make_flex(b: Batch) -> Callable[[], torch.Tensor]:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    device = b.query.device
+    total_q, total_k = sum(b.query_lens), sum(b.ctx_lens)
+    q_doc = torch.repeat_interleave(torch.arange(len(b.ctx_lens), device=device),
+                                    torch.tensor(b.query_lens, device=device))
+    k_doc = torch.repeat_interleave(torch.arange(len(b.ctx_lens), device=device),
+                                    torch.tensor(b.ctx_lens, device=device))
+    q_pos = torch.cat([torch.arange(c - q, c, device=device) for q, c in zip(b.query_lens, b.ctx_lens)])
+    k_pos = torch.cat([torch.arange(c, device=device) for c in b.ctx_lens])
+
+    def mask_mod(batch, head, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return (q_doc[q_idx] == k_doc[kv_idx]) & (k_pos[kv_idx] <= q_pos[q_idx])
+
+    block_mask = create_block_mask(mask_mod, 1, 1, total_q, total_k, device=device)
+    q = b.query[:total_q].transpose(0, 1).unsqueeze(0).contiguous()
+    k = torch.cat(b.keys).transpose(0, 1).unsqueeze(0).contiguous()
+    v = torch.cat(b.values).transpose(0, 1).unsqueeze(0).contiguous()
+    compiled = torch.compile(flex_attention)
+    return lambda: compiled(q, k, v, block_mask=block_mask, scale=b.scale, enable_gqa=True)
+
+
+def time_ms(fn: Callable[[], object], device: str, reps: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median ms per call. On CUDA, calls are timed in back-to-back runs (launch overhead included)."""
+    for _ in range(3):
+        fn()
+    if device != "cuda":
+        samples = []
+        for _ in range(reps):
+            t0 = clock()
+            fn()
+            samples.append((clock() - t0) * 1e3)
+        return statistics.median(samples)
+    runs = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        runs.append((time.perf_counter() - t0) * 1e3 / reps)
+    return statistics.median(runs)
+
+
+def candidates(b: Batch, device: str, with_flex: bool) -> dict[str, Callable[[], object]]:
+    """name -> a no-argument call; flex is built lazily because building it compiles."""
+    args = (b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.query_start_loc, b.scale)
+    hints = {"max_query_len": max(b.query_lens), "max_seq_len": max(b.ctx_lens)}
+    impls: dict[str, Callable[[], object]] = {"twin": lambda: paged_attention_torch(*args, **hints)}
+    if device == "cuda":
+        impls["triton"] = lambda: paged_attention(*args, **hints)
+    impls["naive-loop"] = lambda: naive_loop(b)
+    impls["sdpa-dense"] = make_sdpa_dense(b)
+    if with_flex:
+        impls["flex"] = LazyFlex(b)
+    return impls
+
+
+class LazyFlex:
+    """flex_attention, built (and compiled) on first call so a failure lands in measure()."""
+
+    def __init__(self, batch: Batch) -> None:
+        self.batch = batch
+        self.call: Callable[[], torch.Tensor] | None = None
+
+    def __call__(self) -> torch.Tensor:
+        if self.call is None:
+            self.call = make_flex(self.batch)
+        return self.call()
+
+
+def write_candidates(b: Batch, device: str) -> dict[str, Callable[[], object]]:
+    num_tokens = b.query.shape[0]
+    slots = torch.randperm(b.key_cache.shape[0] * BLOCK_SIZE, device=device)[:num_tokens]
+    key = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, device=device).to(b.key_cache.dtype)
+    value = torch.randn_like(key)
+    args = (key, value, b.key_cache, b.value_cache, slots)
+    impls: dict[str, Callable[[], object]] = {"twin": lambda: write_kv_cache_torch(*args)}
+    if device == "cuda":
+        impls["triton"] = lambda: write_kv_cache(*args)
+    return impls
+
+
+def measure(fn: Callable[[], object], device: str, reps: int, clock: Callable[[], float]) -> str:
+    try:
+        return f"{time_ms(fn, device, reps, clock):.3f}"
+    except Exception as exc:  # one failing implementation (flex needs a compiler) must not sink the table
+        print(f"  failed: {exc!r}"[:300], file=sys.stderr)
+        return "error"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32,bf16,fp16")
+    parser.add_argument("--reps", type=int, default=0, help="timed calls per row (default: 20 cpu, 50 cuda)")
+    parser.add_argument("--flex-dtypes", default="bf16", help="dtypes to run flex attention for (it compiles each)")
+    parser.add_argument("--no-flex", action="store_true", help="skip flex attention")
+    parser.add_argument("--check", action="store_true", help="also print max |impl - twin| per row")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: this process's CPU time, steadier on a shared machine (use with --threads 1)")
+    args = parser.parse_args()
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: torch.cuda.is_available() is False")
+    reps = args.reps or (50 if args.device == "cuda" else 20)
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    print(f"torch {torch.__version__}, {where}, median of {reps} calls, {args.clock} clock")
+    # Rows print as they finish, so a run cut short by a timeout still leaves its table so far.
+    print(f"{'op':<10} {'shape':<10} {'dtype':<5} {'impl':<11} {'ms/call':>9} {'max err':>8}", flush=True)
+
+    def row(op: str, name: str, dtype_name: str, impl: str, ms: str, err: str = "") -> None:
+        print(f"{op:<10} {name:<10} {dtype_name:<5} {impl:<11} {ms:>9} {err:>8}", flush=True)
+
+    for name, (query_lens, ctx_lens) in shapes().items():
+        for dtype_name in args.dtypes.split(","):
+            b = build_batch(query_lens, ctx_lens, DTYPES[dtype_name], args.device)
+            with_flex = args.device == "cuda" and not args.no_flex and dtype_name in args.flex_dtypes.split(",")
+            reference = paged_attention_torch(b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens,
+                                              b.query_start_loc, b.scale) if args.check else None
+            for impl, fn in candidates(b, args.device, with_flex).items():
+                ms = measure(fn, args.device, reps, clock)
+                err = ""
+                if reference is not None and impl in ("triton", "naive-loop") and ms != "error":
+                    err = f"{(fn().float() - reference.float()).abs().max().item():.1e}"  # type: ignore[union-attr]
+                row("attention", name, dtype_name, impl, ms, err)
+            for impl, fn in write_candidates(b, args.device).items():
+                row("write_kv", name, dtype_name, impl, measure(fn, args.device, reps, clock))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""/healthz, Redis down (503 + Retry-After), and the catch-all that keeps bugs to a clean 500."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from api.app import create_app
+from api.context import AppContext
+from api.settings import ApiSettings
+from api_support import Harness
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_healthz_counts_live_workers(harness: Harness, client: httpx.AsyncClient) -> None:
+    assert (await client.get("/healthz")).json() == {
+        "status": "no_workers", "redis": True, "workers": 0, "models": []}
+    harness.add_worker("w1")
+    harness.add_worker("w2")
+    response = await client.get("/healthz")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok", "redis": True, "workers": 2, "models": ["tiny"]}
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def redis_down_app() -> httpx.AsyncClient:
+    url = f"redis://127.0.0.1:{_closed_port()}/0"
+    settings = ApiSettings(redis_url=url, redis_timeout_s=0.5, retry_after_s=3)
+    app = create_app(settings, AppContext.build(settings))
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    return httpx.AsyncClient(transport=transport, base_url="http://carpool.test")
+
+
+async def test_redis_down_answers_503_with_retry_after(redis_down_app: httpx.AsyncClient) -> None:
+    async with redis_down_app as client:
+        health = await client.get("/healthz")
+        assert health.status_code == 503
+        assert health.headers["retry-after"] == "3"
+        assert health.json()["status"] == "redis_unreachable"
+        submit = await client.post("/v1/jobs", json={"prompt": "hello"})
+        assert submit.status_code == 503
+        assert submit.headers["retry-after"] == "3"
+        assert "Redis is unreachable" in submit.json()["detail"]
+        chat = await client.post("/v1/chat/completions",
+                                 json={"messages": [{"role": "user", "content": "hi"}]})
+        assert chat.status_code == 503
+        assert chat.json()["error"]["type"] == "server_error"
+        assert (await client.get("/v1/jobs/abc")).status_code == 503
+        assert (await client.get("/metrics")).status_code == 503
+
+
+async def test_a_bug_answers_a_clean_500(harness: Harness, client: httpx.AsyncClient,
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    harness.sync.hset(harness.keys.models(), "broken", "{not json")  # a corrupt ModelCard
+    response = await client.post("/v1/jobs", json={"prompt": "hello"})
+    assert response.status_code == 500
+    assert response.json() == {"detail": "Internal server error (logged on the server)"}
+    chat = await client.post("/v1/chat/completions",
+                             json={"messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 500
+    assert chat.json() == {"error": {"message": "Internal server error (logged on the server)",
+                                     "type": "server_error", "param": None,
+                                     "code": "internal_error"}}
+    assert any("unhandled error on POST /v1/jobs" in r.message for r in caplog.records)
+
+
+async def test_unknown_route_and_method(client: httpx.AsyncClient) -> None:
+    assert (await client.get("/v2/nothing")).status_code == 404
+    assert (await client.put("/v1/jobs")).status_code == 405
+
+
+def test_redis_clients_time_out_past_the_stream_block() -> None:
+    settings = ApiSettings(stream_block_ms=2000, redis_timeout_s=1.0)
+    ctx = AppContext.build(settings)
+    assert isinstance(ctx.aio, aioredis.Redis) and isinstance(ctx.sync, redis.Redis)
+    assert ctx.aio.connection_pool.connection_kwargs["socket_timeout"] == 3.0

@@ -1,0 +1,143 @@
+"""GET /v1/jobs/{id}/stream: SSE replay, Last-Event-ID resume, live following, keep-alives."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from api_support import Harness, parse_sse
+from protocol import FinishReason
+
+pytestmark = pytest.mark.anyio
+
+
+async def _job(client: httpx.AsyncClient) -> str:
+    response = await client.post("/v1/jobs", json={"prompt": "hello world"})
+    assert response.status_code == 202
+    return response.json()["job_id"]
+
+
+def _events(response: httpx.Response) -> list[dict[str, str]]:
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
+    return [event for event in parse_sse(response.text) if "comment" not in event]
+
+
+async def test_finished_job_replays_every_event(harness: Harness,
+                                                client: httpx.AsyncClient) -> None:
+    job_id = await _job(client)
+    harness.finish_job(job_id, ["Hel", "lo", "!"], FinishReason.STOP, prompt_tokens=2)
+    response = await client.get(f"/v1/jobs/{job_id}/stream")
+    assert response.headers["x-carpool-job-id"] == job_id
+    assert response.headers["cache-control"] == "no-cache"
+    events = _events(response)
+    assert [(e["id"], e["event"]) for e in events] == [
+        ("0-1", "token"), ("0-2", "token"), ("0-3", "token"), ("0-4", "done")]
+    assert [json.loads(e["data"]) for e in events[:3]] == [
+        {"index": 0, "token_id": 100, "text": "Hel"},
+        {"index": 1, "token_id": 101, "text": "lo"},
+        {"index": 2, "token_id": 102, "text": "!"},
+    ]
+    assert json.loads(events[3]["data"]) == {
+        "finish_reason": "stop", "error": None,
+        "usage": {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}}
+
+
+@pytest.mark.parametrize("resume", ["header", "query"])
+async def test_resume_after_last_event_id_gets_exactly_the_rest(
+        harness: Harness, client: httpx.AsyncClient, resume: str) -> None:
+    job_id = await _job(client)
+    harness.finish_job(job_id, ["a", "b", "c", "d"])
+    if resume == "header":
+        response = await client.get(f"/v1/jobs/{job_id}/stream", headers={"Last-Event-ID": "0-2"})
+    else:
+        response = await client.get(f"/v1/jobs/{job_id}/stream", params={"after": "0-2"})
+    events = _events(response)
+    assert [e["id"] for e in events] == ["0-3", "0-4", "0-5"]
+    assert [json.loads(e["data"]).get("text") for e in events] == ["c", "d", None]
+
+
+async def test_resume_after_the_final_event_answers_204(harness: Harness,
+                                                        client: httpx.AsyncClient) -> None:
+    job_id = await _job(client)
+    harness.finish_job(job_id, ["a"])
+    response = await client.get(f"/v1/jobs/{job_id}/stream", headers={"Last-Event-ID": "0-2"})
+    assert response.status_code == 204
+
+
+async def test_malformed_last_event_id_is_422(harness: Harness, client: httpx.AsyncClient) -> None:
+    job_id = await _job(client)
+    response = await client.get(f"/v1/jobs/{job_id}/stream", headers={"Last-Event-ID": "three"})
+    assert response.status_code == 422
+    detail = response.json()["detail"][0]
+    assert detail["loc"] == ["body", "last_event_id"]
+    assert "'three'" in detail["msg"]
+
+
+async def test_live_job_streams_tokens_as_they_come_then_ends(
+        harness: Harness, client: httpx.AsyncClient) -> None:
+    job_id = await _job(client)
+
+    async def worker() -> None:
+        for index, text in enumerate(["one", " two", " three"]):
+            await asyncio.sleep(0.03)
+            harness.publish_tokens(job_id, [text], start=index)
+        await asyncio.sleep(0.15)  # longer than the keep-alive interval (0.05 s)
+        harness.publish_done(job_id, 3, FinishReason.LENGTH)
+
+    task = asyncio.create_task(worker())
+    response = await client.get(f"/v1/jobs/{job_id}/stream")
+    await task
+    raw = parse_sse(response.text)
+    assert {"comment": "keep-alive"} in raw
+    events = _events(response)
+    assert [json.loads(e["data"]).get("text") for e in events] == ["one", " two", " three", None]
+    assert json.loads(events[-1]["data"])["finish_reason"] == "length"
+
+
+async def test_many_clients_watch_one_job(harness: Harness, client: httpx.AsyncClient) -> None:
+    job_id = await _job(client)
+
+    async def worker() -> None:
+        await asyncio.sleep(0.05)
+        harness.finish_job(job_id, ["x", "y"])
+
+    task = asyncio.create_task(worker())
+    responses = await asyncio.gather(*(client.get(f"/v1/jobs/{job_id}/stream") for _ in range(3)))
+    await task
+    seen = [[(e["id"], e["data"]) for e in _events(r)] for r in responses]
+    assert seen[0] == seen[1] == seen[2]
+    assert len(seen[0]) == 3
+
+
+async def test_canceled_queued_job_stream_ends_with_canceled(harness: Harness,
+                                                             client: httpx.AsyncClient) -> None:
+    job_id = await _job(client)
+
+    async def cancel_soon() -> None:
+        await asyncio.sleep(0.05)
+        await client.delete(f"/v1/jobs/{job_id}")
+
+    task = asyncio.create_task(cancel_soon())
+    events = _events(await client.get(f"/v1/jobs/{job_id}/stream"))
+    await task
+    assert [e["event"] for e in events] == ["done"]
+    assert json.loads(events[0]["data"])["finish_reason"] == "canceled"
+
+
+async def test_job_ended_without_a_final_entry_still_ends_the_stream(
+        harness: Harness, client: httpx.AsyncClient) -> None:
+    # E.g. a job failed by recovery code that only wrote its state: readers must not hang.
+    job_id = await _job(client)
+    harness.publish_tokens(job_id, ["a"])
+    harness.sync.hset(harness.keys.state(job_id), mapping={
+        "status": "failed", "finish_reason": "error", "error": "worker lost", "prompt_tokens": 2,
+        "completion_tokens": 1})
+    events = _events(await client.get(f"/v1/jobs/{job_id}/stream"))
+    assert [(e["id"], e["event"]) for e in events] == [("0-1", "token"), ("0-2", "done")]
+    assert json.loads(events[1]["data"]) == {
+        "finish_reason": "error", "error": "worker lost",
+        "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3}}

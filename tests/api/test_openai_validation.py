@@ -1,0 +1,122 @@
+"""The OpenAI routes answer invalid input with 400 in OpenAI's error shape, naming the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from api_support import CONTEXT
+
+pytestmark = pytest.mark.anyio
+
+CHAT = [{"role": "user", "content": "hello"}]
+
+
+def _error(response: httpx.Response) -> dict[str, Any]:
+    assert response.status_code == 400, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    return error
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"prompt": ""}, "prompt", "the prompt is empty"),
+    ({"prompt": 5}, "prompt", "valid string"),
+    ({}, "prompt", "Missing required parameter: 'prompt'"),
+    ({"prompt": ["a", "b"]}, "prompt", "a list of 2 prompts is not supported"),
+    ({"prompt": [1, 2, 3]}, "prompt", "token ids are not supported"),
+    ({"prompt": ["one"], "max_tokens": 0}, "max_tokens", "greater than or equal to 1 (got 0)"),
+    ({"prompt": "x", "max_tokens": CONTEXT + 1}, "max_tokens", f"must be at most {CONTEXT}"),
+    ({"prompt": "hello " * CONTEXT}, "prompt", f"is {CONTEXT} tokens long"),
+    ({"prompt": "x", "temperature": 2.1}, "temperature", "less than or equal to 2 (got 2.1)"),
+    ({"prompt": "x", "top_p": 0.0}, "top_p", "greater than 0"),
+    ({"prompt": "x", "top_k": -1}, "top_k", "greater than or equal to 0"),
+    ({"prompt": "x", "stop": ["1", "2", "3", "4", "5"]}, "stop", "at most 4 items"),
+    ({"prompt": "x", "model": "gpt-4"}, "model", "The model 'gpt-4' does not exist"),
+    ({"prompt": "x", "n": 3}, "n", "only n = 1 is accepted"),
+    ({"prompt": "x", "best_of": 2}, "best_of", "only best_of = 1"),
+    ({"prompt": "x", "logprobs": 1}, "logprobs", "log probabilities are not available"),
+    ({"prompt": "x", "echo": True}, "echo", "only echo = false"),
+    ({"prompt": "x", "suffix": "end"}, "suffix", "a suffix (text insertion) is not accepted"),
+    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty", "only 0 is accepted"),
+    ({"prompt": "x", "logit_bias": {"50256": -100}}, "logit_bias", "only an empty logit_bias"),
+    ({"prompt": "x", "stream": "yes"}, "stream", "valid boolean"),
+    ({"prompt": "x", "frobnicate": 1}, "frobnicate", "Unrecognized request argument supplied"),
+])
+async def test_completions_rejects(client: httpx.AsyncClient, body: dict[str, Any], param: str,
+                                   words: str) -> None:
+    error = _error(await client.post("/v1/completions", json=body))
+    assert error["param"] == param
+    assert words in error["message"]
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"messages": []}, "messages", "at least 1 item"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "'assistant'"),
+    ({"messages": [{"role": "user"}]}, "messages.0.content", "Missing required parameter"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages.0.content", "only text content parts are supported (got 'image_url')"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages.0.content", "a text content part needs a string 'text'"),
+    ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens", "greater than"),
+    ({"messages": CHAT, "max_completion_tokens": CONTEXT}, "max_completion_tokens",
+     "can be at most 26"),
+    ({"messages": [{"role": "user", "content": "hello " * 30}]}, "messages", "tokens long"),
+    ({"messages": CHAT, "n": 2}, "n", "only n = 1"),
+    ({"messages": CHAT, "logprobs": True}, "logprobs", "log probabilities"),
+    ({"messages": CHAT, "top_logprobs": 3}, "top_logprobs", "log probabilities"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
+     "tool calling is not available"),
+    ({"messages": CHAT, "tool_choice": "auto"}, "tool_choice", "tool calling"),
+    ({"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format",
+     "only type 'text'"),
+    ({"messages": CHAT, "frequency_penalty": -1}, "frequency_penalty", "only 0"),
+    ({"messages": CHAT, "stop": 7}, "stop", "valid list"),
+    ({"messages": CHAT, "seed": "1"}, "seed", "valid integer"),
+    ({"messages": CHAT, "functions": []}, "functions", "Unrecognized request argument"),
+])
+async def test_chat_rejects(client: httpx.AsyncClient, body: dict[str, Any], param: str,
+                            words: str) -> None:
+    error = _error(await client.post("/v1/chat/completions", json=body))
+    assert error["param"] == param
+    assert words in error["message"]
+
+
+async def test_malformed_json_is_400(client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/chat/completions", content=b"{'messages': }",
+                                 headers={"Content-Type": "application/json"})
+    error = _error(response)
+    assert error["param"] is None
+    assert error["message"].startswith("The request body is not valid JSON")
+
+
+@pytest.mark.parametrize(("raw", "param", "words"), [
+    (b'{"prompt": "x", "temperature": NaN}', "temperature", "(got NaN)"),
+    (b'{"prompt": "\\ud800"}', "prompt", "unicode string"),
+    (b"", None, "The request body is missing"),
+])
+async def test_inputs_json_allows_but_text_models_cannot_take(
+        client: httpx.AsyncClient, raw: bytes, param: str | None, words: str) -> None:
+    response = await client.post("/v1/completions", content=raw,
+                                 headers={"Content-Type": "application/json"})
+    error = _error(response)
+    assert error["param"] == param
+    assert words in error["message"]
+
+
+async def test_unknown_model_echo_is_escaped_json(client: httpx.AsyncClient) -> None:
+    response = await client.post(
+        "/v1/chat/completions", headers={"Content-Type": "application/json"},
+        content=b'{"model": "\\ud800", "messages": [{"role": "user", "content": "x"}]}')
+    assert _error(response)["param"] == "model"
+    assert b"\\ud800" in response.content
+
+
+async def test_body_that_is_not_an_object_is_400(client: httpx.AsyncClient) -> None:
+    error = _error(await client.post("/v1/completions", json=[1, 2]))
+    assert error["message"].startswith("Invalid request body:")

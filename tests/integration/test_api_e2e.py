@@ -1,0 +1,252 @@
+"""End to end: the API (`python -m api`, uvicorn) in front of a real worker on the tiny model and a
+real Redis, driven by the official `openai` client and plain HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.integration.conftest import REPO, Fleet, wait_until
+
+pytestmark = pytest.mark.slow
+
+KEY_A = "e2e-key-a"
+KEY_B = "e2e-key-b"
+WORKER_ARGS = ["--max-num-seqs", "4", "--num-threads", "1", "--idle-block-seconds", "0.2"]
+CHAT = [{"role": "user", "content": "What is 2+2?"}]
+
+
+@dataclass(slots=True)
+class ApiServer:
+    url: str
+    model: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def client(self, key: str = KEY_A) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {key}"},
+                            timeout=60)
+
+    def openai(self, key: str = KEY_A) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=120)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def api(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
+    fleet.start(("e2e-worker", WORKER_ARGS))
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("api-log") / "api.log"
+    env = {**os.environ, "CARPOOL_API_KEYS": f"{KEY_A},{KEY_B}", "CARPOOL_STREAM_BLOCK_MS": "200",
+           "CARPOOL_SSE_KEEPALIVE_S": "1", "PYTHONUNBUFFERED": "1"}
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "api", "--host", "127.0.0.1", "--port", str(port),
+             "--redis-url", fleet.redis_url], cwd=REPO, env=env, stdout=log,
+            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{url}/healthz", timeout=1).json().get("workers", 0) >= 1
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    server = ApiServer(url=url, model=fleet.model_dir.name, process=process, log_path=log_path)
+    try:
+        wait_until(ready, 120, "the API to see a worker", lambda: server.log() + fleet.logs())
+        yield server
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _sse(lines: Iterator[str]) -> Iterator[dict[str, str]]:
+    event: dict[str, str] = {}
+    for line in lines:
+        if not line:
+            if event:
+                yield event
+            event = {}
+        elif not line.startswith(":"):
+            name, _, value = line.partition(":")
+            event[name] = value[1:] if value.startswith(" ") else value
+
+
+def test_openai_completions_plain_and_streamed_agree(api: ApiServer) -> None:
+    client = api.openai()
+    plain = client.completions.create(model=api.model, prompt="The quick brown fox",
+                                      max_tokens=12, temperature=0.0,
+                                      extra_body={"ignore_eos": True})
+    assert plain.object == "text_completion"
+    assert plain.choices[0].finish_reason == "length"
+    assert plain.usage is not None and plain.usage.completion_tokens == 12
+    assert plain.usage.prompt_tokens > 0
+    stream = client.completions.create(model=api.model, prompt="The quick brown fox",
+                                       max_tokens=12, temperature=0.0, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == plain.choices[0].text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_openai_chat_plain_and_streamed_agree(api: ApiServer) -> None:
+    client = api.openai()
+    plain = client.chat.completions.create(model=api.model, messages=CHAT, max_tokens=10,  # type: ignore[arg-type]
+                                           temperature=0.0)
+    assert plain.object == "chat.completion"
+    assert plain.choices[0].message.role == "assistant"
+    assert plain.choices[0].finish_reason in ("stop", "length")
+    assert plain.usage is not None and plain.usage.prompt_tokens > 5
+    stream = client.chat.completions.create(model=api.model, messages=CHAT, max_tokens=10,  # type: ignore[arg-type]
+                                            temperature=0.0, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+
+
+def test_openai_client_gets_a_400_for_an_impossible_request(api: ApiServer) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.openai().chat.completions.create(model=api.model, messages=CHAT, max_tokens=5000)  # type: ignore[arg-type]
+    assert caught.value.param == "max_tokens"
+
+
+def test_sse_resume_with_last_event_id(api: ApiServer) -> None:
+    with api.client() as client:
+        job = client.post("/v1/jobs", json={"prompt": "Once upon a time", "max_tokens": 30,
+                                            "temperature": 0.0, "ignore_eos": True}).json()
+        first: list[dict[str, str]] = []
+        with client.stream("GET", f"/v1/jobs/{job['job_id']}/stream") as response:
+            for event in _sse(response.iter_lines()):
+                first.append(event)
+                if len(first) == 5:
+                    break  # the client goes away mid-stream
+        with client.stream("GET", f"/v1/jobs/{job['job_id']}/stream",
+                           headers={"Last-Event-ID": first[-1]["id"]}) as response:
+            rest = list(_sse(response.iter_lines()))
+        status = client.get(f"/v1/jobs/{job['job_id']}").json()
+    events = first + rest
+    assert [e["id"] for e in events] == [f"0-{i}" for i in range(1, 32)]
+    assert [e["event"] for e in events] == ["token"] * 30 + ["done"]
+    text = "".join(json.loads(e["data"])["text"] for e in events[:-1])
+    assert status["status"] == "finished" and status["text"] == text
+    assert json.loads(events[-1]["data"])["finish_reason"] == "length"
+    # The whole stream replays after the end, too.
+    with api.client() as client:
+        replay = client.get(f"/v1/jobs/{job['job_id']}/stream").text
+    assert replay.count("event: token") == 30
+
+
+def test_keys_isolate_jobs(api: ApiServer) -> None:
+    with api.client(KEY_A) as a, api.client(KEY_B) as b:
+        job_id = a.post("/v1/jobs", json={"prompt": "Hello", "max_tokens": 2}).json()["job_id"]
+        assert b.get(f"/v1/jobs/{job_id}").status_code == 404
+        assert b.get(f"/v1/jobs/{job_id}/stream").status_code == 404
+        assert b.delete(f"/v1/jobs/{job_id}").status_code == 404
+        assert a.get(f"/v1/jobs/{job_id}").status_code == 200
+    assert httpx.get(f"{api.url}/v1/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        api.openai("not-a-key").models.list()
+
+
+def test_client_leaving_a_streamed_completion_cancels_its_job(api: ApiServer) -> None:
+    body = {"model": api.model, "messages": CHAT, "max_tokens": 900, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}
+    with api.client() as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as response:
+            job_id = response.headers["x-carpool-job-id"]
+            lines = response.iter_lines()
+            chunks = 0
+            for line in lines:
+                chunks += line.startswith("data:")
+                if chunks == 3:
+                    break  # hang up after a few tokens
+        state = wait_until(
+            lambda: (s := client.get(f"/v1/jobs/{job_id}").json())["status"] == "canceled" and s,
+            60, "the abandoned job to be canceled", api.log)
+    assert state["finish_reason"] == "canceled"
+    assert 0 < state["num_tokens"] < 900
+
+
+def test_metrics_show_the_work(api: ApiServer) -> None:
+    with api.client() as client:
+        text = client.get("/metrics").text
+        health = httpx.get(f"{api.url}/healthz").json()
+    assert health["status"] == "ok" and health["workers"] == 1
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert float(samples["carpool_generated_tokens_total"]) > 0
+    assert float(samples["carpool_workers"]) == 1
+    assert float(samples['carpool_time_to_first_token_seconds_bucket{le="+Inf"}']) > 0
+    assert samples['carpool_time_to_first_token_seconds_bucket{le="+Inf"}'] == \
+        samples["carpool_time_to_first_token_seconds_count"]
+
+
+def _chromium() -> str:
+    import shutil
+
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    if binary is None:
+        pytest.skip("chromium is not installed (apt-get install chromium); .ci/run installs it")
+    return binary
+
+
+def _headless(binary: str, profile: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    # The flags keep Chromium off the network this machine does not have (see env notes).
+    return subprocess.run(
+        [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={profile}", *args],
+        capture_output=True, text=True, timeout=120)
+
+
+def test_playground_streams_a_job_in_a_real_browser(api: ApiServer, tmp_path: Path) -> None:
+    import html
+    import re
+    import urllib.parse
+
+    chromium = _chromium()
+    query = urllib.parse.urlencode({"prompt": "What is 2+2?", "key": KEY_A, "max_tokens": 12,
+                                    "autorun": "1"})
+    page = f"{api.url}/?{query}"
+    dom = _headless(chromium, tmp_path / "profile-dom", "--virtual-time-budget=60000",
+                    "--dump-dom", page).stdout
+    status = re.search(r'id="status"[^>]*data-job-id="([0-9a-f]+)"[^>]*data-finished="(\w+)"', dom)
+    assert status, dom[-3000:]
+    job_id, finish_reason = status.groups()
+    job = api.client().get(f"/v1/jobs/{job_id}").json()
+    assert finish_reason == job["finish_reason"] == "length"
+    assert job["usage"]["completion_tokens"] == 12
+    # The page shows exactly the job's text, token by token as the stream delivered it.
+    output = re.search(r'<div id="output">(.*?)</div>', dom, re.S)
+    assert output and html.unescape(output.group(1)) == job["text"]
+    assert re.search(r'<td class="num" id="workers">1</td>', dom)
+
+    shot = tmp_path / "playground.png"
+    _headless(chromium, tmp_path / "profile-shot", "--window-size=1200,800",
+              "--virtual-time-budget=60000", f"--screenshot={shot}", page)
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert (width, height) == (1200, 800)
+    assert len(data) > 20_000  # a rendered page, not a blank canvas (a blank one is ~5 kB)

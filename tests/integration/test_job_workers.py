@@ -1,0 +1,179 @@
+"""Two real workers on one set of queues: sharing, bad jobs, fencing a paused worker, SIGKILL."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+from rq import Queue, Worker
+from rq.job import Job
+from rq.job import JobStatus as RQJobStatus
+from rq.registry import FailedJobRegistry, FinishedJobRegistry
+from rq.serializers import JSONSerializer
+
+from protocol import FinishReason, JobReader, JobSpec, JobStatus, ModelCard, submit_jobs
+from protocol.keys import RQ_JOB_FUNCTION
+from tests.integration.conftest import (
+    KEYS,
+    Fleet,
+    assert_stream_exact,
+    expected_tokens,
+    make_specs,
+    new_id,
+    wait_final,
+    wait_until,
+)
+
+pytestmark = pytest.mark.slow
+
+PAIR_ARGS = ["--max-num-seqs", "4", "--lease-seconds", "3", "--idle-block-seconds", "0.5",
+             "--num-threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def pair(fleet: Fleet) -> Fleet:
+    fleet.start(("alpha", PAIR_ARGS), ("beta", PAIR_ARGS))
+    return fleet
+
+
+def test_workers_show_in_rq_info_and_publish_their_model(pair: Fleet) -> None:
+    workers = {w.name: w for w in Worker.all(connection=pair.redis)}
+    assert set(workers) == {"alpha", "beta"}
+    assert workers["alpha"].queue_names() == ["carpool-high", "carpool-normal", "carpool-low"]
+    info = subprocess.run([sys.executable, "-m", "rq.cli", "info", "--url", pair.redis_url],
+                          capture_output=True, text=True, timeout=60)
+    assert "alpha" in info.stdout and "beta" in info.stdout, info.stdout + info.stderr
+    card = ModelCard.from_json(pair.redis.hget(KEYS.models(), pair.model_dir.name))
+    assert card.name == pair.model_dir.name and card.max_model_len == 1024
+    assert card.eos_token == "<|im_end|>" and "im_start" in card.chat_template
+    tokenizer = pair.redis.get(KEYS.model_tokenizer(card.name))
+    assert tokenizer == (pair.model_dir / "tokenizer.json").read_bytes()
+
+
+def test_two_workers_share_one_queue_and_run_every_job_once(
+        pair: Fleet, reference_engine: object) -> None:
+    specs = make_specs(pair.model_dir.name, 12, max_tokens=24)
+    expected = expected_tokens(reference_engine, specs)
+    submit_jobs(pair.redis, specs)
+    states = wait_final(pair, [s.job_id for s in specs])
+    assert {s.worker for s in states.values()} == {"alpha", "beta"}
+    for spec in specs:
+        state = states[spec.job_id]
+        assert state.status is JobStatus.FINISHED
+        assert list(state.token_ids) == expected[spec.job_id]
+        assert_stream_exact(pair.redis, spec.job_id, expected[spec.job_id])
+        job = Job.fetch(spec.job_id, pair.redis, serializer=JSONSerializer)
+        assert job.get_status() == RQJobStatus.FINISHED
+        assert job.return_value()["token_ids"] == expected[spec.job_id]
+        assert job.return_value()["usage"]["completion_tokens"] == len(expected[spec.job_id])
+        assert state.first_token_at >= state.started_at > 0 and state.finished_at > 0
+    assert Queue("carpool-normal", connection=pair.redis).count == 0
+    assert FinishedJobRegistry("carpool-normal", connection=pair.redis).count == 12
+    counts = {w.name: w.successful_job_count for w in Worker.all(connection=pair.redis)}
+    assert sum(counts.values()) == 12 and min(counts.values()) > 0
+
+
+def test_bad_jobs_fail_with_a_clear_message_and_the_worker_keeps_serving(
+        pair: Fleet, reference_engine: object) -> None:
+    model = pair.model_dir.name
+    long_prompt = " ".join(["hello"] * 1100)
+    num_long = len(reference_engine.tokenizer.encode(long_prompt))  # type: ignore[attr-defined]
+    bad = {
+        "unknown-model": (JobSpec(job_id=new_id(), model="gpt-9", prompt="hi"),
+                          "unknown model 'gpt-9': worker {w} serves '" + model + "'"),
+        "too-long": (JobSpec(job_id=new_id(), model=model, prompt=long_prompt),
+                     f"prompt ({num_long} tokens) leaves no room to generate within "
+                     "max_model_len=1024; at most 1023 tokens fit"),
+        "bad-temperature": (JobSpec(job_id=new_id(), model=model, prompt="hi", temperature=-1.0),
+                            "temperature must be at least 0.0, got -1.0"),
+        "bad-max-tokens": (JobSpec(job_id=new_id(), model=model, prompt="hi", max_tokens=0),
+                           "max_tokens must be at least 1, got 0"),
+    }
+    good = make_specs(model, 2, max_tokens=8)
+    submit_jobs(pair.redis, [spec for spec, _ in bad.values()])
+    # A payload no API would write: an RQ job whose argument is not a JobSpec.
+    malformed_id = new_id()
+    Queue("carpool-normal", connection=pair.redis, serializer=JSONSerializer).enqueue_call(
+        RQ_JOB_FUNCTION, args=[42], job_id=malformed_id)
+    submit_jobs(pair.redis, good)
+    ids = [spec.job_id for spec, _ in bad.values()] + [malformed_id] + [s.job_id for s in good]
+    states = wait_final(pair, ids)
+    reader = JobReader(pair.redis)
+    for spec, message in bad.values():
+        state = states[spec.job_id]
+        assert state.status is JobStatus.FAILED
+        assert state.error == message.format(w=state.worker)
+        done = reader.read(spec.job_id).done
+        assert (done.finish_reason, done.error) == (FinishReason.ERROR, state.error)
+        job = Job.fetch(spec.job_id, pair.redis, serializer=JSONSerializer)
+        assert job.get_status() == RQJobStatus.FAILED
+        assert job.latest_result().exc_string == state.error
+    assert states[malformed_id].error == "malformed job: job spec must be a JSON object, got int"
+    assert Job.fetch(malformed_id, pair.redis).get_status() == RQJobStatus.FAILED
+    assert FailedJobRegistry("carpool-normal", connection=pair.redis).count == 5
+    expected = expected_tokens(reference_engine, good)
+    for spec in good:
+        assert states[spec.job_id].status is JobStatus.FINISHED
+        assert_stream_exact(pair.redis, spec.job_id, expected[spec.job_id])
+    assert all(w.is_alive for w in pair.workers)
+
+
+def _owner_with_tokens(pair: Fleet, job_id: str, min_tokens: int) -> str | None:
+    state = JobReader(pair.redis).state(job_id)
+    if state and state.status is JobStatus.RUNNING and \
+            pair.redis.xlen(KEYS.stream(job_id)) >= min_tokens:
+        return state.worker
+    return None
+
+
+def test_a_paused_worker_is_fenced_after_its_job_was_taken_over(
+        pair: Fleet, reference_engine: object) -> None:
+    (spec,) = make_specs(pair.model_dir.name, 1, max_tokens=400, ignore_eos=True)
+    expected = expected_tokens(reference_engine, [spec])[spec.job_id]
+    fenced_before = int(pair.redis.hget(KEYS.counters(), "fenced_writes_total") or 0)
+    submit_jobs(pair.redis, [spec])
+    owner_name = wait_until(lambda: _owner_with_tokens(pair, spec.job_id, 5), 60,
+                            "the job to start", pair.logs)
+    owner = next(w for w in pair.workers if w.name == owner_name)
+    other = next(w for w in pair.workers if w.name != owner_name)
+    owner.signal(signal.SIGSTOP)  # a GC pause, a partition: alive but silent past its lease
+    try:
+        wait_until(lambda: JobReader(pair.redis).state(spec.job_id).worker == other.name, 30,
+                   "the other worker to take the job over", pair.logs)
+    finally:
+        owner.signal(signal.SIGCONT)
+    (state,) = wait_final(pair, [spec.job_id]).values()
+    assert (state.status, state.worker, state.num_recoveries) == (
+        JobStatus.FINISHED, other.name, 1)
+    assert_stream_exact(pair.redis, spec.job_id, expected, FinishReason.LENGTH)
+    # The paused worker's first write after waking was refused; it dropped the job.
+    wait_until(lambda: int(pair.redis.hget(KEYS.counters(), "fenced_writes_total") or 0)
+               > fenced_before, 30, "the zombie's refused write", pair.logs)
+    assert owner.is_alive
+
+
+def test_sigkill_mid_stream_loses_no_job(pair: Fleet, reference_engine: object) -> None:
+    specs = make_specs(pair.model_dir.name, 4, max_tokens=300, ignore_eos=True)
+    expected = expected_tokens(reference_engine, specs)
+    submit_jobs(pair.redis, specs)
+    victim_name = wait_until(lambda: next(
+        (name for s in specs if (name := _owner_with_tokens(pair, s.job_id, 10))), None),
+        60, "a job to stream", pair.logs)
+    victim = next(w for w in pair.workers if w.name == victim_name)
+    survivor = next(w for w in pair.workers if w.name != victim_name)
+    victims_jobs = [s.job_id for s in specs
+                    if JobReader(pair.redis).state(s.job_id).worker == victim_name]
+    victim.signal(signal.SIGKILL)
+    victim.wait(10)
+    states = wait_final(pair, [s.job_id for s in specs])
+    for spec in specs:
+        state = states[spec.job_id]
+        assert (state.status, state.worker) == (JobStatus.FINISHED, survivor.name), spec.job_id
+        assert_stream_exact(pair.redis, spec.job_id, expected[spec.job_id], FinishReason.LENGTH)
+        assert Job.fetch(spec.job_id, pair.redis).get_status() == RQJobStatus.FINISHED
+    for job_id in victims_jobs:
+        assert states[job_id].num_recoveries == 1
+    assert FailedJobRegistry("carpool-normal", connection=pair.redis).count == 5  # bad jobs only
+    assert pair.redis.zcard(KEYS.leases()) == 0

@@ -1,0 +1,143 @@
+from __future__ import annotations
+
+import fakeredis
+from rq import Queue
+from rq.job import Job
+from rq.job import JobStatus as RQJobStatus
+from rq.registry import CanceledJobRegistry
+from rq.serializers import JSONSerializer
+
+from protocol import (
+    FinishReason,
+    JobReader,
+    JobStatus,
+    Keys,
+    Priority,
+    StreamEntry,
+    cancel_job,
+    submit_job,
+)
+from protocol.job_submission import DEFAULT_FAILURE_TTL, DEFAULT_RESULT_TTL
+from protocol.keys import RQ_JOB_FUNCTION
+from protocol.rq_keys import RQKeys
+from tests.protocol.conftest import make_spec
+
+KEYS = Keys()
+
+
+def test_submit_enqueues_an_rq_json_job_on_its_priority_queue(
+        fake_redis: fakeredis.FakeRedis) -> None:
+    spec = make_spec("job-1", Priority.HIGH)
+    job = submit_job(fake_redis, spec)
+    assert job.id == "job-1"
+    fetched = Job.fetch("job-1", fake_redis, serializer=JSONSerializer)
+    assert fetched.get_status() == RQJobStatus.QUEUED
+    assert fetched.func_name == RQ_JOB_FUNCTION
+    assert fetched.args == [spec.to_dict()]
+    assert fetched.result_ttl == DEFAULT_RESULT_TTL and fetched.failure_ttl == DEFAULT_FAILURE_TTL
+    assert fetched.origin == "carpool-high"
+    high = Queue("carpool-high", connection=fake_redis, serializer=JSONSerializer)
+    assert high.job_ids == ["job-1"]
+    assert Queue("carpool-normal", connection=fake_redis).count == 0
+    # rq info lists queues from rq:queues
+    assert RQKeys.queue("carpool-high").encode() in fake_redis.smembers(RQKeys.queues_set())
+
+
+def test_submit_writes_the_job_state_and_owner_index(fake_redis: fakeredis.FakeRedis) -> None:
+    spec = make_spec("job-2")
+    submit_job(fake_redis, spec)
+    state = JobReader(fake_redis).state("job-2")
+    assert state is not None
+    assert (state.status, state.owner, state.model, state.created_at) == (
+        JobStatus.QUEUED, "key-1", "tiny", 1000.0)
+    assert fake_redis.zrange(KEYS.jobs_by_owner("key-1"), 0, -1, withscores=True) == [
+        (b"job-2", 1000.0)]
+
+
+def test_submit_never_pickles(fake_redis: fakeredis.FakeRedis) -> None:
+    submit_job(fake_redis, make_spec("job-3"))
+    import zlib
+    data = zlib.decompress(fake_redis.hget(RQKeys.job("job-3"), "data"))
+    assert data.startswith(b'["worker.rq_entry.generate"')
+
+
+def test_cancel_a_queued_job_removes_it_and_ends_its_stream(
+        fake_redis: fakeredis.FakeRedis) -> None:
+    submit_job(fake_redis, make_spec("job-1"))
+    submit_job(fake_redis, make_spec("job-2"))
+    assert cancel_job(fake_redis, "job-1") is JobStatus.CANCELED
+    queue = Queue("carpool-normal", connection=fake_redis, serializer=JSONSerializer)
+    assert queue.job_ids == ["job-2"]
+    reader = JobReader(fake_redis)
+    read = reader.read("job-1")
+    assert read.last_id == "0-1"
+    assert read.entries == [StreamEntry(kind="done", finish_reason=FinishReason.CANCELED)]
+    state = reader.state("job-1")
+    assert state.status is JobStatus.CANCELED and state.finish_reason is FinishReason.CANCELED
+    assert state.finished_at > 0
+    job = Job.fetch("job-1", fake_redis, serializer=JSONSerializer)
+    assert job.get_status() == RQJobStatus.CANCELED
+    assert "job-1" in CanceledJobRegistry("carpool-normal", connection=fake_redis)
+    assert not fake_redis.sismember(KEYS.canceled(), "job-1")
+    assert 0 < fake_redis.ttl(KEYS.stream("job-1")) <= DEFAULT_RESULT_TTL
+    # Final: a second cancel changes nothing.
+    assert cancel_job(fake_redis, "job-1") is JobStatus.CANCELED
+    assert len(reader.read("job-1").entries) == 1
+
+
+def test_cancel_a_preempted_job_keeps_its_tokens_as_the_partial_result(
+        fake_redis: fakeredis.FakeRedis) -> None:
+    submit_job(fake_redis, make_spec("job-1"))
+    for i, (token_id, text) in enumerate([(11, "a"), (12, "b"), (13, "c")]):
+        entry = StreamEntry(kind="token", index=i, token_id=token_id, text=text)
+        fake_redis.xadd(KEYS.stream("job-1"), entry.to_fields(), id=StreamEntry.token_entry_id(i))
+    fake_redis.hset(KEYS.state("job-1"), mapping={"status": "preempted", "prompt_tokens": "5"})
+    assert cancel_job(fake_redis, "job-1") is JobStatus.CANCELED
+    read = JobReader(fake_redis).read("job-1")
+    assert [e.token_id for e in read.tokens] == [11, 12, 13]
+    assert read.last_id == "0-4"
+    assert read.done == StreamEntry(kind="done", finish_reason=FinishReason.CANCELED,
+                                    prompt_tokens=5, completion_tokens=3)
+    state = JobReader(fake_redis).state("job-1")
+    assert (state.text, state.token_ids, state.completion_tokens) == ("abc", (11, 12, 13), 3)
+
+
+def test_cancel_a_running_job_only_flags_it(fake_redis: fakeredis.FakeRedis) -> None:
+    submit_job(fake_redis, make_spec("job-1"))
+    fake_redis.lpop(RQKeys.queue("carpool-normal"))
+    fake_redis.hset(KEYS.state("job-1"), "status", "running")
+    assert cancel_job(fake_redis, "job-1") is JobStatus.RUNNING
+    assert fake_redis.sismember(KEYS.canceled(), "job-1")
+    assert fake_redis.exists(KEYS.stream("job-1")) == 0
+    assert JobReader(fake_redis).state("job-1").status is JobStatus.RUNNING
+
+
+def test_cancel_a_job_being_claimed_flags_it_for_the_claimer(
+        fake_redis: fakeredis.FakeRedis) -> None:
+    submit_job(fake_redis, make_spec("job-1"))
+    fake_redis.lpop(RQKeys.queue("carpool-normal"))  # popped by a worker, not yet claimed
+    assert cancel_job(fake_redis, "job-1") is JobStatus.QUEUED
+    assert fake_redis.sismember(KEYS.canceled(), "job-1")
+
+
+def test_cancel_a_finished_job_changes_nothing(fake_redis: fakeredis.FakeRedis) -> None:
+    submit_job(fake_redis, make_spec("job-1"))
+    fake_redis.hset(KEYS.state("job-1"), "status", "finished")
+    assert cancel_job(fake_redis, "job-1") is JobStatus.FINISHED
+    assert not fake_redis.sismember(KEYS.canceled(), "job-1")
+
+
+def test_cancel_an_unknown_job_returns_none(fake_redis: fakeredis.FakeRedis) -> None:
+    assert cancel_job(fake_redis, "nope") is None
+    assert fake_redis.scard(KEYS.canceled()) == 0
+
+
+def test_submit_jobs_queues_many_in_one_transaction(fake_redis: fakeredis.FakeRedis) -> None:
+    from protocol import submit_jobs
+
+    specs = [make_spec(f"job-{i}", Priority.LOW if i % 2 else Priority.NORMAL) for i in range(4)]
+    jobs = submit_jobs(fake_redis, specs)
+    assert [job.id for job in jobs] == ["job-0", "job-1", "job-2", "job-3"]
+    assert Queue("carpool-normal", connection=fake_redis).job_ids == ["job-0", "job-2"]
+    assert Queue("carpool-low", connection=fake_redis).job_ids == ["job-1", "job-3"]
+    assert all(JobReader(fake_redis).state(s.job_id).status is JobStatus.QUEUED for s in specs)

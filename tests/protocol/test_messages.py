@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from protocol import FinishReason, JobResult, JobSpec, JobState, JobStatus, Priority, StreamEntry
+from tests.protocol.conftest import make_spec
+
+
+def test_job_spec_round_trips_through_dict_and_json() -> None:
+    spec = make_spec(stop=["\n"], seed=7, priority=Priority.HIGH,
+                     messages=None, prompt="Hi")
+    assert JobSpec.from_dict(spec.to_dict()) == spec
+    assert JobSpec.from_json(spec.to_json()) == spec
+    assert spec.to_dict()["priority"] == "high"
+    json.dumps(spec.to_dict())  # plain JSON, nothing else
+
+
+@pytest.mark.parametrize("data, message", [
+    ([], "must be a JSON object"),
+    ({"job_id": "j", "model": "m", "prompt": "x", "bogus": 1}, "unknown fields: bogus"),
+    ({"job_id": "", "model": "m", "prompt": "x"}, "non-empty string 'job_id'"),
+    ({"job_id": "j", "prompt": "x"}, "non-empty string 'model'"),
+    ({"job_id": "j", "model": "m"}, "exactly one of 'prompt' and 'messages'"),
+    ({"job_id": "j", "model": "m", "prompt": "x", "messages": []}, "exactly one of"),
+    ({"job_id": "j", "model": "m", "prompt": "x", "priority": "urgent"}, "unknown priority"),
+])
+def test_job_spec_rejects_malformed_payloads_with_value_error(data: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        JobSpec.from_dict(data)  # type: ignore[arg-type]
+
+
+def test_job_spec_from_json_rejects_bad_json() -> None:
+    with pytest.raises(ValueError, match="not valid JSON"):
+        JobSpec.from_json("{nope")
+
+
+def test_job_state_round_trips_with_token_ids() -> None:
+    state = JobState(job_id="j", status=JobStatus.FINISHED, finish_reason=FinishReason.STOP,
+                     text="hé", token_ids=(5, 6, 7), prompt_tokens=3, completion_tokens=3,
+                     created_at=1.5, num_preemptions=2, num_recoveries=1, execution="j:e1")
+    fields = state.to_fields()
+    assert fields["token_ids"] == "[5,6,7]"
+    assert fields["finish_reason"] == "stop"
+    encoded = {k.encode(): v.encode() for k, v in fields.items()}
+    assert JobState.from_fields(encoded) == state
+
+
+def test_job_state_result_carries_the_outcome() -> None:
+    state = JobState(job_id="j", status=JobStatus.FINISHED, finish_reason=FinishReason.LENGTH,
+                     text="ab", token_ids=(1, 2), prompt_tokens=4, completion_tokens=2)
+    result = state.result()
+    assert result.token_ids == [1, 2]
+    data = result.to_dict()
+    assert data["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    assert data["status"] == "finished" and data["finish_reason"] == "length"
+    assert JobResult.from_dict(json.loads(json.dumps(data))) == result
+
+
+def test_stream_entry_ids_make_redis_order_tokens() -> None:
+    assert StreamEntry.token_entry_id(0) == "0-1"
+    assert StreamEntry.done_entry_id(3) == "0-4"
+    token = StreamEntry(kind=StreamEntry.TOKEN, index=2, token_id=9, text="x")
+    assert StreamEntry.from_fields(token.to_fields()) == token
+    done = StreamEntry(kind=StreamEntry.DONE, finish_reason=FinishReason.ERROR, error="boom",
+                       prompt_tokens=3, completion_tokens=0)
+    assert StreamEntry.from_fields(done.to_fields()) == done

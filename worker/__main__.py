@@ -1,0 +1,80 @@
+"""`python -m worker --model smollm2 --redis-url redis://...`: one batching worker process.
+
+Flags override CARPOOL_* environment variables (WorkerSettings). Exit status 0 after a drain
+(SIGTERM/SIGINT), 2 for bad settings, 1 when the model or Redis cannot be reached at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--model", help="bundled model name (smollm2) or a local Hugging Face directory")
+    add("--served-model-name", help="the model name jobs use (default: --model, or its dir name)")
+    add("--redis-url")
+    add("--name", help="worker name (rq info, stats); default host-pid-random")
+    add("--mode", choices=["continuous", "static", "sequential"])
+    add("--max-num-seqs", type=int)
+    add("--max-num-batched-tokens", type=int)
+    add("--num-kv-blocks", type=int)
+    add("--block-size", type=int)
+    add("--max-model-len", type=int)
+    add("--dtype")
+    add("--device")
+    add("--num-threads", type=int)
+    add("--lease-seconds", type=float)
+    add("--drain-seconds", type=float)
+    add("--idle-block-seconds", type=float)
+    add("--keys-prefix")
+    add("--log-level")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    overrides = {name: value for name, value in vars(args).items() if value is not None}
+    from worker.worker_settings import WorkerSettings
+
+    try:
+        settings = WorkerSettings(**overrides)
+    except (ValidationError, ValueError) as exc:
+        print(f"invalid worker settings: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format=f"%(asctime)s {settings.name} %(name)s %(levelname)s %(message)s")
+    from redis import Redis
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from worker.batching_worker import BatchingWorker
+    from worker.engine import Engine
+    from worker.model_loader import ModelLoadError
+
+    redis = Redis.from_url(settings.redis_url, socket_timeout=settings.redis_timeout_seconds
+                           + settings.idle_block_seconds,
+                           socket_connect_timeout=settings.redis_timeout_seconds,
+                           health_check_interval=30)
+    try:
+        redis.ping()
+    except RedisConnectionError as exc:
+        logging.error("cannot reach Redis at %s: %s", settings.redis_url, exc)
+        return 1
+    try:
+        engine = Engine(settings.engine_config())
+    except ModelLoadError as exc:
+        logging.error("%s", exc)
+        return 1
+    worker = BatchingWorker(settings, engine, redis)
+    worker.install_signal_handlers()
+    return worker.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,353 @@
+"""The worker's Lua scripts: every job transition is one atomic script (claim, append, finish,
+requeue, recover), so no crash or race can leave a job half-moved.
+
+Fencing: a claim INCRs the job's fence counter and stores the new value as the job's lease (a
+string with a PX TTL). append/finish/requeue first compare the lease with the caller's token and
+refuse (write nothing) when it differs: a worker whose lease lapsed and was taken over can no
+longer touch the job. Stream entries have explicit ids `0-(index+1)`, so Redis also refuses a
+duplicate or out-of-order token.
+
+RQ bookkeeping follows what an rq 3 worker writes (job status, execution records in the
+StartedJobRegistry, results, finished/failed/canceled registries), with key names from
+protocol.rq_keys and payloads built by rq's own classes on the Python side.
+
+Claim and recover learn job ids while they run, so they build per-job keys from templates
+(prefix + id + suffix, from protocol.Keys / RQKeys) instead of declaring them: fine on a
+standalone Redis or a single-slot deployment (as BullMQ's scripts do), not on Redis Cluster.
+
+Record timestamps (started/first token/finished) come from the worker's clock in ARGV so the
+JobState hash and the RQ result agree; lease deadlines use Redis' own TIME, the one clock all
+workers share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from redis import Redis
+from redis.client import Pipeline
+
+_COMMON = """
+local function is_final(status)
+  return status == 'finished' or status == 'failed' or status == 'canceled'
+end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+-- The index the next token gets: explicit ids are 0-(index+1), so it is the last id's sequence.
+local function next_index(stream)
+  local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
+  if #last == 0 then return 0 end
+  return tonumber(string.match(last[1][1], '%-(%d+)$'))
+end
+local function drop_execution(execution, started, executions, worker_executions, composite,
+                              execution_id)
+  redis.call('DEL', execution)
+  redis.call('ZREM', started, composite)
+  redis.call('ZREM', executions, execution_id)
+  redis.call('SREM', worker_executions, composite)
+end
+"""
+
+# KEYS: leases, canceled, this worker's RQ executions set, RQ worker hash,
+#       then P queue keys, then P StartedJobRegistry keys (priority order).
+# ARGV: worker_name, lease_ms, max_jobs, free_kv_blocks (-1: no limit), block_size,
+#       adopt_job_id (already popped; '' for none), adopt_queue_index (1-based),
+#       execution_ttl_s, rq_now (rq's UTC format), now_s (epoch float), execution_id_prefix, P,
+#       templates (prefix, suffix): state 13, stream 15, lease 17, fence 19, rq job 21,
+#       rq execution 23 (over the composite key), rq executions 25; composite separator 27.
+# Returns, per claimed job: {job_id, queue_index, fence, execution_id, rq data, result_ttl,
+#       failure_ttl, JobState fields (flat), stream entries, is_canceled}.
+CLAIM = _COMMON + """
+local P = tonumber(ARGV[12])
+local function key(i, id) return ARGV[i] .. id .. ARGV[i + 1] end
+local lease_ms = tonumber(ARGV[2])
+local max_jobs = tonumber(ARGV[3])
+local budget = tonumber(ARGV[4])
+local block_size = tonumber(ARGV[5])
+local ttl = tonumber(ARGV[8])
+local deadline = now_ms() + lease_ms
+local now_s = tonumber(ARGV[10])
+local claimed = {}
+
+-- KV blocks a job needs to be scheduled now: its prompt (once known) plus what it generated.
+local function blocks_needed(job_id)
+  local prompt = tonumber(redis.call('HGET', key(13, job_id), 'prompt_tokens') or '0') or 0
+  local generated = redis.call('XLEN', key(15, job_id))
+  return math.ceil((prompt + generated + 1) / block_size)
+end
+
+local function claim(job_id, qi)
+  local state = key(13, job_id)
+  local rq_job = key(21, job_id)
+  if redis.call('EXISTS', rq_job) == 0 then return end  -- deleted meanwhile: drop the stale id
+  if is_final(redis.call('HGET', state, 'status')) then return end
+  local fence = redis.call('INCR', key(19, job_id))
+  redis.call('SET', key(17, job_id), fence, 'PX', lease_ms)
+  redis.call('ZADD', KEYS[1], deadline, job_id)
+  -- rq's execution record, as rq.executions.Execution.create writes it.
+  local execution_id = ARGV[11] .. fence
+  local composite = job_id .. ARGV[27] .. execution_id
+  local execution = key(23, composite)
+  redis.call('HSET', execution, 'id', execution_id, 'job_id', job_id, 'created_at', ARGV[10],
+             'last_heartbeat', ARGV[10], 'worker_name', ARGV[1])
+  redis.call('EXPIRE', execution, ttl)
+  local executions = key(25, job_id)
+  redis.call('ZADD', executions, math.floor(now_s) + ttl + 60, execution_id)
+  redis.call('EXPIRE', executions, ttl + 60)
+  redis.call('ZADD', KEYS[4 + P + qi], math.floor(now_s) + ttl, composite)
+  redis.call('SADD', KEYS[3], composite)
+  redis.call('EXPIRE', KEYS[3], ttl + 60)
+  redis.call('HSET', rq_job, 'status', 'started', 'started_at', ARGV[9], 'last_heartbeat', ARGV[9],
+             'worker_name', ARGV[1])
+  redis.call('PERSIST', rq_job)
+  local started_at = tonumber(redis.call('HGET', state, 'started_at') or '0') or 0
+  if started_at == 0 then redis.call('HSET', state, 'started_at', ARGV[10]) end
+  redis.call('HSET', state, 'status', 'running', 'worker', ARGV[1], 'execution', composite)
+  redis.call('HSETNX', state, 'job_id', job_id)  -- a job enqueued without submit_job
+  local rq_fields = redis.call('HMGET', rq_job, 'data', 'result_ttl', 'failure_ttl')
+  claimed[#claimed + 1] = {job_id, qi, fence, execution_id, rq_fields[1] or '',
+                           rq_fields[2] or '', rq_fields[3] or '', redis.call('HGETALL', state),
+                           redis.call('XRANGE', key(15, job_id), '-', '+'),
+                           redis.call('SISMEMBER', KEYS[2], job_id)}
+end
+
+if ARGV[6] ~= '' then claim(ARGV[6], tonumber(ARGV[7])) end
+local qi = 1
+while #claimed < max_jobs and qi <= P do
+  local head = redis.call('LINDEX', KEYS[4 + qi], 0)
+  if not head then
+    qi = qi + 1
+  else
+    if budget >= 0 then
+      -- Leave a job this worker cannot schedule now for one that can (and keep queue order).
+      local need = blocks_needed(head)
+      if need > budget then break end
+      budget = budget - need
+    end
+    redis.call('LPOP', KEYS[4 + qi])
+    claim(head, qi)
+  end
+end
+if #claimed > 0 then redis.call('HSET', KEYS[4], 'state', 'busy') end
+return claimed
+"""
+
+# The per-iteration call, for every job in the batch at once (one script, not one per job).
+# KEYS: leases, canceled, then (lease, stream, state) per job.
+# ARGV: lease_ms, then per job: job_id, token, prompt_tokens, first_token_at, num_tokens and
+#       (index, token_id, text) per token.
+# Returns two lists in job order: the append results — 1 (appended, lease renewed), 0 (refused:
+# not the lease holder), -1 (gap: refused) — and the cancel flags (1: cancel requested).
+# Per job the hot path is GET, XADD per token, PEXPIRE, ZADD: Redis itself refuses an id that
+# is not after the stream's last, and only then does the script read the stream, to tell a
+# resent round trip (skip what is there) from a gap.
+APPEND = _COMMON + """
+local lease_ms = tonumber(ARGV[1])
+local deadline = now_ms() + lease_ms
+local function xadd(stream, a)
+  return redis.pcall('XADD', stream, '0-' .. (tonumber(ARGV[a]) + 1), 'kind', 'token',
+                     'index', ARGV[a], 'token_id', ARGV[a + 1], 'text', ARGV[a + 2])
+end
+local function append(lease, stream, state, job_id, token, prompt_tokens, first_token_at, a,
+                      num_tokens)
+  if redis.call('GET', lease) ~= token then return 0 end
+  local last = a + 3 * (num_tokens - 1)
+  local first = a
+  if num_tokens > 0 then
+    local added = xadd(stream, a)
+    if type(added) == 'table' and added.err then
+      local expected = next_index(stream)
+      first = nil
+      for i = a, last, 3 do
+        if tonumber(ARGV[i]) >= expected then first = i; break end
+      end
+      if first ~= nil then
+        if tonumber(ARGV[first]) ~= expected then return -1 end
+        xadd(stream, first)
+      end
+    end
+    if first ~= nil then
+      for i = first + 3, last, 3 do xadd(stream, i) end
+      if ARGV[first] == '0' then
+        redis.call('HSET', state, 'first_token_at', first_token_at, 'prompt_tokens', prompt_tokens)
+      end
+    end
+  end
+  redis.call('PEXPIRE', lease, lease_ms)
+  redis.call('ZADD', KEYS[1], 'XX', deadline, job_id)
+  return 1
+end
+local results, canceled = {}, {}
+local a = 2
+local k = 3
+while a <= #ARGV do
+  local job_id, num_tokens = ARGV[a], tonumber(ARGV[a + 4])
+  results[#results + 1] = append(KEYS[k], KEYS[k + 1], KEYS[k + 2], job_id, ARGV[a + 1],
+                                 ARGV[a + 2], ARGV[a + 3], a + 5, num_tokens)
+  canceled[#canceled + 1] = redis.call('SISMEMBER', KEYS[2], job_id)
+  a = a + 5 + 3 * num_tokens
+  k = k + 3
+end
+return {results, canceled}
+"""
+
+# KEYS: lease, stream, leases, state, canceled, rq job, rq results, rq execution,
+#       rq executions, started registry, finished registry, failed registry, canceled registry,
+#       worker executions, rq worker hash, fence.
+# ARGV: token, job_id, outcome (finished|failed|canceled), finish_reason, error, prompt_tokens,
+#       completion_tokens, text, token_ids (JSON), result_ttl, failure_ttl, composite,
+#       execution_id, rq_now, now_s, working_seconds, exc_info, then rq Result fields as pairs.
+# Returns the status written, or false when refused (not the lease holder / already final).
+FINISH = _COMMON + """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
+if is_final(redis.call('HGET', KEYS[4], 'status')) then return false end
+local job_id = ARGV[2]
+local outcome = ARGV[3]
+local reason = ARGV[4]
+-- The guard: a job canceled while running ends canceled, even if it finished meanwhile.
+if outcome == 'finished' and redis.call('SISMEMBER', KEYS[5], job_id) == 1 then
+  outcome = 'canceled'
+  reason = 'canceled'
+end
+local ttl = tonumber(ARGV[10])
+if outcome == 'failed' then ttl = tonumber(ARGV[11]) end
+local now_s = tonumber(ARGV[15])
+local done = next_index(KEYS[2])
+redis.call('XADD', KEYS[2], '0-' .. (done + 1), 'kind', 'done', 'finish_reason', reason,
+           'prompt_tokens', ARGV[6], 'completion_tokens', ARGV[7], 'error', ARGV[5])
+redis.call('HSET', KEYS[4], 'status', outcome, 'finish_reason', reason, 'error', ARGV[5],
+           'prompt_tokens', ARGV[6], 'completion_tokens', ARGV[7], 'text', ARGV[8],
+           'token_ids', ARGV[9], 'finished_at', ARGV[15], 'execution', '')
+redis.call('HSET', KEYS[6], 'status', outcome, 'ended_at', ARGV[14])
+if outcome == 'canceled' then
+  redis.call('ZADD', KEYS[13], math.floor(now_s), job_id)
+else
+  if outcome == 'failed' then
+    redis.call('HSET', KEYS[6], 'exc_info', ARGV[17])
+    redis.call('ZADD', KEYS[12], math.floor(now_s) + ttl, job_id)
+  else
+    redis.call('ZADD', KEYS[11], math.floor(now_s) + ttl, job_id)
+  end
+  local result = {}
+  for i = 18, #ARGV do result[#result + 1] = ARGV[i] end
+  redis.call('XADD', KEYS[7], 'MAXLEN', '~', 10, '*', unpack(result))
+  redis.call('EXPIRE', KEYS[7], ttl)
+end
+drop_execution(KEYS[8], KEYS[10], KEYS[9], KEYS[14], ARGV[12], ARGV[13])
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[3], job_id)
+redis.call('SREM', KEYS[5], job_id)
+if outcome == 'failed' then
+  redis.call('HINCRBY', KEYS[15], 'failed_job_count', 1)
+else
+  redis.call('HINCRBY', KEYS[15], 'successful_job_count', 1)
+end
+redis.call('HINCRBYFLOAT', KEYS[15], 'total_working_time', ARGV[16])
+if ttl > 0 then
+  for _, k in ipairs({KEYS[2], KEYS[4], KEYS[6], KEYS[16]}) do redis.call('EXPIRE', k, ttl) end
+end
+return outcome
+"""
+
+# KEYS: lease, leases, state, rq job, queue (the job's origin), started registry, rq execution,
+#       rq executions, worker executions, stream.
+# ARGV: token, job_id, composite, execution_id, prompt_tokens, count_as_preemption (1|0).
+# Returns 1 (back at the queue's front), 0 (refused: not the lease holder).
+REQUEUE = _COMMON + """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local status = 'queued'
+if redis.call('XLEN', KEYS[10]) > 0 then status = 'preempted' end
+redis.call('HSET', KEYS[3], 'status', status, 'prompt_tokens', ARGV[5], 'execution', '')
+if ARGV[6] == '1' then redis.call('HINCRBY', KEYS[3], 'num_preemptions', 1) end
+redis.call('HSET', KEYS[4], 'status', 'queued')
+drop_execution(KEYS[7], KEYS[6], KEYS[8], KEYS[9], ARGV[3], ARGV[4])
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[2])
+redis.call('LPUSH', KEYS[5], ARGV[2])
+return 1
+"""
+
+# KEYS: leases.
+# ARGV: max_jobs, templates (prefix, suffix): state 2, stream 4, lease 6, rq job 8,
+#       rq execution 10, rq executions 12, rq queue 14, started 16, failed 18,
+#       worker executions 20; composite separator 22.
+# Returns the ids put back at the front of their queue.
+RECOVER = _COMMON + """
+local function key(i, id) return ARGV[i] .. id .. ARGV[i + 1] end
+local now = now_ms()
+local recovered = {}
+for _, job_id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, ARGV[1])) do
+  local lease_ttl = redis.call('PTTL', key(6, job_id))
+  local state = key(2, job_id)
+  local status = redis.call('HGET', state, 'status')
+  local origin = redis.call('HGET', key(8, job_id), 'origin')
+  if lease_ttl > 0 then
+    -- Still held (its deadline here lagged a renewal): move the deadline, leave the job.
+    redis.call('ZADD', KEYS[1], now + lease_ttl, job_id)
+  elseif not status or is_final(status) or not origin then
+    redis.call('ZREM', KEYS[1], job_id)
+  else
+    local rq_job = key(8, job_id)
+    local composite = redis.call('HGET', state, 'execution') or ''
+    if composite ~= '' then
+      local execution_id = string.sub(composite, #job_id + #ARGV[22] + 1)
+      local worker = redis.call('HGET', state, 'worker') or ''
+      drop_execution(key(10, composite), key(16, origin), key(12, job_id), key(20, worker),
+                     composite, execution_id)
+    end
+    -- RQ's own cleanup may have failed it first (abandoned job): undo that.
+    if redis.call('HGET', rq_job, 'status') == 'failed' then
+      redis.call('ZREM', key(18, origin), job_id)
+      redis.call('PERSIST', rq_job)
+    end
+    redis.call('HSET', rq_job, 'status', 'queued')
+    local new_status = 'queued'
+    if redis.call('XLEN', key(4, job_id)) > 0 then new_status = 'preempted' end
+    redis.call('HSET', state, 'status', new_status, 'execution', '')
+    redis.call('HINCRBY', state, 'num_recoveries', 1)
+    redis.call('LPUSH', key(14, origin), job_id)
+    redis.call('ZREM', KEYS[1], job_id)
+    recovered[#recovered + 1] = job_id
+  end
+end
+return recovered
+"""
+
+
+@dataclass(slots=True)
+class ScriptShas:
+    claim: str
+    append: str
+    finish: str
+    requeue: str
+    recover: str
+
+
+class JobScripts:
+    """Loads the scripts once (SCRIPT LOAD) and queues EVALSHA calls by name of transition.
+
+    Pipelines get plain EVALSHA (redis-py's Script objects would add a SCRIPT EXISTS round trip
+    to every pipeline); after a Redis restart or SCRIPT FLUSH the caller sees NoScriptError,
+    calls `load` again and retries.
+    """
+
+    SOURCES = {"claim": CLAIM, "append": APPEND, "finish": FINISH, "requeue": REQUEUE,
+               "recover": RECOVER}
+
+    def __init__(self) -> None:
+        self.shas: ScriptShas | None = None
+
+    def load(self, redis: Redis) -> ScriptShas:
+        self.shas = ScriptShas(**{name: redis.script_load(source)
+                                  for name, source in self.SOURCES.items()})
+        return self.shas
+
+    def _sha(self, name: str) -> str:
+        if self.shas is None:
+            raise RuntimeError("JobScripts.load(redis) must run before scripts are called")
+        return getattr(self.shas, name)
+
+    def call(self, target: Redis | Pipeline, name: str, keys: list[str], args: list[object]):
+        return target.evalsha(self._sha(name), len(keys), *keys, *args)

@@ -1,0 +1,63 @@
+"""What a request asks of the sampler and the stop conditions; validated once, when built."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_SEED = 2**63 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0.0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means off
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise ValueError(f"max_tokens must be an int, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be at least 0.0, got {self.temperature}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0.0, 1.0], got {self.top_p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
+            raise ValueError(f"top_k must be an int, got {self.top_k!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be at least 0 (0 turns it off), got {self.top_k}")
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+                raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+            if not 0 <= self.seed <= MAX_SEED:
+                raise ValueError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
+        if isinstance(self.stop, str) or not isinstance(self.stop, tuple):
+            raise ValueError(f"stop must be a tuple of strings, got {self.stop!r}")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for text in self.stop:
+            if not isinstance(text, str) or not text:
+                raise ValueError(f"stop strings must be non-empty strings, got {text!r}")
+            if len(text) > MAX_STOP_STRING_CHARS:
+                raise ValueError(
+                    f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters, got {len(text)}"
+                )
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
