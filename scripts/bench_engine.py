@@ -284,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="continuous,static,sequential")
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiled second run")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
@@ -309,18 +311,17 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(
             model=args.model, dtype=args.dtype, device=args.device, mode=BatchingMode(mode),
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=max_len,
+            max_model_len=max_len, block_size=args.block_size,
         )
-        engine = Engine(config, loaded=engine_model)
-        run_carpool(engine, work.subset([0, 1]))  # warm up
+        # A fresh engine per run: a warm prefix cache would skip prefills the baselines must do.
+        run_carpool(Engine(config, loaded=engine_model), work.subset([0, 1]))  # warm up torch
         mode_work = sequential_work if mode == "sequential" else work
-        seconds = run_carpool(engine, mode_work)
+        seconds = run_carpool(Engine(config, loaded=engine_model), mode_work)
         note = "subset" if mode == "sequential" else ""
         results.append(Result(f"carpool-{mode}", len(mode_work.prompts), mode_work.num_tokens, seconds, note))
         print(f"  carpool-{mode}: {results[-1].tokens_per_s:.1f} tok/s", flush=True)
-        if mode == "continuous":
-            profile, shape = profile_carpool(engine, work)
-        del engine
+        if mode == "continuous" and not args.no_profile:
+            profile, shape = profile_carpool(Engine(config, loaded=engine_model), work)
 
     baselines = set() if args.baselines == "none" else set(args.baselines.split(","))
     hf_model = None

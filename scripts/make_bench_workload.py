@@ -5,19 +5,12 @@ The workload is a JSON list of requests::
 
     [{"prompt_token_ids": [int, ...], "max_tokens": int}, ...]
 
-* Prompts: short chat requests. A fixed list of realistic user questions and
-  instructions is cycled; from the second pass on each prompt gets a small
-  variation (a suffix such as "Keep it brief."), so the token sequences are
-  not all identical but the prompt-length distribution stays short and
-  realistic. The model's chat template is applied with
+* Prompts and output lengths: loadgen/workload.py (the one definition every
+  benchmark shares). The model's chat template is applied with
   ``apply_chat_template(add_generation_prompt=True)`` and the result is
   tokenized (token ids are stored, so any engine sees exactly the same input).
-* Output lengths: long-tailed. ``numpy.random.default_rng(seed).lognormal(
-  mean=LOGNORMAL_MEAN, sigma=LOGNORMAL_SIGMA)`` rounded and clipped to
-  ``[MIN_TOKENS, MAX_TOKENS]`` = [8, 256]; most requests are short and a few
-  reach 256 (seed 0, 128 requests: median 40, 57 requests <= 32, 2 clipped
-  at 256, 7595 output tokens in total). Engines must run with ``ignore_eos``
-  so the totals are comparable.
+* Seed 0, 128 requests: median 40 output tokens, 2 clipped at 256, 7595
+  output tokens in total. Engines must run with ``ignore_eos``.
 
 Dependencies: numpy and transformers (tokenizer only, ``local_files_only``).
 Runs with the Carpool venv::
@@ -40,62 +33,10 @@ import sys
 
 import numpy as np
 
-DEFAULT_MODEL_DIR = "/root/.cache/carpool/models/smollm2"
-MIN_TOKENS = 8
-MAX_TOKENS = 256
-LOGNORMAL_MEAN = 3.6  # exp(3.6) ~ 37 tokens median before clipping
-LOGNORMAL_SIGMA = 1.0
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from loadgen.workload import build_workload as build_chat_workload  # noqa: E402  (the one definition)
 
-BASE_PROMPTS = [
-    "What is the capital of France?",
-    "Explain how photosynthesis works in simple terms.",
-    "Write a short poem about the ocean.",
-    "Give me three tips for improving my sleep.",
-    "How do I reverse a list in Python?",
-    "Summarize the plot of Romeo and Juliet.",
-    "What are the main causes of climate change?",
-    "Translate 'Good morning, how are you?' into Spanish.",
-    "Write a haiku about autumn leaves.",
-    "What is the difference between a virus and a bacterium?",
-    "Suggest a healthy breakfast I can make in ten minutes.",
-    "Explain what a black hole is to a ten-year-old.",
-    "List five countries in South America.",
-    "How does a refrigerator keep food cold?",
-    "Write a friendly email inviting a colleague to lunch.",
-    "What are the benefits of regular exercise?",
-    "Explain the difference between weather and climate.",
-    "Give me a simple recipe for pancakes.",
-    "Why is the sky blue?",
-    "Describe the water cycle in a few sentences.",
-]
-
-VARIATIONS = [
-    "",
-    " Keep it brief.",
-    " Please answer in detail.",
-    " Explain it step by step.",
-    " Use simple words.",
-    " Answer in one paragraph.",
-    " Give an example.",
-]
-
-
-def _prompt_texts(num_requests: int) -> list[str]:
-    """Cycle BASE_PROMPTS; pass k (k >= 1) appends VARIATIONS[k % len]."""
-    texts = []
-    n = len(BASE_PROMPTS)
-    for i in range(num_requests):
-        k = i // n
-        suffix = VARIATIONS[k % len(VARIATIONS)] if k > 0 else ""
-        texts.append(BASE_PROMPTS[i % n] + suffix)
-    return texts
-
-
-def output_lengths(num_requests: int, seed: int = 0) -> list[int]:
-    """Seeded long-tailed output lengths in [MIN_TOKENS, MAX_TOKENS]."""
-    rng = np.random.default_rng(seed)
-    raw = rng.lognormal(mean=LOGNORMAL_MEAN, sigma=LOGNORMAL_SIGMA, size=num_requests)
-    return [int(x) for x in np.clip(np.rint(raw), MIN_TOKENS, MAX_TOKENS)]
+DEFAULT_MODEL_DIR = os.path.expanduser("~/.cache/carpool/models/smollm2")
 
 
 def build_workload(num_requests: int = 128, seed: int = 0,
@@ -108,11 +49,11 @@ def build_workload(num_requests: int = 128, seed: int = 0,
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    lengths = output_lengths(num_requests, seed)
     out = []
-    for text, max_tokens in zip(_prompt_texts(num_requests), lengths):
+    for item in build_chat_workload(num_requests, seed):
+        max_tokens = item.max_tokens
         ids = tok.apply_chat_template(
-            [{"role": "user", "content": text}],
+            item.messages,
             add_generation_prompt=True,
             tokenize=True,
         )

@@ -1,32 +1,45 @@
 """The KV cache's bookkeeping: a pool of fixed-size blocks and one block table per sequence.
 
 Pure Python: it hands out block ids; the model runner owns the tensors they index.
+
+Prefix caching: a full block whose K/V are computed is registered under a hash of its tokens and
+of every token before it. A new sequence whose prompt starts with registered blocks takes them
+(ref_cnt += 1) instead of recomputing them. Freed blocks keep their hash while they wait on the
+free list, least recently freed first out, so a preempted or repeated prefix is often still there.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+
+_ROOT_HASH = -1  # the parent of a sequence's first block; CPython never returns -1 from hash()
 
 
 @dataclass(slots=True)
 class Block:
     block_id: int
     ref_cnt: int = 0  # tables holding this block; 0 means it is on the free list
+    block_hash: int | None = None  # set once full and computed: its key in the prefix cache
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(block_id) for block_id in range(num_blocks)]
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        # An ordered dict rather than a deque: a prefix hit takes a block out of the middle, in O(1).
+        self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached_block_ids: dict[int, int] = {}  # block_hash -> block_id
         self._tables: dict[str, list[int]] = {}
+        self._num_hashed: dict[str, int] = {}  # leading blocks of a table already registered
 
     @property
     def num_free_blocks(self) -> int:
@@ -65,19 +78,81 @@ class BlockManager:
             return None
         table = self._tables.setdefault(seq_id, [])
         for _ in range(needed):
-            block = self.blocks[self.free_block_ids.pop()]
-            block.ref_cnt += 1
-            table.append(block.block_id)
+            block_id, _ = self.free_block_ids.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:  # evict the least recently freed cached block
+                if self.cached_block_ids.get(block.block_hash) == block_id:
+                    del self.cached_block_ids[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            table.append(block_id)
         return table
+
+    def allocate_cached_prefix(self, seq_id: str, token_ids: Seq[int]) -> int:
+        """Start the sequence's table with its cached leading blocks; return the tokens they hold.
+
+        The last token is never taken from the cache: its forward pass gives the next logits.
+        """
+        if seq_id in self._tables:
+            raise ValueError(f"sequence {seq_id!r} already has a block table")
+        table: list[int] = []
+        if self.enable_prefix_caching:
+            parent = _ROOT_HASH
+            for index in range((len(token_ids) - 1) // self.block_size):
+                parent = self._hash(parent, token_ids, index)
+                block_id = self.cached_block_ids.get(parent)
+                if block_id is None:
+                    break
+                block = self.blocks[block_id]
+                if block.ref_cnt == 0:
+                    del self.free_block_ids[block_id]
+                block.ref_cnt += 1
+                table.append(block_id)
+        if table:
+            self._tables[seq_id] = table
+            self._num_hashed[seq_id] = len(table)
+        return len(table) * self.block_size
+
+    def cache_computed_blocks(self, seq_id: str, token_ids: Seq[int], num_computed_tokens: int) -> None:
+        """Register the sequence's blocks that are now full and computed, for later prefix hits."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(seq_id)
+        if table is None:
+            return
+        done = self._num_hashed.get(seq_id, 0)
+        full = min(num_computed_tokens // self.block_size, len(table))
+        if full <= done:
+            return
+        parent = self.blocks[table[done - 1]].block_hash if done else _ROOT_HASH
+        for index in range(done, full):
+            parent = self._hash(parent, token_ids, index)
+            block = self.blocks[table[index]]
+            block.block_hash = parent
+            # The first block computed for a hash stays its cache entry; a twin is just not shared.
+            self.cached_block_ids.setdefault(parent, block.block_id)
+        self._num_hashed[seq_id] = full
 
     def free(self, seq_id: str) -> None:
         """Release every block of the sequence's table (a no-op for a sequence without one)."""
         table = self._tables.pop(seq_id, None)
+        self._num_hashed.pop(seq_id, None)
         if table is None:
             return
-        # Newest blocks go back last so they are handed out first: still warm in the CPU caches.
-        for block_id in table:
+        # Tail first: a sequence's last blocks are the least likely to be shared, so evict them first.
+        for block_id in reversed(table):
             block = self.blocks[block_id]
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                self.free_block_ids.append(block_id)
+                if block.block_hash is None or self.cached_block_ids.get(block.block_hash) != block_id:
+                    block.block_hash = None  # nobody can find it: hand it out before cached ones
+                    self.free_block_ids[block_id] = None
+                    self.free_block_ids.move_to_end(block_id, last=False)
+                else:
+                    self.free_block_ids[block_id] = None
+
+    def _hash(self, parent: int | None, token_ids: Seq[int], index: int) -> int:
+        # Python's tuple-of-int hash is 64-bit and unsalted: a collision (which would share wrong
+        # K/V) needs two distinct prefixes to meet in 2**64, which we accept, as vLLM does by default.
+        start = index * self.block_size
+        return hash((parent, *token_ids[start : start + self.block_size]))

@@ -23,7 +23,7 @@ from worker.engine_config import BatchingMode, EngineConfig
 from worker.model_loader import LoadedModel, load_model
 from worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 from worker.sampling_params import MAX_SEED, SamplingParams
-from worker.scheduler import Scheduler
+from worker.scheduler import Scheduler, SchedulerOutput
 from worker.sequence import FinishReason, Sequence
 from worker.step_output import PreemptedRequest, RequestOutput, StepOutput, StepStats, TokenDelta
 
@@ -57,7 +57,7 @@ class Engine:
         self.runner = ModelRunner(loaded, device, dtype)
         self.max_model_len, num_blocks = self._size_kv_pool()
         self.runner.allocate_kv_cache(num_blocks, config.block_size)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.eos_token_ids = _eos_token_ids(loaded)
         self.scheduler = Scheduler(
             self.block_manager,
@@ -180,13 +180,14 @@ class Engine:
             num_output_tokens=seq.num_output_tokens,
         )
 
-    def _stats(self, scheduled: Any, started: float) -> StepStats:
+    def _stats(self, scheduled: SchedulerOutput, started: float) -> StepStats:
         num_running = len(self.scheduler.running)
         return StepStats(
             num_seqs=len(scheduled.seqs),
             num_scheduled_tokens=scheduled.total_num_scheduled_tokens,
             num_prefill_tokens=scheduled.num_prefill_tokens,
             num_decode_tokens=scheduled.num_decode_tokens,
+            num_cached_tokens=scheduled.num_cached_tokens,
             num_kv_blocks_used=self.block_manager.num_used_blocks,
             num_kv_blocks_total=self.block_manager.num_blocks,
             num_running=num_running,

@@ -37,6 +37,7 @@ class EngineConfig:
     # False: the engine drops them and reports them in StepOutput.preempted for someone to requeue.
     requeue_preempted: bool = True
     kv_cache_memory_gib: float = 2.0  # cap on the KV pool when num_kv_blocks is None
+    enable_prefix_caching: bool = True  # reuse computed K/V blocks of identical prompt prefixes
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
 
     def __post_init__(self) -> None:
@@ -62,6 +63,8 @@ class EngineConfig:
             _check_int("max_model_len", self.max_model_len, 2, 1 << 24)
         if not isinstance(self.requeue_preempted, bool):
             raise ValueError(f"requeue_preempted must be a bool, got {self.requeue_preempted!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if not isinstance(self.kv_cache_memory_gib, (int, float)) or not self.kv_cache_memory_gib > 0:
             raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib!r}")
         if self.num_threads is not None:

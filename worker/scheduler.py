@@ -28,6 +28,7 @@ class SchedulerOutput:
     finished: list[Sequence] = field(default_factory=list)  # retired while scheduling
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache instead of computed
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -140,13 +141,17 @@ class Scheduler:
                     self._finish(seq, FinishReason.LENGTH)
                     out.finished.append(seq)
                     continue
-                capacity = self.block_manager.num_free_blocks * self.block_manager.block_size
-                num_new = min(seq.num_tokens, budget, capacity)
+                num_cached = self._claim_cached_prefix(seq, out)
+                room = self.block_manager.num_free_slots(seq.request_id, num_cached)
+                num_new = min(seq.num_tokens - num_cached, budget, room)
                 if num_new <= 0:
+                    self.block_manager.free(seq.request_id)  # its cached blocks stay cached
+                    out.num_cached_tokens -= num_cached
                     break  # first come, first served: nobody overtakes the head of the queue
                 self.waiting.popleft()
                 self._admit(seq)
-                self.block_manager.allocate(seq.request_id, num_new)
+                seq.num_computed_tokens = num_cached
+                self.block_manager.allocate(seq.request_id, num_cached + num_new)
                 self._add_scheduled(out, seq, num_new, scheduled)
                 budget -= num_new
         return out
@@ -166,6 +171,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # retired between the two calls
             seq.num_computed_tokens += num_new
+            self.block_manager.cache_computed_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
             if not is_sampling:
                 continue
             seq.token_ids.append(token_id)
@@ -196,8 +202,13 @@ class Scheduler:
 
     def _admit(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
-        seq.num_computed_tokens = 0
         self.running.append(seq)
+
+    def _claim_cached_prefix(self, seq: Sequence, out: SchedulerOutput) -> int:
+        """Start a sequence with no blocks yet on its cached prefix; return the tokens it covers."""
+        num_cached = self.block_manager.allocate_cached_prefix(seq.request_id, seq.token_ids)
+        out.num_cached_tokens += num_cached
+        return num_cached
 
     def _can_never_fit(self, seq: Sequence) -> bool:
         # Sampling the next token needs the K/V of every token so far; an empty pool is the most.
@@ -218,6 +229,8 @@ class Scheduler:
     def _chunk(self, seq: Sequence, budget: int, scheduled: set[str], out: SchedulerOutput) -> int:
         """The size of `seq`'s next prefill chunk, with its blocks allocated; 0 if it must wait."""
         bm = self.block_manager
+        if seq.num_computed_tokens == 0 and not bm.block_table(seq.request_id):
+            seq.num_computed_tokens = self._claim_cached_prefix(seq, out)
         remaining = seq.num_tokens - seq.num_computed_tokens
         while True:
             room = bm.num_free_slots(seq.request_id, seq.num_computed_tokens)

@@ -46,6 +46,7 @@ class StepStats:
     slot_utilisation: float  # num_running / max_num_seqs
     num_preemptions: int  # in this step
     step_time_s: float
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed
 
 
 @dataclass(slots=True)

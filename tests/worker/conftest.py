@@ -45,9 +45,10 @@ def make_scheduler(
     max_model_len: int = 64,
     mode: BatchingMode = BatchingMode.CONTINUOUS,
     requeue_preempted: bool = True,
+    enable_prefix_caching: bool = False,
 ) -> Scheduler:
     return Scheduler(
-        BlockManager(num_blocks, block_size),
+        BlockManager(num_blocks, block_size, enable_prefix_caching),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
@@ -64,20 +65,28 @@ def fake_step(scheduler: Scheduler, token_id: int = 7) -> tuple[SchedulerOutput,
 
 
 def check_block_accounting(scheduler: Scheduler) -> None:
-    """Exact accounting between steps: every block is free or in exactly one running table."""
+    """Exact accounting between steps: a block is free, or held by running tables, its ref_cnt
+    counting them; only a cached (hashed, full) block is ever in more than one table."""
     bm = scheduler.block_manager
     free = list(bm.free_block_ids)
     assert len(free) == len(set(free)), "a block is on the free list twice"
-    owners: dict[int, str] = {}
+    holders: dict[int, list[str]] = {}
     for seq_id, table in bm.tables.items():
+        assert len(table) == len(set(table)), f"{seq_id} holds a block twice"
         for block_id in table:
-            assert block_id not in owners, f"block {block_id} in {owners[block_id]} and {seq_id}"
-            owners[block_id] = seq_id
-    assert not set(free) & set(owners), "a block is both free and owned"
-    assert len(free) + len(owners) == bm.num_blocks
+            holders.setdefault(block_id, []).append(seq_id)
+    assert not set(free) & set(holders), "a block is both free and held"
+    assert len(free) + len(holders) == bm.num_blocks, "a block is neither free nor held"
     assert bm.num_free_blocks + bm.num_used_blocks == bm.num_blocks
     for block in bm.blocks:
-        assert block.ref_cnt == (1 if block.block_id in owners else 0), block
+        assert block.ref_cnt == len(holders.get(block.block_id, [])), block
+        if block.ref_cnt > 1:
+            assert bm.cached_block_ids.get(block.block_hash) == block.block_id, f"{block} shared uncached"
+    for block_hash, block_id in bm.cached_block_ids.items():
+        assert bm.blocks[block_id].block_hash == block_hash
+    if not bm.enable_prefix_caching:
+        assert all(len(seq_ids) == 1 for seq_ids in holders.values())
+        assert not bm.cached_block_ids
     running_ids = {seq.request_id for seq in scheduler.running}
     assert set(bm.tables) <= running_ids, "a sequence that is not running holds blocks"
     for seq in scheduler.running:
@@ -116,12 +125,14 @@ class Run:
     indices: dict[str, list[int]] = field(default_factory=dict)
     reasons: dict[str, Any] = field(default_factory=dict)
     num_preemptions: int = 0
+    num_cached_tokens: int = 0
     num_steps: int = 0
     max_scheduled_tokens: int = 0
 
     def collect(self, out: Any) -> None:
         self.num_steps += 1
         self.num_preemptions += out.stats.num_preemptions
+        self.num_cached_tokens += out.stats.num_cached_tokens
         self.max_scheduled_tokens = max(self.max_scheduled_tokens, out.stats.num_scheduled_tokens)
         for request in out.outputs:
             for delta in request.tokens:

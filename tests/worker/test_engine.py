@@ -42,6 +42,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "all-at-once": {},
     "tiny-kv-pool": {"num_kv_blocks": 24, "max_num_seqs": 16},  # 96 slots for 18 sequences
     "tiny-kv-pool-handed-back": {"num_kv_blocks": 24, "max_num_seqs": 16, "requeue_preempted": False},
+    "tiny-kv-pool-no-prefix-cache": {"num_kv_blocks": 24, "max_num_seqs": 16, "enable_prefix_caching": False},
     "chunked-prefill-8": {"max_num_batched_tokens": 8},
     "static": {"mode": BatchingMode.STATIC, "max_num_seqs": 8},
     "sequential": {"mode": BatchingMode.SEQUENTIAL},
@@ -65,6 +66,22 @@ def test_greedy_equals_hf_generate_with_staggered_arrivals(tiny: TinyCase) -> No
     arrivals = {f"r{i}": 1 + (i * 5) % 17 for i in range(0, len(GREEDY_PROMPTS), 2)}
     run = run_engine(engine, greedy_requests(), arrivals)
     assert_matches_reference(run, tiny)
+
+
+def test_greedy_equals_hf_generate_with_a_cached_shared_prefix(tiny: TinyCase, tiny_llama_dir: Any, tiny_qwen2_dir: Any) -> None:
+    directory = tiny_llama_dir if tiny.architecture == "llama" else tiny_qwen2_dir
+    shared = GREEDY_PROMPTS[8][:21]
+    prompts = [shared + suffix[:n] for n, suffix in zip((1, 3, 6, 11, 2, 7), GREEDY_PROMPTS[9:15])]
+    expected = greedy_reference(directory, prompts, [10] * len(prompts))
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    for overrides in ({}, {"num_kv_blocks": 20, "max_num_batched_tokens": 16}):
+        engine = make_engine(tiny.loaded, **overrides)
+        requests = [(f"p{i}", prompt, params) for i, prompt in enumerate(prompts)]
+        arrivals = {f"p{i}": 2 * i for i in range(1, len(prompts))}  # the prefix is cached by then
+        run = run_engine(engine, requests, arrivals)
+        assert [run.token_ids[f"p{i}"] for i in range(len(prompts))] == expected
+        assert run.num_cached_tokens >= 20 * (len(prompts) - 1)  # five blocks of 4 each time
+        assert engine.num_free_kv_blocks() == engine.block_manager.num_blocks
 
 
 def test_attention_metadata_reaches_the_attention_layers(tiny: TinyCase) -> None:

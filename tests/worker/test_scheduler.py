@@ -141,7 +141,7 @@ def test_a_request_that_can_never_fit_is_finished_not_looped() -> None:
     fits = make_seq("fits", num_prompt_tokens=2, max_tokens=1)
     scheduler.add(too_long)
     scheduler.add(fits)
-    out, finished = fake_step(scheduler)
+    _, finished = fake_step(scheduler)
     assert finished == [too_long, fits]
     assert too_long.finish_reason is FinishReason.LENGTH and too_long.num_output_tokens == 0
 
@@ -241,6 +241,7 @@ _ops = st.lists(
     extra_len=st.integers(-4, 4),
     mode=st.sampled_from(list(BatchingMode)),
     requeue_preempted=st.booleans(),
+    enable_prefix_caching=st.booleans(),
 )
 def test_block_accounting_is_exact_after_every_step(
     ops: list[tuple],
@@ -251,12 +252,13 @@ def test_block_accounting_is_exact_after_every_step(
     extra_len: int,
     mode: BatchingMode,
     requeue_preempted: bool,
+    enable_prefix_caching: bool,
 ) -> None:
     # max_model_len around the pool's size: past it the scheduler's own guards must hold.
     max_model_len = max(2, num_blocks * block_size + extra_len)
     scheduler = make_scheduler(
         num_blocks, block_size, max_num_seqs, max_num_batched_tokens, max_model_len, mode,
-        requeue_preempted,
+        requeue_preempted, enable_prefix_caching,
     )
     seqs: list[Sequence] = []
     handed_back: list[Sequence] = []
@@ -300,6 +302,35 @@ def test_block_accounting_is_exact_after_every_step(
         if seq.status is SequenceStatus.FINISHED and seq.finish_reason is not FinishReason.ABORT:
             assert seq.num_output_tokens <= seq.params.max_tokens
             assert seq.num_tokens <= max_model_len
+
+
+def test_a_cached_prompt_prefix_is_not_computed_again() -> None:
+    scheduler = make_scheduler(block_size=4, enable_prefix_caching=True)
+    first = make_seq("first", num_prompt_tokens=10, max_tokens=1)
+    scheduler.add(first)
+    fake_step(scheduler)
+    second = make_seq("second", num_prompt_tokens=11, max_tokens=2)  # same first 10 tokens
+    scheduler.add(second)
+    out, _ = fake_step(scheduler)
+    assert out.num_cached_tokens == 8 and out.num_computed_tokens == [8]
+    assert out.num_scheduled_tokens == [3] and out.is_sampling == [True]
+    assert scheduler.block_manager.block_table("second")[:2] == [0, 1]
+    check_block_accounting(scheduler)
+
+
+def test_a_preempted_sequence_resumes_from_its_cached_blocks() -> None:
+    scheduler = make_scheduler(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    a, b = make_seq("a", 3, max_tokens=8), make_seq("b", 2, max_tokens=8)
+    scheduler.add(a)
+    scheduler.add(b)
+    fake_step(scheduler)
+    fake_step(scheduler)  # a: 4 computed (2 blocks), b: 3 computed (2 blocks): the pool is full
+    out, _ = fake_step(scheduler)
+    assert out.preempted == [b]
+    scheduler.abort("a")
+    out, _ = fake_step(scheduler)
+    assert out.seqs == [b] and out.num_cached_tokens == 2 and out.num_scheduled_tokens == [2]
+    check_block_accounting(scheduler)
 
 
 def test_scheduler_is_constructible_from_the_builders() -> None:
