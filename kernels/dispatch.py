@@ -1,4 +1,5 @@
-"""The single dispatch point: Triton for CUDA tensors, the torch twin otherwise.
+"""The single dispatch point: Triton for CUDA tensors, the C++ CPU kernels for fp32 on AVX2 CPUs,
+the torch twins otherwise.
 
 The Triton modules are imported on first CUDA call only, so `import kernels` works where triton
 is missing or cannot initialise (CPU CI). If it fails on a CUDA machine the twin (which also runs
@@ -15,7 +16,9 @@ from types import ModuleType
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
+from kernels import cpu_paged_attention, cpu_skinny_linear
 from kernels.torch_kv_cache_write import write_kv_cache_torch
 from kernels.torch_paged_attention import paged_attention_torch
 
@@ -71,4 +74,21 @@ def paged_attention(
     args = (query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale)
     if query.is_cuda and (triton_attention := _triton_function("triton_paged_attention", "paged_attention_triton")):
         return triton_attention(*args, max_query_len=max_query_len, max_seq_len=max_seq_len)
+    if cpu_paged_attention.is_available(query):
+        return cpu_paged_attention.paged_attention_cpu(*args, max_query_len=max_query_len, max_seq_len=max_seq_len)
     return paged_attention_torch(*args, max_query_len=max_query_len, max_seq_len=max_seq_len)
+
+
+# Up to this many rows the skinny kernel beat MKL's sgemm on the model's shapes (576..3072 wide,
+# 1 and 2 threads, AVX2): `python scripts/bench_cpu_linear.py`. Past it, MKL's packed GEMM wins.
+MAX_SKINNY_ROWS = 32
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, through the skinny CPU kernel when x has few rows (fp32 on an AVX2 CPU)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (0 < rows <= MAX_SKINNY_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.device.type == "cpu" and weight.is_contiguous() and cpu_skinny_linear.is_available()):
+        out = cpu_skinny_linear.skinny_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
+        return out.view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)

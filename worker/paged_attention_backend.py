@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-from kernels import paged_attention, write_kv_cache
+from kernels import paged_attention, paged_attention_torch, write_kv_cache
 
 
 @dataclass(slots=True)
@@ -26,6 +26,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: key, value caches
+    use_cpu_kernels: bool = True  # False: CPU tensors take the torch twin (benchmarks' ablation)
 
 
 class PagedAttentionBackend:
@@ -65,7 +66,8 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)  # [num_tokens, num_heads, head_dim]
     write_kv_cache(key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache, value_cache, metadata.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = paged_attention(
+    attend = paged_attention if metadata.use_cpu_kernels or q.is_cuda else paged_attention_torch
+    out = attend(
         q, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
         metadata.query_start_loc, scale, metadata.max_query_len, metadata.max_seq_len,
     )

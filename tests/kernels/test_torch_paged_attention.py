@@ -67,8 +67,9 @@ def test_hints_do_not_change_the_result(paged_batch, mixed_lens):
     assert torch.equal(plain, hinted)
 
 
-def test_dispatch_runs_the_twin_on_cpu(paged_batch, mixed_lens):
-    batch = paged_batch(*mixed_lens)
+def test_dispatch_runs_the_twin_on_cpu_outside_fp32(paged_batch, mixed_lens):
+    # fp32 goes to the C++ kernel where it is built (tests/kernels/test_cpu_paged_attention.py).
+    batch = paged_batch(*mixed_lens, dtype=torch.bfloat16)
     assert torch.equal(paged_attention(*batch.args()), paged_attention_torch(*batch.args()))
 
 
@@ -77,14 +78,16 @@ def test_empty_batch(paged_batch):
     assert paged_attention_torch(*batch.args()).shape == (0, 4, 16)
 
 
+@pytest.mark.parametrize("attend", [paged_attention_torch, paged_attention], ids=["twin", "dispatch"])
 @pytest.mark.parametrize(("query_lens", "seq_lens"), [([3], [2]), ([1], [40])])
-def test_impossible_lengths_are_rejected(paged_batch, query_lens, seq_lens):
+def test_impossible_lengths_are_rejected(paged_batch, query_lens, seq_lens, attend):
+    # dispatch: the C++ kernel on an AVX2 CPU, which checks the lengths itself.
     batch = paged_batch([1], [2])
     batch.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
     batch.query_start_loc = torch.tensor([0, query_lens[0]], dtype=torch.int32)
     batch.query = torch.zeros(query_lens[0], 4, 16)
     with pytest.raises(ValueError, match="sequence 0"):
-        paged_attention_torch(*batch.args())
+        attend(*batch.args())
 
 
 def test_head_major_query_from_transformers(paged_batch, dense_reference, close, mixed_lens):

@@ -46,6 +46,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "chunked-prefill-8": {"max_num_batched_tokens": 8},
     "static": {"mode": BatchingMode.STATIC, "max_num_seqs": 8},
     "sequential": {"mode": BatchingMode.SEQUENTIAL},
+    "torch-only": {"enable_cpu_kernels": False},  # the twins: F.linear and the torch paged attention
 }
 
 
@@ -325,3 +326,21 @@ def test_kv_pool_is_sized_from_the_config(tiny_llama: Any) -> None:
 
 def test_random_prompts_builder_is_deterministic() -> None:
     assert random_prompts(12, seed=1) == random_prompts(12, seed=1)
+
+
+def test_cpu_kernels_switch_routes_the_linear_layers(tiny: TinyCase) -> None:
+    from kernels import cpu_extension
+    from worker.linear_layers import DispatchedLinear
+
+    def linear_classes() -> set[type]:
+        return {type(m) for m in tiny.loaded.model.modules() if isinstance(m, torch.nn.Linear)}
+
+    try:
+        engine = make_engine(tiny.loaded, enable_cpu_kernels=False)
+        assert not engine.runner.uses_cpu_kernels and linear_classes() == {torch.nn.Linear}
+        engine = make_engine(tiny.loaded)
+        built = cpu_extension.load() is not None
+        assert engine.runner.uses_cpu_kernels is built
+        assert linear_classes() == ({DispatchedLinear} if built else {torch.nn.Linear})
+    finally:
+        make_engine(tiny.loaded)  # leave the shared model as the other tests expect it

@@ -1,0 +1,84 @@
+"""Builds and loads Carpool's CPU kernels (C++ with AVX2 + FMA, in kernels/csrc/) as one extension.
+
+Compiled on first use (10-20 s, once per machine and source version, cached under
+~/.cache/carpool/kernels; torch rebuilds it when a source changes), loaded from that cache in
+well under a second afterwards. Where it cannot be built (no compiler, no AVX2) `load()` returns
+None after one warning, and callers keep using the pure-torch twins.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name("csrc") / name
+           for name in ("bindings.cpp", "skinny_linear.cpp", "paged_attention_cpu.cpp")]
+EXTENSION_NAME = "carpool_cpu_kernels"
+CPU_CAPABILITIES = ("AVX2", "AVX512")  # torch's names for CPUs that have AVX2 and FMA
+STALE_LOCK_SECONDS = 600.0
+# One build per torch and Python version (an extension is tied to both); torch rebuilds on a source change.
+BUILD_ROOT = Path.home() / ".cache" / "carpool" / "kernels"
+
+
+@functools.cache
+def load() -> ModuleType | None:
+    """The compiled module, or None where it cannot run here (said once, in the log)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in CPU_CAPABILITIES:
+        log.warning("Carpool's CPU kernels need AVX2; this CPU offers %s: using the torch twins", capability)
+        return None
+    from torch.utils import cpp_extension  # slow to import; only needed here
+
+    _put_ninja_on_path()
+    build_dir = BUILD_ROOT / f"{EXTENSION_NAME}-torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+    started = time.perf_counter()
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        _remove_stale_build_lock(build_dir)
+        module = cpp_extension.load(
+            EXTENSION_NAME, [str(source) for source in SOURCES], extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+            # -fopenmp: at::parallel_for runs serially without it. The extension binds to the
+            # libgomp.so.1 torch has already loaded, so both share one thread pool.
+            extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False,
+        )
+    except (OSError, RuntimeError, ImportError) as exc:  # no compiler, no ninja, a failed build
+        log.warning("could not build Carpool's CPU kernels (%s): using the torch twins", exc)
+        return None
+    log.info("Carpool's CPU kernels ready in %.1f s", time.perf_counter() - started)
+    return module
+
+
+def _remove_stale_build_lock(build_dir: Path) -> None:
+    """A build killed midway (SIGKILL) leaves torch's lock file behind, and every later load would
+    wait on it forever; a real build takes well under STALE_LOCK_SECONDS."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        log.warning("removing a %.0f s old build lock left by a killed build: %s", age, lock)
+        lock.unlink(missing_ok=True)
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` by name; the PyPI package puts it beside this interpreter, maybe off PATH."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        candidate = Path(sys.executable).parent
+    else:
+        candidate = Path(ninja.BIN_DIR)
+    os.environ["PATH"] = f"{candidate}{os.pathsep}{os.environ.get('PATH', '')}"

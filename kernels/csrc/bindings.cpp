@@ -1,0 +1,14 @@
+// The Python module of Carpool's CPU kernels: one extension, built once, for all of them.
+// torch/csrc/utils/pybind.h, not torch/extension.h: the same Tensor casters, a quarter of the build time.
+#include <torch/csrc/utils/pybind.h>
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+void paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const at::Tensor& query_start_loc, double scale, int64_t max_query_rows,
+                         at::Tensor& out);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("skinny_linear", &skinny_linear, "y = x @ weight.T (+ bias), fp32, few rows, AVX2+FMA");
+    m.def("paged_attention_cpu", &paged_attention_cpu, "paged causal attention, fp32, few query rows per sequence");
+}

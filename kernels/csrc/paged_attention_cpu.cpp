@@ -1,0 +1,181 @@
+// paged_attention_cpu: causal attention of a few query rows per sequence over its paged K/V cache,
+// fp32 on AVX2 CPUs. The pure-torch twin (kernels/torch_paged_attention.py) is its specification.
+//
+// Why: in a decode step each sequence has one query row and a short context. The twin gathers
+// every context into a padded tensor and calls SDPA; at these sizes the gather and SDPA's own
+// set-up cost more than the arithmetic (a third of a mid-size decode step). This kernel reads
+// K/V where they lie, through the block table.
+//
+// Algorithm, per (sequence, kv head) task: the addresses of the context's K/V rows are looked up
+// once; then for each query row j (absolute position p) and each query head sharing the kv head,
+// scores against keys 0..p (four keys at a time), a softmax in fp32 with the max subtracted, and
+// the weighted sum of V rows accumulated in registers. The task's K/V (a few KiB per hundred
+// positions) stays in L1/L2 across the group's heads. Sequences with more query rows than
+// max_query_rows are skipped (left untouched in `out`): the caller hands them to the twin.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+inline float horizontal_sum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// scores[t] = scale * <q, keys[t]> for t < n: four keys at a time, so four FMA chains run at once.
+inline void key_scores(const float* q, const float* const* keys, int64_t n, int64_t head_dim, float scale, float* scores) {
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t i = 0; i < head_dim; i += 8) {
+            const __m256 qv = _mm256_loadu_ps(q + i);
+            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[t] + i), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[t + 1] + i), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[t + 2] + i), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[t + 3] + i), a3);
+        }
+        scores[t] = horizontal_sum(a0) * scale;
+        scores[t + 1] = horizontal_sum(a1) * scale;
+        scores[t + 2] = horizontal_sum(a2) * scale;
+        scores[t + 3] = horizontal_sum(a3) * scale;
+    }
+    for (; t < n; ++t) {
+        __m256 a = _mm256_setzero_ps();
+        for (int64_t i = 0; i < head_dim; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(keys[t] + i), a);
+        scores[t] = horizontal_sum(a) * scale;
+    }
+}
+
+// exp(x) for x <= 0, 8 at a time (Cephes' expf: a degree-5 polynomial on [-ln2/2, ln2/2] times
+// 2^n; relative error about 2e-7). Scalar std::exp cost more than the whole attention arithmetic.
+inline __m256 exp_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // below this expf underflows anyway
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+}
+
+// In place: scores <- softmax(scores), in fp32 with the maximum subtracted.
+inline void softmax(float* scores, int64_t n) {
+    const float peak = *std::max_element(scores, scores + n);
+    const __m256 peak_v = _mm256_set1_ps(peak);
+    __m256 total_v = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + t), peak_v));
+        _mm256_storeu_ps(scores + t, e);
+        total_v = _mm256_add_ps(total_v, e);
+    }
+    float total = horizontal_sum(total_v);
+    for (; t < n; ++t) total += (scores[t] = std::exp(scores[t] - peak));
+    const float inv = 1.f / total;
+    for (t = 0; t < n; ++t) scores[t] *= inv;
+}
+
+// out = sum_t probs[t] * values[t]: up to 64 output floats held in registers across all keys.
+inline void weighted_values(const float* probs, const float* const* values, int64_t n, int64_t head_dim, float* out) {
+    for (int64_t d = 0; d < head_dim; d += 64) {
+        const int num_vecs = static_cast<int>(std::min<int64_t>(64, head_dim - d) / 8);
+        __m256 acc[8];
+        for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < n; ++t) {
+            const __m256 p = _mm256_set1_ps(probs[t]);
+            const float* v = values[t] + d;
+            for (int i = 0; i < num_vecs; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), acc[i]);
+        }
+        for (int i = 0; i < num_vecs; ++i) _mm256_storeu_ps(out + d + 8 * i, acc[i]);
+    }
+}
+
+// Values the kernel would follow blindly; std::invalid_argument reaches Python as ValueError.
+void check_lengths_and_tables(const int32_t* starts, const int32_t* lens, const int32_t* tables, int64_t num_seqs,
+                              int64_t table_width, int64_t block_size, int64_t num_blocks, int64_t num_tokens) {
+    if (starts[num_seqs] > num_tokens)
+        throw std::invalid_argument("query_start_loc ends at " + std::to_string(starts[num_seqs]) +
+                                    " but query has only " + std::to_string(num_tokens) + " rows");
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t q_len = starts[s + 1] - starts[s], ctx = lens[s];
+        if (q_len < 0 || ctx < q_len || ctx > table_width * block_size)
+            throw std::invalid_argument("sequence " + std::to_string(s) + ": need 0 <= query_len (" + std::to_string(q_len) +
+                                        ") <= seq_len (" + std::to_string(ctx) + ") <= max_num_blocks_per_seq * block_size (" +
+                                        std::to_string(table_width * block_size) + ")");
+        for (int64_t c = 0; c < (ctx + block_size - 1) / block_size; ++c) {
+            const int64_t block = tables[s * table_width + c];
+            if (block < 0 || block >= num_blocks)
+                throw std::invalid_argument("block_tables[" + std::to_string(s) + ", " + std::to_string(c) + "] = " +
+                                            std::to_string(block) + " is not a block id in [0, " + std::to_string(num_blocks) + ")");
+        }
+    }
+}
+
+}  // namespace
+
+// query: [num_tokens, num_heads, head_dim], head_dim contiguous; out: the same shape, contiguous; caches: [num_blocks, block_size, num_kv_heads, head_dim];
+// block_tables: [num_seqs, width] int32; seq_lens: [num_seqs] int32; query_start_loc: [num_seqs + 1] int32.
+void paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const at::Tensor& query_start_loc, double scale, int64_t max_query_rows,
+                         at::Tensor& out) {
+    // Shapes, dtypes and strides are checked by the Python wrapper; lengths and block ids here.
+    const int64_t num_seqs = seq_lens.size(0), num_heads = query.size(1), head_dim = query.size(2);
+    const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
+    const int64_t group = num_heads / num_kv_heads, table_width = block_tables.size(1);
+    const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
+    const int64_t q_token_stride = query.stride(0), q_head_stride = query.stride(1);
+    const float* q = query.data_ptr<float>();
+    const float* kc = key_cache.data_ptr<float>();
+    const float* vc = value_cache.data_ptr<float>();
+    const int32_t* tables = block_tables.data_ptr<int32_t>();
+    const int32_t* lens = seq_lens.data_ptr<int32_t>();
+    const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+    float* o = out.data_ptr<float>();
+    const float fscale = static_cast<float>(scale);
+    check_lengths_and_tables(starts, lens, tables, num_seqs, table_width, block_size, key_cache.size(0), query.size(0));
+
+    at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores;  // one query head's scores over the context
+        std::vector<const float*> keys, values;  // where each context position's K/V row lies
+        for (int64_t task = begin; task < end; ++task) {
+            const int64_t s = task / num_kv_heads, kv = task % num_kv_heads;
+            const int64_t first_row = starts[s], q_len = starts[s + 1] - starts[s], ctx = lens[s];
+            if (q_len == 0 || q_len > max_query_rows) continue;
+            const int32_t* table = tables + s * table_width;
+            scores.resize(static_cast<size_t>(ctx));
+            keys.resize(static_cast<size_t>(ctx));
+            values.resize(static_cast<size_t>(ctx));
+            for (int64_t t = 0; t < ctx; ++t) {
+                const int64_t offset = table[t / block_size] * block_stride + (t % block_size) * token_stride + kv * head_dim;
+                keys[t] = kc + offset;
+                values[t] = vc + offset;
+            }
+            for (int64_t j = 0; j < q_len; ++j) {
+                const int64_t row = first_row + j, num_keys = ctx - q_len + j + 1;  // causal: keys 0..position
+                for (int64_t g = 0; g < group; ++g) {
+                    const int64_t head = kv * group + g;
+                    key_scores(q + row * q_token_stride + head * q_head_stride, keys.data(), num_keys, head_dim, fscale,
+                               scores.data());
+                    softmax(scores.data(), num_keys);
+                    weighted_values(scores.data(), values.data(), num_keys, head_dim, o + (row * num_heads + head) * head_dim);
+                }
+            }
+        }
+    });
+}

@@ -1,0 +1,65 @@
+"""The skinny CPU linear kernel against torch's F.linear (MKL) on the model's weight shapes.
+
+    python scripts/bench_cpu_linear.py                    # SmolLM2's shapes, 1 and 2 threads
+    python scripts/bench_cpu_linear.py --rows 1,8,32 --threads 2
+
+For each row count, the time of one pass over all 30 layers' 7 projections (q, k, v, o, gate, up,
+down), as a decode step makes it, and the ratio. Weights are far larger than the caches, as in a
+real step. kernels.dispatch.MAX_SKINNY_ROWS is set from this table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_extension, cpu_skinny_linear
+
+NUM_LAYERS = 30
+SHAPES = {  # [out_features, in_features] of SmolLM2-135M
+    "q": (576, 576), "k": (192, 576), "v": (192, 576), "o": (576, 576),
+    "gate": (1536, 576), "up": (1536, 576), "down": (576, 1536),
+}
+
+
+def time_pass(rows: int, weights: dict[str, list[torch.Tensor]],
+              linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], repeats: int) -> float:
+    inputs = {name: torch.randn(rows, shape[1]) for name, shape in SHAPES.items()}
+
+    def one_pass() -> None:
+        for layer in range(NUM_LAYERS):
+            for name in SHAPES:
+                linear(inputs[name], weights[name][layer])
+
+    one_pass()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        one_pass()
+    return (time.perf_counter() - started) / repeats
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", default="1,2,4,8,16,24,32,48,64")
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    if cpu_extension.load() is None:
+        raise SystemExit("the CPU kernels cannot be built here (no AVX2 or no compiler)")
+    weights = {name: [torch.randn(*shape) for _ in range(NUM_LAYERS)] for name, shape in SHAPES.items()}
+    print(f"{'threads':>7}{'rows':>6}{'F.linear ms':>13}{'skinny ms':>11}{'speed-up':>10}")
+    for threads in (int(t) for t in args.threads.split(",")):
+        torch.set_num_threads(threads)
+        for rows in (int(r) for r in args.rows.split(",")):
+            reference = time_pass(rows, weights, F.linear, args.repeats)
+            skinny = time_pass(rows, weights, cpu_skinny_linear.skinny_linear, args.repeats)
+            print(f"{threads:>7}{rows:>6}{reference * 1e3:>13.1f}{skinny * 1e3:>11.1f}{reference / skinny:>9.2f}x", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

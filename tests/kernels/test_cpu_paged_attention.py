@@ -1,0 +1,53 @@
+"""The C++ CPU paged-attention kernel against the dense reference and its twin."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_extension, cpu_paged_attention, paged_attention, paged_attention_torch
+from kernels.cpu_paged_attention import MAX_QUERY_ROWS, paged_attention_cpu
+
+pytestmark = pytest.mark.skipif(cpu_extension.load() is None, reason="no AVX2 or no compiler here")
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (9, 3)])
+def test_mixed_batch_matches_dense(paged_batch, dense_reference, close, mixed_lens, head_dim, num_heads, num_kv_heads):
+    # The mixed batch holds a 20- and a 33-row chunk: those go through the twin, the rest through C++.
+    batch = paged_batch(*mixed_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                        seed=head_dim)
+    close(paged_attention_cpu(*batch.args()), dense_reference(batch), torch.float32)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+def test_decodes_and_short_chunks_over_shuffled_blocks(paged_batch, dense_reference, close, block_size):
+    # Every sequence within the kernel's reach; unused table entries hold garbage, unowned slots NaN.
+    query_lens = [1, 1, MAX_QUERY_ROWS, 3, 1, 0]
+    seq_lens = [1, 300, MAX_QUERY_ROWS + 40, 3, 77, 12]
+    batch = paged_batch(query_lens, seq_lens, num_heads=9, num_kv_heads=3, head_dim=64, block_size=block_size,
+                        seed=block_size)
+    close(paged_attention_cpu(*batch.args()), dense_reference(batch), torch.float32)
+
+
+def test_padding_rows_are_zero_and_head_major_query_is_read_in_place(paged_batch, dense_reference, close, mixed_lens):
+    batch = paged_batch(*mixed_lens, num_heads=4, num_kv_heads=2, extra_tokens=3)
+    batch.query = batch.query.transpose(0, 1).contiguous().transpose(0, 1)  # as transformers hands it over
+    out = paged_attention_cpu(*batch.args())
+    assert torch.equal(out[-3:], torch.zeros_like(out[-3:]))
+    close(out, dense_reference(batch), torch.float32)
+
+
+def test_dispatch_picks_the_kernel_for_fp32_on_cpu(paged_batch, mixed_lens):
+    batch = paged_batch(*mixed_lens, num_heads=9, num_kv_heads=3, head_dim=64)
+    assert cpu_paged_attention.is_available(batch.query)
+    assert torch.equal(paged_attention(*batch.args()), paged_attention_cpu(*batch.args()))
+    torch.testing.assert_close(paged_attention(*batch.args()), paged_attention_torch(*batch.args()),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_a_table_entry_outside_the_pool_is_refused(paged_batch):
+    batch = paged_batch([1], [20], block_size=16)  # uses two blocks
+    batch.block_tables[0, 1] = batch.key_cache.shape[0]
+    with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = .* is not a block id"):
+        paged_attention_cpu(*batch.args())
