@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 import redis
 import redis.asyncio as aioredis
+import redis.asyncio.retry
+import redis.retry
 from fastapi import Request
+from redis.backoff import NoBackoff
 
 from api.auth import ApiKeyAuth
 from api.job_service import JobService
@@ -15,6 +18,13 @@ from api.model_registry import ModelRegistry
 from api.settings import ApiSettings
 from api.tokenizer_cache import TokenizerCache
 from protocol import Keys
+
+# No retries, pinned: Redis down answers 503 at once and a hung Redis after one socket timeout.
+# redis-py's constructor defaults to 10 retries backing off up to 1 s (a hung Redis would hold a
+# request for 11 timeouts); from_url happens to give 0 today. A pooled connection that a Redis
+# restart closed needs no retry: the pool checks a connection as it hands it out.
+REDIS_RETRIES = 0
+_NO_BACKOFF = NoBackoff()
 
 
 @dataclass(slots=True)
@@ -34,12 +44,14 @@ class AppContext:
         # A socket timeout must outlast the XREAD BLOCK of a waiting stream.
         socket_timeout = timeout + settings.stream_block_ms / 1000
         if aio is None:
-            aio = aioredis.Redis.from_url(settings.redis_url, decode_responses=True,
-                                          socket_connect_timeout=timeout,
-                                          socket_timeout=socket_timeout)
+            aio = aioredis.Redis.from_url(
+                settings.redis_url, decode_responses=True, socket_connect_timeout=timeout,
+                socket_timeout=socket_timeout,
+                retry=redis.asyncio.retry.Retry(_NO_BACKOFF, REDIS_RETRIES))
         if sync is None:
             sync = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=timeout,
-                                        socket_timeout=timeout)
+                                        socket_timeout=timeout,
+                                        retry=redis.retry.Retry(_NO_BACKOFF, REDIS_RETRIES))
         keys = Keys(prefix=settings.keys_prefix)
         models = ModelRegistry(aio, keys, settings.retry_after_s)
         tokenizers = TokenizerCache(aio, keys)

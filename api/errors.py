@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,8 +54,9 @@ class InvalidRequestError(ApiError):
     error_type = "invalid_request_error"
 
     def __init__(self, message: str, *, param: str | None = None,
-                 code: str = "invalid_value") -> None:
+                 code: str = "invalid_value", location: str = "body") -> None:
         super().__init__(message, param=param, code=code)
+        self.location = location  # where the param is: body, header, query or path
 
 
 class AuthenticationError(ApiError):
@@ -73,6 +75,14 @@ class NotFoundError(ApiError):
 class ConflictError(ApiError):
     status_code = 409
     error_type = "invalid_request_error"
+
+
+class PayloadTooLargeError(ApiError):
+    status_code = 413
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="request_too_large")
 
 
 class QueueFullError(ApiError):
@@ -108,13 +118,20 @@ class ErrorJSONResponse(JSONResponse):
                           separators=(",", ":")).encode()
 
 
-def _finite(value: Any) -> Any:
+# How deep an echoed input is rendered: a body nested hundreds of levels deep (valid JSON) would
+# otherwise overflow the stack while its error is rendered, and answer a 500 instead of the 422.
+_MAX_ECHO_DEPTH = 16
+
+
+def _finite(value: Any, depth: int = 0) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
+    if isinstance(value, dict | list | tuple) and depth >= _MAX_ECHO_DEPTH:
+        return "..."
     if isinstance(value, dict):
-        return {str(k): _finite(v) for k, v in value.items()}
+        return {str(k): _finite(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
+        return [_finite(v, depth + 1) for v in value]
     if value is None or isinstance(value, str | int | float | bool):
         return value
     return str(value)  # e.g. the exception pydantic puts in an error's ctx
@@ -136,7 +153,7 @@ def error_response(request: Request, error: ApiError) -> JSONResponse:
         return ErrorJSONResponse(body, status_code=status, headers=error.headers)
     if isinstance(error, InvalidRequestError):
         # Same shape as FastAPI's own 422s, so clients parse one format for every invalid field.
-        loc = ["body", *error.param.split(".")] if error.param else ["body"]
+        loc = [error.location, *error.param.split(".")] if error.param else [error.location]
         detail: Any = [{"loc": loc, "msg": error.message, "type": error.code or "value_error"}]
     else:
         detail = error.message
@@ -153,9 +170,8 @@ def describe_validation_error(errors: Sequence[Any]) -> tuple[str, str | None]:
     param = ".".join(str(part) for part in loc) or None
     kind = first.get("type", "")
     message = clean_message(first.get("msg", "invalid"))
-    if kind == "json_invalid":
-        reason = first.get("ctx", {}).get("error", "")
-        return f"The request body is not valid JSON ({reason})", None
+    if kind in (JSON_INVALID, CONTENT_TYPE):
+        return message, None  # written whole by readable_body_errors
     if kind == "extra_forbidden":
         return f"Unrecognized request argument supplied: {param}", param
     if kind == "missing":
@@ -169,6 +185,64 @@ def describe_validation_error(errors: Sequence[Any]) -> tuple[str, str | None]:
     if kind != "value_error" and isinstance(got, str | int | float | bool):
         shown = f" (got {json.dumps(got)[:80]})"
     return f"Invalid value for '{param}': {message}{shown}", param
+
+
+# Error types of a body that is not a JSON document at all (no field to name).
+JSON_INVALID = "json_invalid"
+CONTENT_TYPE = "content_type"
+
+
+def readable_body_errors(request: Request, errors: Sequence[Any]) -> list[dict[str, Any]]:
+    """FastAPI's errors, with the two that concern the whole body rewritten to say what to fix:
+    JSON that does not parse ("JSON decode error" alone names neither the problem nor where), and
+    a body that was not sent as JSON (pydantic then complains it got bytes, not an object)."""
+    readable = []
+    for error in errors:
+        error = dict(error)
+        if error.get("type") == JSON_INVALID and error.get("msg") == "JSON decode error":
+            reason = error.get("ctx", {}).get("error", "")
+            at = error.get("loc", ())[1:]
+            where = f" at character {at[0]}" if at else ""
+            error["msg"] = f"The request body is not valid JSON ({reason}{where})"
+        elif tuple(error.get("loc", ())) == ("body",) and error.get("type") == "missing":
+            error["msg"] = "The request body is missing: send a JSON object"
+        elif tuple(error.get("loc", ())) == ("body",) and isinstance(error.get("input"), bytes):
+            content_type = request.headers.get("content-type")
+            got = f"'{content_type}'" if content_type else "none"
+            error = {"type": CONTENT_TYPE, "loc": ("body",), "input": None,
+                     "msg": "The request body must be a JSON object sent with 'Content-Type: "
+                            f"application/json' (got Content-Type {got})"}
+        readable.append(error)
+    return readable
+
+
+def unreadable_body_error(cause: BaseException | None) -> RequestValidationError | None:
+    """The 400 'There was an error parsing the body' FastAPI answers when json.loads fails other
+    than on syntax, as the invalid-JSON error it is, saying why; None for any other cause."""
+    if isinstance(cause, UnicodeDecodeError):
+        reason = (f"byte 0x{cause.object[cause.start]:02x} at position {cause.start} is not "
+                  "UTF-8; encode the JSON as UTF-8")
+    elif isinstance(cause, RecursionError):
+        reason = "it is nested too deeply"
+    elif isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        # CPython refuses to parse an integer literal this long (a denial-of-service guard).
+        reason = f"a number has more than {sys.get_int_max_str_digits()} digits"
+    else:
+        return None
+    return RequestValidationError([{
+        "type": JSON_INVALID, "loc": ("body",), "input": None,
+        "msg": f"The request body is not valid JSON ({reason})", "ctx": {"error": reason}}])
+
+
+def routing_detail(request: Request, status_code: int, headers: dict[str, str]) -> str | None:
+    """What the router's bare "Not Found" / "Method Not Allowed" should have said."""
+    if status_code == 404 and request.scope.get("route") is None:
+        return (f"No route {request.method} {request.url.path}: the routes are listed at /docs "
+                "(job ids go in /v1/jobs/{job_id}, so they cannot contain '/')")
+    if status_code == 405:
+        allowed = headers.get("allow", headers.get("Allow", ""))
+        return f"{request.method} is not allowed on {request.url.path}; use {allowed}"
+    return None
 
 
 def clean_message(message: str) -> str:
@@ -187,19 +261,24 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
 
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
+        errors = readable_body_errors(request, exc.errors())
         if is_openai_route(request):
-            message, param = describe_validation_error(exc.errors())
+            message, param = describe_validation_error(errors)
             body = openai_error_body(message, "invalid_request_error", param, "invalid_value")
             return ErrorJSONResponse(body, status_code=400)
-        return ErrorJSONResponse({"detail": _jsonable_errors(exc.errors())}, status_code=422)
+        return ErrorJSONResponse({"detail": _jsonable_errors(errors)}, status_code=422)
 
     async def on_http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
+        unreadable = unreadable_body_error(exc.__cause__)
+        if unreadable is not None:
+            return await on_validation_error(request, unreadable)
         headers = dict(exc.headers or {})
+        detail = routing_detail(request, exc.status_code, headers) or exc.detail
         if is_openai_route(request):
-            body = openai_error_body(str(exc.detail), "invalid_request_error", None, None)
+            body = openai_error_body(str(detail), "invalid_request_error", None, None)
             return ErrorJSONResponse(body, status_code=exc.status_code, headers=headers)
-        return ErrorJSONResponse({"detail": exc.detail}, status_code=exc.status_code,
+        return ErrorJSONResponse({"detail": detail}, status_code=exc.status_code,
                                  headers=headers)
 
     async def on_redis_down(request: Request, exc: Exception) -> JSONResponse:

@@ -10,8 +10,11 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BeforeValidator, Field
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
-SEED_MIN = -(2**63)
-SEED_MAX = 2**64 - 1
+# The worker's own limits (worker/sampling_params.py): a job the API accepts past them would only
+# fail on the worker, after a 202. tests/reliability checks the two stay equal.
+MAX_STOP_STRING_CHARS = 256
+SEED_MIN = 0
+SEED_MAX = 2**63 - 1
 
 
 def _stop_as_list(value: Any) -> Any:
@@ -47,13 +50,18 @@ TopK = Annotated[int, Field(
     strict=True, ge=0, description="Keep only the k most likely tokens; 0 disables the filter.")]
 Seed = Annotated[int | None, Field(
     strict=True, ge=SEED_MIN, le=SEED_MAX,
-    description="Seed for sampling: the same seed, prompt and parameters give the same tokens.")]
+    description="Seed for sampling, 0 to 2**63-1: the same seed, prompt and parameters give the "
+                "same tokens.")]
+StopString = Annotated[str, Field(strict=True, min_length=1, max_length=MAX_STOP_STRING_CHARS),
+                       AfterValidator(_valid_unicode)]
 StopStrings = Annotated[
-    list[NonEmptyText],
-    BeforeValidator(_stop_as_list),
+    list[StopString],
+    # The documented input is what _stop_as_list takes (null, one string or a list), so that the
+    # OpenAPI spec admits exactly what the route accepts.
+    BeforeValidator(_stop_as_list, json_schema_input_type=StopString | list[StopString] | None),
     Field(max_length=MAX_STOP_STRINGS,
-          description=f"Up to {MAX_STOP_STRINGS} strings; generation stops before any of them "
-                      "(one string or a list)."),
+          description=f"Up to {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} "
+                      "characters; generation stops before any of them (one string or a list)."),
 ]
 IgnoreEos = Annotated[bool, Field(
     strict=True, description="Keep generating past the end-of-sequence token (for benchmarks).")]

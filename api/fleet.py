@@ -36,17 +36,33 @@ class FleetSnapshot:
     histograms: dict[str, dict[str, str]]  # name -> the raw hash fields
 
 
+# One round trip however many workers there are: RQ's worker registry (every Carpool worker
+# registers there under its own name), then each member's stats hash. KEYS: the registry. ARGV:
+# the members' prefix (rq:worker:), then the prefix and suffix of a stats key around the name.
+_LIVE_WORKERS_LUA = """
+local found = {}
+for _, member in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+  local name = string.sub(member, #ARGV[1] + 1)
+  local fields = redis.call('HGETALL', ARGV[2] .. name .. ARGV[3])
+  if #fields > 0 then found[#found + 1] = fields end
+end
+return found
+"""
+
+
 async def live_workers(redis: aioredis.Redis, keys: Keys) -> list[WorkerStats]:
-    """Workers whose TTL'd stats hash still exists, i.e. that reported recently."""
-    names = [name async for name in redis.scan_iter(match=keys.worker_stats_pattern(), count=200)]
-    if not names:
-        return []
-    async with redis.pipeline(transaction=False) as pipe:
-        for name in names:
-            pipe.hgetall(name)
-        replies = await pipe.execute()
-    # A hash can expire between SCAN and HGETALL: an empty reply is a worker that just left.
-    workers = [WorkerStats.from_fields(fields) for fields in replies if fields]
+    """Workers whose TTL'd stats hash still exists, i.e. that reported recently.
+
+    A registered worker without stats died without unregistering (SIGKILL) or is not a Carpool
+    worker. (A SCAN for the stats keys walked the whole keyspace, every job's keys, at each
+    /healthz: tens of round trips once a few thousand jobs were kept.)
+    """
+    stats_prefix, _, stats_suffix = keys.worker_stats("\x00").partition("\x00")
+    script = redis.register_script(_LIVE_WORKERS_LUA)
+    replies = await script(keys=[RQKeys.workers_set()],
+                           args=[RQKeys.worker(""), stats_prefix, stats_suffix])
+    workers = [WorkerStats.from_fields(dict(zip(fields[::2], fields[1::2])))
+               for fields in replies]
     return sorted(workers, key=lambda worker: worker.name)
 
 

@@ -16,8 +16,9 @@ import redis
 import redis.asyncio as aioredis
 
 from api.chat_template import ChatTemplateError, render_chat
-from api.errors import InvalidRequestError, NotFoundError, QueueFullError
+from api.errors import InvalidRequestError, NotFoundError
 from api.model_registry import ModelRegistry
+from api.queue_admission import QueueAdmission
 from api.tokenizer_cache import TokenizerCache
 from protocol import JobSpec, JobState, JobStatus, Keys, ModelCard, Priority
 from protocol.job_submission import cancel_job, submit_job
@@ -66,8 +67,7 @@ class JobService:
         self._keys = keys
         self._models = models
         self._tokenizers = tokenizers
-        self._max_queue_depth = max_queue_depth
-        self._retry_after_s = retry_after_s
+        self._admission = QueueAdmission(max_queue_depth, retry_after_s, self._queue_depth)
 
     async def queue_depths(self) -> dict[Priority, int]:
         async with self._aio.pipeline(transaction=False) as pipe:
@@ -76,24 +76,23 @@ class JobService:
             depths = await pipe.execute()
         return dict(zip(Priority.ordered(), depths))
 
+    async def _queue_depth(self) -> int:
+        return sum((await self.queue_depths()).values())
+
     async def submit(self, request: GenerationRequest) -> AcceptedJob:
         card = await self._models.resolve(request.model)
         prompt_tokens, is_exact = await self._count_prompt(card, request)
         max_tokens = self._check_lengths(card, request, prompt_tokens, is_exact)
-        depth = sum((await self.queue_depths()).values())
-        if depth >= self._max_queue_depth:
-            raise QueueFullError(
-                f"The job queue is full ({depth} jobs waiting, the limit is "
-                f"{self._max_queue_depth}); retry later", self._retry_after_s)
-        spec = JobSpec(
-            job_id=new_job_id(), model=card.name, prompt=request.prompt,
-            messages=request.messages, max_tokens=max_tokens, temperature=request.temperature,
-            top_p=request.top_p, top_k=request.top_k, seed=request.seed, stop=list(request.stop),
-            ignore_eos=request.ignore_eos, priority=request.priority, owner=request.owner,
-            created_at=time.time(),
-        )
-        # RQ is sync: run it in a worker thread rather than block the event loop.
-        await anyio.to_thread.run_sync(submit_job, self._sync, spec, self._keys)
+        async with self._admission.admit():
+            spec = JobSpec(
+                job_id=new_job_id(), model=card.name, prompt=request.prompt,
+                messages=request.messages, max_tokens=max_tokens, temperature=request.temperature,
+                top_p=request.top_p, top_k=request.top_k, seed=request.seed,
+                stop=list(request.stop), ignore_eos=request.ignore_eos,
+                priority=request.priority, owner=request.owner, created_at=time.time(),
+            )
+            # RQ is sync: run it in a worker thread rather than block the event loop.
+            await anyio.to_thread.run_sync(submit_job, self._sync, spec, self._keys)
         return AcceptedJob(spec, prompt_tokens)
 
     async def state(self, job_id: str, owner: str) -> JobState:

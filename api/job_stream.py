@@ -15,11 +15,15 @@ import redis.asyncio as aioredis
 from protocol import FinishReason, JobState, JobStatus, Keys, StreamEntry
 
 STREAM_START = "0-0"
-_ENTRY_ID = re.compile(r"^\d+-\d+$")
+# ASCII digits only: \d would also take "１-２", which Python's int() reads and Redis refuses.
+_ENTRY_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})", re.ASCII)
+_MAX_ID_PART = 2**64 - 1  # each half of a Redis stream id is an unsigned 64-bit integer
 
 
 def is_entry_id(value: str) -> bool:
-    return bool(_ENTRY_ID.match(value))
+    """Whether Redis takes `value` as a stream id (XREAD refuses '0-99999999999999999999')."""
+    match = _ENTRY_ID.fullmatch(value)
+    return match is not None and all(int(part) <= _MAX_ID_PART for part in match.groups())
 
 
 @dataclass(frozen=True, slots=True)

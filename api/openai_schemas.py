@@ -67,7 +67,11 @@ class StreamOptions(BaseModel):
 
 
 class _CommonParams(BaseModel):
-    """Parameters shared by /v1/completions and /v1/chat/completions."""
+    """Parameters shared by /v1/completions and /v1/chat/completions.
+
+    Every number and flag is strict, as in api/fields.py: lax pydantic would take `"store": 0.0`
+    for false and `"top_logprobs": 0.0` for 0, accepting what the published schema says is invalid.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -80,8 +84,9 @@ class _CommonParams(BaseModel):
     stream_options: StreamOptions | None = Field(None, description="With stream: include_usage.")
     stop: StopStrings = []
     seed: Seed = None
-    presence_penalty: float = Field(0.0, description="Only 0 (no penalty) is supported.")
-    frequency_penalty: float = Field(0.0, description="Only 0 (no penalty) is supported.")
+    presence_penalty: float = Field(0.0, strict=True, description="Only 0 (no penalty) is supported.")
+    frequency_penalty: float = Field(0.0, strict=True,
+                                     description="Only 0 (no penalty) is supported.")
     logit_bias: dict[str, float] | None = Field(None, description="Not supported (must be empty).")
     user: str | None = Field(None, description="Accepted and ignored.")
     # Extensions (vLLM users know top_k and ignore_eos; pass them in extra_body).
@@ -125,8 +130,8 @@ class CompletionRequest(_CommonParams):
     max_tokens: MaxTokens = 16
     suffix: str | None = Field(None, description="Not supported (insertion).")
     echo: bool = Field(False, strict=True, description="Only false is supported.")
-    logprobs: int | None = Field(None, description="Not supported.")
-    best_of: int | None = Field(None, description="Only 1 is supported.")
+    logprobs: int | None = Field(None, strict=True, description="Not supported.")
+    best_of: int | None = Field(None, strict=True, description="Only 1 is supported.")
 
     @field_validator("suffix")
     @classmethod
@@ -177,13 +182,14 @@ class ChatCompletionRequest(_CommonParams):
     max_tokens: MaxTokens | None = Field(
         None, description="Most tokens to generate; default: what the context leaves.")
     max_completion_tokens: MaxTokens | None = Field(None, description="Newer name of max_tokens.")
-    logprobs: bool | None = Field(None, description="Only false is supported.")
-    top_logprobs: int | None = Field(None, description="Not supported.")
+    logprobs: bool | None = Field(None, strict=True, description="Only false is supported.")
+    top_logprobs: int | None = Field(None, strict=True, description="Not supported.")
     response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'}.")
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported (must be empty).")
     tool_choice: str | dict[str, Any] | None = Field(None, description="Only 'none'.")
-    parallel_tool_calls: bool | None = Field(None, description="Accepted and ignored (no tools).")
-    store: bool | None = Field(None, description="Accepted and ignored.")
+    parallel_tool_calls: bool | None = Field(None, strict=True,
+                                             description="Accepted and ignored (no tools).")
+    store: bool | None = Field(None, strict=True, description="Accepted and ignored.")
     metadata: dict[str, str] | None = Field(None, description="Accepted and ignored.")
 
     @field_validator("logprobs")

@@ -34,10 +34,18 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     404: {"model": ErrorDetail, "description": "No such job, or another key's job."},
     503: {"model": ErrorDetail, "description": "Redis is unreachable (see Retry-After)."},
 }
+# The same, spelled out for the stream route: given a model, FastAPI documents an error under the
+# route's own media type (text/event-stream), but errors are always JSON.
+_STREAM_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"description": error["description"], "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/ErrorDetail"}}}}
+    for code, error in _ERRORS.items()
+}
 
 
 @router.post("", status_code=202, response_model=JobAccepted, summary="Submit a generation job",
              responses={**_ERRORS, 422: {"description": "Invalid field (the message names it)."},
+                        413: {"model": ErrorDetail, "description": "Body over the size limit."},
                         429: {"model": ErrorDetail, "description": "Queue full (see Retry-After)."}})
 async def create_job(body: JobCreate, request: Request, response: Response, owner: Owner,
                      ctx: Context) -> JobAccepted:
@@ -73,7 +81,7 @@ async def get_job(job_id: JobId, request: Request, owner: Owner, ctx: Context) -
 @router.get(
     "/{job_id}/stream", summary="Follow a job's tokens (Server-Sent Events)",
     response_class=EventStreamResponse, status_code=200,
-    responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}, "description": (
+    responses={**_STREAM_ERRORS, 200: {"content": {"text/event-stream": {}}, "description": (
         "One `token` event per token (`id` = its stream entry id; data: index, token_id, text), "
         "then one `done` event (data: finish_reason, usage, error). Comment lines keep an idle "
         "connection alive. Reconnect with `Last-Event-ID` to get exactly the events after it.")},
@@ -89,9 +97,11 @@ async def stream_job(
     await ctx.jobs.state(job_id, owner)  # 404 before any byte of the stream is sent
     resume_from = last_event_id or after or STREAM_START
     if not is_entry_id(resume_from):
+        name, location = ("Last-Event-ID", "header") if last_event_id else ("after", "query")
         raise InvalidRequestError(
-            f"'Last-Event-ID' must be an event id of this stream such as '0-3' (got {resume_from!r})",
-            param="last_event_id")
+            f"'{name}' must be an event id of this stream such as '0-3' (got {resume_from!r})",
+            # FastAPI's own errors name a header as it is sent: last-event-id.
+            param="last-event-id" if last_event_id else "after", location=location)
     stream = ctx.stream(job_id)
     last = await stream.last_event()
     if last is not None and last.is_done and _id_key(last.entry_id) <= _id_key(resume_from):

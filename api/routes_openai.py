@@ -45,6 +45,7 @@ Context = Annotated[AppContext, Depends(get_context)]
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": OpenAIError, "description": what} for code, what in (
         (400, "Invalid request (the message names the field)."), (401, "Missing or wrong API key."),
+        (413, "Body over the size limit."),
         (429, "Queue full (see Retry-After)."), (500, "The job failed."),
         (503, "Redis unreachable or no model registered yet (see Retry-After)."))
 }

@@ -27,6 +27,10 @@ class ApiSettings(BaseSettings):
         1000, ge=1, description="Jobs waiting over all priority queues before submissions get 429."
     )
     retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 429 and 503 answers.")
+    max_body_bytes: int = Field(
+        2 * 1024 * 1024, ge=1024,
+        description="Largest request body accepted; a larger one is answered 413 unread. Two MiB "
+                    "holds a 1M-character prompt, far past any served model's context.")
     stream_block_ms: int = Field(
         1000, ge=10, le=60_000,
         description="XREAD BLOCK timeout: how often a waiting stream re-checks the job and client.",

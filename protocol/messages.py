@@ -311,6 +311,9 @@ class WorkerStats:
     slot_utilisation: float = 0.0
     max_num_seqs: int = 0
     updated_at: float = 0.0
+    # Jobs the worker holds a lease on (in its batch or about to end). Idle, this and
+    # num_kv_blocks_used must both be 0: anything else is a leak.
+    num_jobs: int = 0
 
     def to_fields(self) -> dict[str, str]:
         return {k: str(v) for k, v in asdict(self).items()}

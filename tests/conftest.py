@@ -6,7 +6,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,13 +52,14 @@ class RedisServer:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, appendonly: bool = False) -> None:
+    def start(self, appendonly: bool = False, extra_args: Sequence[str] = ()) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.skip("redis-server is not installed (apt-get install redis-server)")
         self.process = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes" if appendonly else "no", "--dir", str(self.directory)],
+             "--appendonly", "yes" if appendonly else "no", "--dir", str(self.directory),
+             *extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 10
@@ -75,6 +76,13 @@ class RedisServer:
     def stop(self) -> None:
         if self.process is not None:
             self.process.terminate()
+            self.process.wait(timeout=10)
+            self.process = None
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, not a shutdown (nothing is flushed that was not already)."""
+        if self.process is not None:
+            self.process.kill()
             self.process.wait(timeout=10)
             self.process = None
 
@@ -97,3 +105,11 @@ def redis_url(redis_server: RedisServer) -> str:
     """A clean database on the session's real Redis server."""
     redis_server.flush()
     return redis_server.url
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Build the C++ CPU kernels once, here, before any test starts worker processes: a worker that a
+    # test SIGKILLs in the middle of that first build would leave its build lock behind.
+    from kernels import cpu_extension
+
+    cpu_extension.load()

@@ -51,7 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s {settings.name} %(name)s %(levelname)s %(message)s")
     from redis import Redis
+    from redis.backoff import NoBackoff
     from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.retry import Retry
 
     from worker.batching_worker import BatchingWorker
     from worker.engine import Engine
@@ -60,7 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     redis = Redis.from_url(settings.redis_url, socket_timeout=settings.redis_timeout_seconds
                            + settings.idle_block_seconds,
                            socket_connect_timeout=settings.redis_timeout_seconds,
-                           health_check_interval=30)
+                           health_check_interval=30,
+                           # One quiet retry on a fresh connection (a pooled one may predate a
+                           # Redis restart); beyond that the worker backs off and logs itself.
+                           retry=Retry(NoBackoff(), 1))
     try:
         redis.ping()
     except RedisConnectionError as exc:

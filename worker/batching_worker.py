@@ -8,6 +8,8 @@ Each iteration:
      checks + stats + metrics (+ RQ heartbeat and recovery when due).
 Idle, it blocks on the queues (BLPOP with a timeout, so heartbeats and recovery keep running).
 SIGTERM drains: no new jobs, running ones get `drain_seconds` to finish, the rest are requeued.
+Redis unreachable (restart, failover, network): every Redis step retries with capped exponential
+backoff and jitter, logging each retry; jobs are dropped only once their leases must have lapsed.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from rq.worker import WorkerStatus
 
 from protocol.keys import Keys
 from protocol.messages import FinishReason, JobSpec, JobStatus, ModelCard, WorkerStats
+from worker.backoff import Backoff
 from worker.engine import Engine, StepOutput, StepStats
 from worker.engine_config import BatchingMode
 from worker.job_queue import ClaimedJob, JobQueue
@@ -78,6 +81,8 @@ class BatchingWorker:
         self._last_stats: StepStats | None = None
         self._num_kv_blocks_total = 0
         self.model_names = {settings.served_model_name, settings.model}
+        self._backoff = Backoff(base_s=settings.redis_backoff_base_seconds,
+                                cap_s=settings.redis_backoff_cap_seconds)
 
     # Lifecycle.
     def install_signal_handlers(self) -> None:
@@ -165,22 +170,43 @@ class BatchingWorker:
             return []
         budget = self.engine.num_free_kv_blocks() if self.engine.has_unfinished() else None
         try:
-            return self.queue.claim(free_slots, budget)
+            claims = self.queue.claim(free_slots, budget)
         except _REDIS_DOWN as exc:
-            log.warning("claim failed (%s); retrying next iteration", exc)
-            time.sleep(0.5)
+            self._redis_unreachable("claiming jobs", exc)
             return []
+        self._redis_reachable()
+        return claims
 
     def _wait_for_jobs(self) -> list[ClaimedJob]:
         try:
             popped = self.queue.wait(self.settings.idle_block_seconds)
-            if popped is None:
-                return []
-            return self.queue.claim(max(1, self._free_slots()), None, adopt=popped)
         except _REDIS_DOWN as exc:
-            log.warning("waiting for jobs failed (%s); retrying", exc)
-            time.sleep(0.5)
+            self._redis_unreachable("waiting for jobs", exc)
             return []
+        self._redis_reachable()
+        if popped is None:
+            return []
+        # The id is off its queue now and only this claim records it anywhere: giving up here
+        # would lose the job, so retry until Redis answers. (A claim that ran but whose reply
+        # was lost is harmless to repeat: the job is claimed again, under a new lease.)
+        while True:
+            try:
+                claims = self.queue.claim(max(1, self._free_slots()), None, adopt=popped)
+            except _REDIS_DOWN as exc:
+                self._redis_unreachable(f"claiming popped job {popped[0]}", exc)
+                continue
+            self._redis_reachable()
+            return claims
+
+    def _redis_unreachable(self, doing: str, exc: Exception) -> None:
+        delay = self._backoff.next_delay()
+        log.warning("Redis unreachable while %s (%s: %s): retry %d in %.2fs", doing,
+                    type(exc).__name__, exc, self._backoff.attempts, delay)
+        time.sleep(delay)
+
+    def _redis_reachable(self) -> None:
+        if self._backoff.attempts:
+            log.info("Redis reachable again after %d retries", self._backoff.reset())
 
     # Boundary: jobs in.
     def _admit(self, claims: list[ClaimedJob]) -> None:
@@ -297,26 +323,28 @@ class BatchingWorker:
         self._act_on(report, pending)
 
     def _flush(self) -> PublishReport:
-        """Send the iteration; while Redis is unreachable keep retrying, for at most a lease
-        (after that the leases have lapsed and others own the jobs: drop them)."""
+        """Send the iteration; while Redis is unreachable retry with backoff, for at most a lease
+        (after that the leases have lapsed and recovery hands the jobs on: drop them; their
+        streams hold everything published so far)."""
         pub = self.publisher
         deadline = time.monotonic() + self.settings.lease_seconds
-        delay = 0.1
         while True:
             try:
-                return pub.flush()
+                report = pub.flush()
             except _REDIS_DOWN as exc:
-                if time.monotonic() >= deadline:
+                if time.monotonic() < deadline:
+                    self._redis_unreachable("publishing", exc)
+                    continue
+                if self.jobs:
                     log.error("Redis unreachable for a whole lease (%s): dropping %d jobs",
                               exc, len(self.jobs))
-                    for job_id in list(self.jobs):
-                        self.engine.abort(job_id)
-                    self.jobs.clear()
-                    pub.discard()
-                    return PublishReport()
-                log.warning("publish failed (%s); retrying in %.1fs", exc, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                for job_id in list(self.jobs):
+                    self.engine.abort(job_id)
+                self.jobs.clear()
+                pub.discard()
+                return PublishReport()
+            self._redis_reachable()
+            return report
 
     def _act_on(self, report: PublishReport, pending: list[_Pending]) -> None:
         for job_id in report.refused:
@@ -362,7 +390,8 @@ class BatchingWorker:
             num_waiting=stats.num_waiting if stats else 0,
             num_kv_blocks_used=total - free, num_kv_blocks_total=total,
             slot_utilisation=stats.slot_utilisation if stats else 0.0,
-            max_num_seqs=self.settings.max_num_seqs, updated_at=now)
+            max_num_seqs=self.settings.max_num_seqs, updated_at=now,
+            num_jobs=0 if drained else len(self.jobs) + len(self._pending))
 
 
 def _text(value: object) -> str:

@@ -8,7 +8,8 @@ script has no such gap, so Carpool never uses the intermediate lists.)
 
 The idle wait is a BLPOP over the queues in priority order followed at once by the claim of the
 popped id; a SIGKILL in the microseconds between the two is the one way to lose a queued job,
-the same window rq's own multi-queue BLPOP has.
+the same window rq's own multi-queue BLPOP has. (Redis dropping in between is not: the worker
+keeps the popped id and retries its claim until Redis answers.)
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ and `Worker.all()` list it, its state, queues and finished/failed counts."""
 from __future__ import annotations
 
 import logging
+import os
+import socket
 from datetime import timedelta
 
 from redis import Redis
@@ -35,13 +37,31 @@ class RQPresence:
         if self.redis.exists(key) and not self.redis.hexists(key, "death"):
             last = self.redis.hget(key, "last_heartbeat")
             age = now() - utcparse(as_text(last)) if last else timedelta(days=1)
-            if age < timedelta(seconds=self.ttl_seconds):
+            if age < timedelta(seconds=self.ttl_seconds) and not self._was_this_host_and_died():
                 raise ValueError(f"an RQ worker named {self.name!r} is alive (heartbeat "
                                  f"{age.total_seconds():.0f}s ago); pick another --name")
             log.warning("taking over the name of dead worker %s", self.name)
             self.redis.delete(key)
         self.worker.register_birth()
         self.set_state(WorkerStatus.IDLE)
+
+    def _was_this_host_and_died(self) -> bool:
+        """The worker registered under our name ran on this host and its process is gone: we are
+        its restart (a supervisor restarting a crashed worker with a fixed --name must not wait
+        for the old heartbeat to age out). A live process there, or another host, is a clash."""
+        hostname, pid = self.redis.hmget(self.worker.key, "hostname", "pid")
+        if hostname is None or as_text(hostname) != socket.gethostname() or not pid:
+            return False
+        pid = int(pid)
+        if pid == os.getpid():
+            return True  # a restarted container: same host name, same pid, so not alive
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False  # alive, another user's
+        return False
 
     def heartbeat(self, pipe: Pipeline) -> None:
         self.worker.heartbeat(self.ttl_seconds + 60, pipeline=pipe)

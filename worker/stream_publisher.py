@@ -244,7 +244,8 @@ class StreamPublisher:
 
         On a connection error the queued work is kept, so calling flush again resends it: a
         resent append skips the tokens already there, a resent finish or requeue is refused
-        (the job already ended or left), so a retry after an ambiguous failure is harmless.
+        (the job already ended or left), so a retry after an ambiguous failure is harmless
+        (metric counters aside, which may count that iteration twice).
         """
         calls = self._calls
         if self._append_ids:
@@ -266,8 +267,11 @@ class StreamPublisher:
                 self.presence.set_state(self._worker_state, pipe)
         self._queue_metrics(pipe)
         replies = pipe.execute(raise_on_error=False)
-        self._reset()
+        # Reset only once the scripts have run too: if Redis drops while they are reloaded, the
+        # next flush resends the whole iteration (its appends are idempotent; its finishes and
+        # requeues are refused if they ran; only metric counters may count twice).
         replies = self._retry_missing_scripts(calls, replies)
+        self._reset()
         report = PublishReport()
         for call, reply in zip(calls, replies):
             if call.kind == "append":

@@ -47,6 +47,12 @@ class WorkerSettings(BaseSettings):
         "late an idle worker notices SIGTERM).")
     stats_ttl_seconds: float = Field(10.0, gt=0, description="TTL of the WorkerStats hash.")
     redis_timeout_seconds: float = Field(10.0, gt=0)
+    redis_backoff_base_seconds: float = Field(
+        0.05, gt=0, description="First wait before retrying an unreachable Redis; it doubles "
+        "with every failure (jittered) up to the cap.")
+    redis_backoff_max_seconds: float = Field(
+        2.0, gt=0, description="Longest wait between Redis retries (and at most a quarter "
+        "lease, so a short outage never costs the worker its leases).")
     log_level: str = "INFO"
 
     @model_validator(mode="after")
@@ -76,6 +82,11 @@ class WorkerSettings(BaseSettings):
     @property
     def lease_ms(self) -> int:
         return max(1, int(self.lease_seconds * 1000))
+
+    @property
+    def redis_backoff_cap_seconds(self) -> float:
+        return max(self.redis_backoff_base_seconds,
+                   min(self.redis_backoff_max_seconds, self.lease_seconds / 4))
 
     @property
     def heartbeat_seconds(self) -> float:

@@ -78,6 +78,8 @@ class Harness:
                             **numbers)  # type: ignore[arg-type]
         self.sync.hset(self.keys.worker_stats(name), mapping=stats.to_fields())
         self.sync.expire(self.keys.worker_stats(name), 30)
+        # Every worker registers with RQ under its name (worker/rq_presence.py).
+        self.sync.sadd(RQKeys.workers_set(), RQKeys.worker(name))
         return stats
 
     def state(self, job_id: str) -> JobState:

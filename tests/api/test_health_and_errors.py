@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import httpx
 import pytest
@@ -10,9 +11,10 @@ import redis
 import redis.asyncio as aioredis
 
 from api.app import create_app
-from api.context import AppContext
+from api.context import REDIS_RETRIES, AppContext
 from api.settings import ApiSettings
 from api_support import Harness
+from protocol.rq_keys import RQKeys
 
 pytestmark = pytest.mark.anyio
 
@@ -25,6 +27,33 @@ async def test_healthz_counts_live_workers(harness: Harness, client: httpx.Async
     response = await client.get("/healthz")
     assert response.status_code == 200
     assert response.json() == {"status": "ok", "redis": True, "workers": 2, "models": ["tiny"]}
+
+
+async def test_healthz_skips_registered_workers_without_stats(harness: Harness,
+                                                             client: httpx.AsyncClient) -> None:
+    harness.add_worker("w1")
+    # A worker killed without unregistering, and a plain `rq worker`: no Carpool stats hash.
+    harness.sync.sadd(RQKeys.workers_set(), RQKeys.worker("killed"), RQKeys.worker("plain-rq"))
+    assert (await client.get("/healthz")).json()["workers"] == 1
+
+
+async def test_healthz_cost_does_not_grow_with_the_jobs_kept(harness: Harness,
+                                                             client: httpx.AsyncClient) -> None:
+    harness.add_worker("w1")
+    harness.sync.mset({f"carpool:job:{i}": "x" for i in range(5000)})
+    commands: list[str] = []
+    original = harness.context.aio.execute_command
+
+    async def counting(*args: object, **options: object) -> object:
+        commands.append(str(args[0]))
+        return await original(*args, **options)
+
+    harness.context.aio.execute_command = counting  # type: ignore[method-assign]
+    assert (await client.get("/healthz")).json()["workers"] == 1  # loads the script
+    commands.clear()
+    assert (await client.get("/healthz")).json()["workers"] == 1
+    # One round trip; a SCAN of the keyspace took 25 here, and more with every job kept.
+    assert commands == ["EVALSHA"]
 
 
 def _closed_port() -> int:
@@ -76,8 +105,31 @@ async def test_a_bug_answers_a_clean_500(harness: Harness, client: httpx.AsyncCl
 
 
 async def test_unknown_route_and_method(client: httpx.AsyncClient) -> None:
-    assert (await client.get("/v2/nothing")).status_code == 404
-    assert (await client.put("/v1/jobs")).status_code == 405
+    # The router's bare "Not Found" / "Method Not Allowed" say what to do instead.
+    response = await client.get("/v2/nothing")
+    assert response.status_code == 404
+    assert response.json() == {"detail": "No route GET /v2/nothing: the routes are listed at /docs "
+                                         "(job ids go in /v1/jobs/{job_id}, so they cannot "
+                                         "contain '/')"}
+    response = await client.put("/v1/jobs")
+    assert response.status_code == 405
+    assert response.json() == {"detail": "PUT is not allowed on /v1/jobs; use POST"}
+    assert response.headers["allow"] == "POST"
+
+
+async def test_redis_down_answers_at_once(redis_down_app: httpx.AsyncClient) -> None:
+    async with redis_down_app as client:
+        started = time.monotonic()
+        for _ in range(5):
+            assert (await client.get("/v1/models")).status_code == 503
+        assert time.monotonic() - started < 1.0
+
+
+def test_redis_commands_are_not_retried() -> None:
+    # Pinned rather than left to redis-py, whose constructor default is 10 retries with backoff.
+    ctx = AppContext.build(ApiSettings())
+    assert ctx.aio.get_retry().get_retries() == REDIS_RETRIES == 0
+    assert ctx.sync.get_retry().get_retries() == REDIS_RETRIES
 
 
 def test_redis_clients_time_out_past_the_stream_block() -> None:

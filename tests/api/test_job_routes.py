@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -178,6 +179,21 @@ async def test_full_queue_answers_429_with_retry_after() -> None:
         # A job leaving the queue makes room again.
         harness.sync.lpop(RQKeys.queue(harness.keys.queue_name(Priority.HIGH)))
         assert (await client.post("/v1/jobs", json={"prompt": "hello"})).status_code == 202
+
+
+async def test_a_concurrent_burst_cannot_overshoot_the_queue_limit() -> None:
+    from api_support import make_harness
+
+    harness = make_harness(max_queue_depth=5, retry_after_s=2)
+    harness.register_model()
+    async with harness.client() as client:
+        # All 40 read the depth before any enqueue lands unless check and enqueue are one step.
+        responses = await asyncio.gather(*(
+            client.post("/v1/jobs", json={"prompt": "hello"}) for _ in range(40)))
+    statuses = sorted(response.status_code for response in responses)
+    assert statuses == [202] * 5 + [429] * 35
+    assert all(r.headers["retry-after"] == "2" for r in responses if r.status_code == 429)
+    assert sum(harness.sync.llen(RQKeys.queue(name)) for name in harness.keys.queue_names()) == 5
 
 
 async def test_context_sized_default_is_not_needed_for_jobs(client: httpx.AsyncClient) -> None:

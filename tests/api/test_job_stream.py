@@ -73,8 +73,35 @@ async def test_malformed_last_event_id_is_422(harness: Harness, client: httpx.As
     response = await client.get(f"/v1/jobs/{job_id}/stream", headers={"Last-Event-ID": "three"})
     assert response.status_code == 422
     detail = response.json()["detail"][0]
-    assert detail["loc"] == ["body", "last_event_id"]
+    assert detail["loc"] == ["header", "last-event-id"]
     assert "'three'" in detail["msg"]
+
+
+@pytest.mark.parametrize(("headers", "params", "loc"), [
+    # Each half of a stream id is an unsigned 64-bit integer: Redis refused this one mid-stream,
+    # after the 200 had been sent, and the client saw a broken chunked body.
+    ({"Last-Event-ID": "0-18446744073709551616"}, {}, ["header", "last-event-id"]),
+    ({}, {"after": "99999999999999999999-0"}, ["query", "after"]),
+    # Unicode digits: Python's int() reads them, Redis does not.
+    ({"Last-Event-ID": "\uff11-\uff12".encode()}, {}, ["header", "last-event-id"]),
+    ({}, {"after": "\u0661-\u0662"}, ["query", "after"]),
+    ({}, {"after": "0-1-2"}, ["query", "after"]),
+])
+async def test_stream_ids_redis_would_refuse_are_422(
+        harness: Harness, client: httpx.AsyncClient, headers: dict[str, str | bytes],
+        params: dict[str, str], loc: list[str]) -> None:
+    job_id = await _job(client)
+    response = await client.get(f"/v1/jobs/{job_id}/stream", headers=headers, params=params)
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["loc"] == loc
+
+
+async def test_the_largest_stream_id_is_valid(harness: Harness, client: httpx.AsyncClient) -> None:
+    job_id = await _job(client)
+    harness.finish_job(job_id, ["a"])
+    largest = "18446744073709551615-18446744073709551615"
+    response = await client.get(f"/v1/jobs/{job_id}/stream", headers={"Last-Event-ID": largest})
+    assert response.status_code == 204
 
 
 async def test_live_job_streams_tokens_as_they_come_then_ends(

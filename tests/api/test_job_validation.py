@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
@@ -39,6 +40,11 @@ def _field_error(response: httpx.Response) -> tuple[list[Any], str]:
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, ["body", "stop"], "at most 4 items"),
     ({"prompt": "x", "stop": [""]}, ["body", "stop", 0], "at least 1 character"),
     ({"prompt": "x", "seed": 2**64}, ["body", "seed"], "less than or equal to"),
+    # The worker refuses seeds outside 0..2**63-1 and stop strings over 256 characters: the API
+    # must refuse them too, rather than answer 202 for a job that can only fail.
+    ({"prompt": "x", "seed": -1}, ["body", "seed"], "greater than or equal to 0"),
+    ({"prompt": "x", "seed": 2**63}, ["body", "seed"], "less than or equal to 9223372036854775807"),
+    ({"prompt": "x", "stop": ["x" * 257]}, ["body", "stop", 0], "at most 256 characters"),
     ({"prompt": "x", "priority": "urgent"}, ["body", "priority"], "'high', 'normal' or 'low'"),
     ({"prompt": "x", "ignore_eos": "yes"}, ["body", "ignore_eos"], "valid boolean"),
     ({"prompt": "x", "n": 2}, ["body", "n"], "Extra inputs are not permitted"),
@@ -115,7 +121,57 @@ async def test_malformed_json(client: httpx.AsyncClient) -> None:
     response = await client.post("/v1/jobs", content=b'{"prompt": ',
                                  headers={"Content-Type": "application/json"})
     assert response.status_code == 422
-    assert response.json()["detail"][0]["type"] == "json_invalid"
+    detail = response.json()["detail"][0]
+    assert detail["type"] == "json_invalid"
+    assert detail["msg"] == "The request body is not valid JSON (Expecting value at character 11)"
+
+
+@pytest.mark.parametrize(("raw", "reason"), [
+    # FastAPI answered these 400 "There was an error parsing the body", naming nothing.
+    (b'{"prompt": "\xff\xfe"}', "byte 0xff at position 12 is not UTF-8; encode the JSON as UTF-8"),
+    (b'{"prompt": "x", "stop": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     "it is nested too deeply"),
+    (b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}",
+     "a number has more than 4300 digits"),
+])
+async def test_json_that_does_not_decode_says_why(client: httpx.AsyncClient, raw: bytes,
+                                                  reason: str) -> None:
+    response = await client.post("/v1/jobs", content=raw,
+                                 headers={"Content-Type": "application/json"})
+    assert response.status_code == 422
+    assert response.json()["detail"] == [{
+        "type": "json_invalid", "loc": ["body"], "input": None,
+        "msg": f"The request body is not valid JSON ({reason})", "ctx": {"error": reason}}]
+
+
+async def test_deeply_nested_json_is_a_422_not_a_500(client: httpx.AsyncClient) -> None:
+    # 900 levels parse, and the 422 echoes the input: rendering it overflowed the stack.
+    raw = b'{"prompt": "x", "stop": ' + b"[" * 900 + b"]" * 900 + b"}"
+    response = await client.post("/v1/jobs", content=raw,
+                                 headers={"Content-Type": "application/json"})
+    got_loc, message = _field_error(response)
+    assert got_loc == ["body", "stop", 0]
+    assert message == "Input should be a valid string"
+    assert "..." in json.dumps(response.json()["detail"][0]["input"])
+
+
+@pytest.mark.parametrize(("headers", "got"), [
+    ({"Content-Type": "text/plain"}, "'text/plain'"),
+    ({}, "none"),
+])
+async def test_body_not_sent_as_json_names_the_content_type(
+        client: httpx.AsyncClient, headers: dict[str, str], got: str) -> None:
+    response = await client.post("/v1/jobs", content=b'{"prompt": "x"}', headers=headers)
+    loc, message = _field_error(response)
+    assert loc == ["body"]
+    assert message == ("The request body must be a JSON object sent with 'Content-Type: "
+                       f"application/json' (got Content-Type {got})")
+
+
+async def test_missing_body_says_so(client: httpx.AsyncClient) -> None:
+    loc, message = _field_error(await client.post("/v1/jobs"))
+    assert loc == ["body"]
+    assert message == "The request body is missing: send a JSON object"
 
 
 @pytest.mark.parametrize(("raw", "loc", "words"), [

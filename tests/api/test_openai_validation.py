@@ -79,6 +79,10 @@ async def test_completions_rejects(client: httpx.AsyncClient, body: dict[str, An
     ({"messages": CHAT, "stop": 7}, "stop", "valid list"),
     ({"messages": CHAT, "seed": "1"}, "seed", "valid integer"),
     ({"messages": CHAT, "functions": []}, "functions", "Unrecognized request argument"),
+    # Strict like every other number and flag (lax pydantic took 0.0 as false, and as 0).
+    ({"messages": CHAT, "store": 0.0}, "store", "valid boolean"),
+    ({"messages": CHAT, "top_logprobs": 0.0}, "top_logprobs", "valid integer"),
+    ({"messages": CHAT, "presence_penalty": "0"}, "presence_penalty", "valid number"),
 ])
 async def test_chat_rejects(client: httpx.AsyncClient, body: dict[str, Any], param: str,
                             words: str) -> None:
@@ -107,6 +111,24 @@ async def test_inputs_json_allows_but_text_models_cannot_take(
     error = _error(response)
     assert error["param"] == param
     assert words in error["message"]
+
+
+async def test_json_that_is_not_utf8_is_400_saying_so(client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/completions", content=b'{"prompt": "\xc3\x28"}',
+                                 headers={"Content-Type": "application/json"})
+    error = _error(response)
+    assert error["param"] is None
+    assert error["message"] == ("The request body is not valid JSON (byte 0xc3 at position 12 is "
+                                "not UTF-8; encode the JSON as UTF-8)")
+
+
+async def test_body_not_sent_as_json_is_400_naming_the_content_type(
+        client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/chat/completions", content=b"{}",
+                                 headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert _error(response)["message"] == (
+        "The request body must be a JSON object sent with 'Content-Type: application/json' "
+        "(got Content-Type 'application/x-www-form-urlencoded')")
 
 
 async def test_unknown_model_echo_is_escaped_json(client: httpx.AsyncClient) -> None:

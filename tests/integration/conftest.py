@@ -27,7 +27,8 @@ from protocol import FinishReason, JobReader, JobSpec, JobState, Keys, StreamEnt
 KEYS = Keys()
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 240.0  # importing torch on a loaded 2-core box is slow
-_databases = itertools.count(1)
+# Database numbers handed out to fleets (each module, and tests/reliability's shared worker).
+DATABASES = itertools.count(1)
 
 PROMPTS = [
     "The quick brown fox",
@@ -47,18 +48,22 @@ class WorkerProcess:
     process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        log = self.log_path.open("wb")
+        # Appending: a restarted worker's log follows its previous life's, for failure reports.
+        log = self.log_path.open("ab")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "worker", "--name", self.name, *self.args],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
 
-    def wait_ready(self, redis: Redis, deadline: float) -> None:
+    def wait_ready(self, redis: Redis, deadline: float, since: float = 0.0) -> None:
+        """Until the worker publishes stats (stamped at or after `since`: a restarted worker's
+        name still has its previous life's stats for a few seconds)."""
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise AssertionError(f"worker {self.name} exited {self.process.returncode}:\n"
                                      f"{self.log()}")
-            if redis.exists(KEYS.worker_stats(self.name)):
+            updated_at = redis.hget(KEYS.worker_stats(self.name), "updated_at")
+            if updated_at is not None and float(updated_at) >= since:
                 return
             time.sleep(0.1)
         raise AssertionError(f"worker {self.name} not ready in time:\n{self.log()}")
@@ -121,7 +126,7 @@ class Fleet:
 @pytest.fixture(scope="module")
 def fleet(redis_server: Any, tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory
           ) -> Iterator[Fleet]:
-    db = next(_databases)
+    db = next(DATABASES)
     url = f"redis://127.0.0.1:{redis_server.port}/{db}"
     Redis.from_url(url).flushdb()
     fleet = Fleet(url, tiny_llama_dir, tmp_path_factory.mktemp("worker-logs"))

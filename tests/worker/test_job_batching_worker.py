@@ -104,3 +104,33 @@ def test_cancel_a_running_job_frees_its_blocks(running: Running) -> None:
         and s.num_kv_blocks_used == 0 and s)
     assert stats.num_kv_blocks_total > 0
     assert running.worker.engine.num_free_kv_blocks() == stats.num_kv_blocks_total
+    assert stats.num_jobs == 0
+
+
+@pytest.mark.parametrize("running", ["continuous"], indirect=True)
+def test_a_job_popped_just_before_redis_drops_is_claimed_once_it_answers(
+        running: Running) -> None:
+    """The idle wait pops a job id (BLPOP) and then claims it: if Redis drops in between, the id
+    is on no queue any more and only this worker knows it, so the claim must be retried."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    queue = running.worker.queue
+    real_claim = queue.claim
+    failed: list[tuple[str, int]] = []
+
+    def claim_only_what_wait_popped(max_jobs: int, free_kv_blocks: int | None = None,
+                                    adopt: tuple[str, int] | None = None) -> list:
+        if adopt is None:
+            return []  # every job goes through the idle wait's pop
+        if not failed:
+            failed.append(adopt)
+            raise RedisConnectionError("Connection closed by server.")
+        return real_claim(0, free_kv_blocks, adopt=adopt)
+
+    queue.claim = claim_only_what_wait_popped  # type: ignore[method-assign]
+    (spec,) = _specs(running.worker.settings.served_model_name, 1)
+    submit_jobs(running.redis, [spec])
+    reader = JobReader(running.redis)
+    state = _wait(lambda: (s := reader.state(spec.job_id)) and s.status.is_final and s)
+    assert failed == [(spec.job_id, 1)]  # popped from carpool-normal, claim failed once
+    assert state.status is JobStatus.FINISHED and len(state.token_ids) == 6

@@ -112,3 +112,39 @@ def test_scripts_flushed_from_redis_are_loaded_again() -> None:
     assert pub.flush().refused == set()
     assert redis.xlen(KEYS.stream("a")) == 1
     assert redis.hget(KEYS.counters(), "jobs_finished_total") == b"1"
+
+
+def test_an_iteration_is_kept_when_redis_drops_while_its_scripts_are_reloaded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis restarted (no scripts), then dropped again during the reload: nothing of the
+    iteration may be forgotten, so the worker's retry of flush() sends it all again."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from worker.job_scripts import JobScripts
+
+    redis = fake_redis()
+    submit(redis, "a")
+    queue = make_queue(redis)
+    job = running(queue.claim(1)[0])
+    pub = make_publisher(queue)
+    redis.script_flush()
+    generate(job, 5, 6)
+    pub.append(job)
+    pub.finish(job, JobEnd(JobStatus.FINISHED, FinishReason.LENGTH))
+    real_load = JobScripts.load
+    failures: list[int] = []
+
+    def load_after_one_failure(self: JobScripts, target: object) -> object:
+        if not failures:
+            failures.append(1)
+            raise RedisConnectionError("Connection closed by server.")
+        return real_load(self, target)
+
+    monkeypatch.setattr(JobScripts, "load", load_after_one_failure)
+    with pytest.raises(RedisConnectionError):
+        pub.flush()
+    report = pub.flush()
+    assert (report.refused, report.ended) == (set(), {"a": JobStatus.FINISHED})
+    assert [e[1][b"kind"] for e in redis.xrange(KEYS.stream("a"))] == [b"token", b"token",
+                                                                        b"done"]
+    assert pub.is_empty
