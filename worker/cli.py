@@ -34,6 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return subprocess.call([sys.executable, "-m", args.command, *rest])
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded with bench results
     return args.handler(args)
 
 
@@ -66,15 +67,31 @@ def _parser() -> argparse.ArgumentParser:
     _add_api_options(watch)
     watch.set_defaults(handler=_watch)
 
-    bench = sub.add_parser("bench", help="load-test continuous, static and sequential batching over REST")
-    bench.add_argument("--model", default="smollm2")
-    bench.add_argument("--redis-url", default=os.environ.get("CARPOOL_REDIS_URL", DEFAULT_REDIS_URL))
+    bench = sub.add_parser(
+        "bench", help="load-test continuous, static and sequential batching over REST",
+        description="Start a private Redis, the API and, for each mode in turn, a worker on MODEL "
+        "(all on 127.0.0.1); offer the same Poisson workload at each arrival rate; write "
+        "OUT_DIR/bench.json, records.json, bench.md, latency_cdf.png and throughput_vs_rate.png.")
+    bench.add_argument("--model", default="smollm2", help="bundled name or local HF directory")
+    bench.add_argument("--redis-url", default=None,
+                       help="use this Redis (started if none answers) instead of a private one "
+                            "on a free port; other workers on it would take bench jobs")
     bench.add_argument("--modes", default="continuous,static,sequential")
-    bench.add_argument("--rates", default="1,4", help="arrival rates in jobs/s, comma-separated; inf = all at once")
+    bench.add_argument("--rates", default="1,4",
+                       help="arrival rates in jobs/s, comma-separated; inf (or all) = all at once")
+    bench.add_argument("--mode-rates", action="append", default=[], metavar="MODE=RATES",
+                       help="rates for one mode instead of --rates, e.g. sequential=1,inf "
+                            "(repeatable)")
     bench.add_argument("--num-requests", type=int, default=32)
-    bench.add_argument("--max-output", type=int, default=128)
-    bench.add_argument("--max-num-seqs", type=int, default=32)
+    bench.add_argument("--max-output", type=int, default=128,
+                       help="longest output; lengths are long-tailed, generated exactly")
+    bench.add_argument("--max-num-seqs", type=int, default=32, help="seats per worker")
+    bench.add_argument("--worker-threads", type=int, default=None,
+                       help="torch threads per worker (default: torch's choice, all cores)")
+    bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--out-dir", default="bench_out")
+    bench.add_argument("--replot", action="store_true",
+                       help="offer no load: redraw the table and PNGs in OUT_DIR from its records.json")
     bench.set_defaults(handler=_bench)
     return parser
 
@@ -167,15 +184,33 @@ Ctrl-C stops everything.
 
 
 def _bench(args: argparse.Namespace) -> int:
+    import shlex
     from pathlib import Path
 
-    from loadgen.bench_run import BenchConfig, run_bench
+    from loadgen.bench_run import MODES, BenchConfig, parse_mode_rates, parse_rates, replot, run_bench
 
-    config = BenchConfig(
-        model=args.model, redis_url=args.redis_url, modes=tuple(args.modes.split(",")),
-        rates=tuple(float(r) for r in args.rates.split(",")), num_requests=args.num_requests,
-        max_output=args.max_output, max_num_seqs=args.max_num_seqs, out_dir=Path(args.out_dir),
-    )
+    if args.replot:
+        try:
+            replot(Path(args.out_dir))
+        except (OSError, ValueError, KeyError) as exc:
+            log.error("cannot replot %s: %s", args.out_dir, exc)
+            return 2
+        return 0
+    modes = tuple(mode.strip() for mode in args.modes.split(",") if mode.strip())
+    try:
+        unknown = [mode for mode in modes if mode not in MODES]
+        if unknown or not modes:
+            raise ValueError(f"--modes takes {', '.join(MODES)}; got {args.modes!r}")
+        config = BenchConfig(
+            model=args.model, redis_url=args.redis_url, modes=modes, rates=parse_rates(args.rates),
+            mode_rates=parse_mode_rates(args.mode_rates), num_requests=args.num_requests,
+            max_output=args.max_output, max_num_seqs=args.max_num_seqs,
+            worker_threads=args.worker_threads, out_dir=Path(args.out_dir), seed=args.seed,
+            command=shlex.join(["carpool", *args.argv]),
+        )
+    except ValueError as exc:
+        log.error("%s", exc)
+        return 2
     reports = run_bench(config)
     return 0 if all(not r.summary()["failed"] for r in reports) else 1
 
