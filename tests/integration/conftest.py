@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,19 @@ PROMPTS = [
     "Hello, my name is",
     "The capital of France is",
 ]
+
+
+def sse_events(lines: Iterable[str]) -> Iterator[dict[str, str]]:
+    """SSE events as dicts (id, event, data) from a response's lines; comments are skipped."""
+    event: dict[str, str] = {}
+    for line in lines:
+        if not line:
+            if event:
+                yield event
+            event = {}
+        elif not line.startswith(":"):
+            name, _, value = line.partition(":")
+            event[name] = value[1:] if value.startswith(" ") else value
 
 
 @dataclass(slots=True)

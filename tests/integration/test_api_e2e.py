@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.integration.conftest import REPO, Fleet, wait_until
+from tests.integration.conftest import REPO, Fleet, sse_events, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -79,18 +79,6 @@ def api(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiS
         process.wait(timeout=30)
 
 
-def _sse(lines: Iterator[str]) -> Iterator[dict[str, str]]:
-    event: dict[str, str] = {}
-    for line in lines:
-        if not line:
-            if event:
-                yield event
-            event = {}
-        elif not line.startswith(":"):
-            name, _, value = line.partition(":")
-            event[name] = value[1:] if value.startswith(" ") else value
-
-
 def test_openai_completions_plain_and_streamed_agree(api: ApiServer) -> None:
     client = api.openai()
     plain = client.completions.create(model=api.model, prompt="The quick brown fox",
@@ -138,13 +126,13 @@ def test_sse_resume_with_last_event_id(api: ApiServer) -> None:
                                             "temperature": 0.0, "ignore_eos": True}).json()
         first: list[dict[str, str]] = []
         with client.stream("GET", f"/v1/jobs/{job['job_id']}/stream") as response:
-            for event in _sse(response.iter_lines()):
+            for event in sse_events(response.iter_lines()):
                 first.append(event)
                 if len(first) == 5:
                     break  # the client goes away mid-stream
         with client.stream("GET", f"/v1/jobs/{job['job_id']}/stream",
                            headers={"Last-Event-ID": first[-1]["id"]}) as response:
-            rest = list(_sse(response.iter_lines()))
+            rest = list(sse_events(response.iter_lines()))
         status = client.get(f"/v1/jobs/{job['job_id']}").json()
     events = first + rest
     assert [e["id"] for e in events] == [f"0-{i}" for i in range(1, 32)]

@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from redis import Redis
 from protocol import Keys, ModelCard
 from tests.conftest import RedisServer, _free_port
 from tests.integration.conftest import READY_TIMEOUT_S, REPO, WorkerProcess, wait_until
+from tests.integration.conftest import sse_events  # noqa: F401  (re-exported for the api tests here)
 
 KEYS = Keys()
 
@@ -193,19 +194,6 @@ def register_model(redis: Redis, model_dir: Path, max_model_len: int) -> str:
         pipe.set(KEYS.model_tokenizer(name), (model_dir / "tokenizer.json").read_text())
         pipe.execute()
     return name
-
-
-def sse_events(lines: Iterable[str]) -> Iterator[dict[str, str]]:
-    """SSE events as dicts (id, event, data) from a response's lines; comments are skipped."""
-    event: dict[str, str] = {}
-    for line in lines:
-        if not line:
-            if event:
-                yield event
-            event = {}
-        elif not line.startswith(":"):
-            name, _, value = line.partition(":")
-            event[name] = value[1:] if value.startswith(" ") else value
 
 
 def percentile(values: list[float], fraction: float) -> float:
