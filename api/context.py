@@ -46,7 +46,7 @@ class AppContext:
         if aio is None:
             aio = aioredis.Redis.from_url(
                 settings.redis_url, decode_responses=True, socket_connect_timeout=timeout,
-                socket_timeout=socket_timeout,
+                socket_timeout=socket_timeout, max_connections=settings.redis_max_connections,
                 retry=redis.asyncio.retry.Retry(_NO_BACKOFF, REDIS_RETRIES))
         if sync is None:
             sync = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=timeout,

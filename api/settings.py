@@ -39,6 +39,11 @@ class ApiSettings(BaseSettings):
     redis_timeout_s: float = Field(
         5.0, gt=0, description="Connect/command timeout to Redis, so Redis down answers 503 quickly."
     )
+    redis_max_connections: int = Field(
+        10_000, ge=1,
+        description="Redis connections the API may open: every SSE subscriber holds one while it "
+                    "waits on XREAD (redis-py's default pool of 100 answered 'Too many connections' "
+                    "past 100 subscribers). Redis's own maxclients default is 10000.")
     log_level: str = Field("info")
 
     @field_validator("api_keys", mode="before")
