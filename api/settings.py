@@ -44,6 +44,13 @@ class ApiSettings(BaseSettings):
         description="Redis connections the API may open: every SSE subscriber holds one while it "
                     "waits on XREAD (redis-py's default pool of 100 answered 'Too many connections' "
                     "past 100 subscribers). Redis's own maxclients default is 10000.")
+    http_keep_alive_s: int = Field(
+        75, ge=1,
+        description="How long uvicorn keeps an idle HTTP/1.1 connection open (uvicorn's default is "
+                    "5 s). A request a client sends on a pooled connection as the server closes it "
+                    "fails with a reset the client cannot safely retry (a POST may have landed); a "
+                    "long timeout makes that race rare. 75 s outlives common proxy and load "
+                    "balancer idle timeouts (nginx 75 s, AWS ALB 60 s), so they close first.")
     log_level: str = Field("info")
 
     @field_validator("api_keys", mode="before")
