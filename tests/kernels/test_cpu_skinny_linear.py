@@ -20,7 +20,7 @@ def _operands(rows: int, in_features: int, out_features: int, seed: int) -> tupl
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 24, 31])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 24, 31, 64, 95, 96])
 @pytest.mark.parametrize(("in_features", "out_features"), [(576, 1536), (64, 64), (13, 7), (1536, 576), (8, 49155)])
 def test_equals_f_linear(rows: int, in_features: int, out_features: int) -> None:
     # Ragged sizes too: a K tail past the 8-wide vectors, N tails past the 4-row tiles, M past 3-row tiles.
