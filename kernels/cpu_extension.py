@@ -22,7 +22,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / name
-           for name in ("bindings.cpp", "skinny_linear.cpp", "paged_attention_cpu.cpp")]
+           for name in ("bindings.cpp", "skinny_linear.cpp", "paged_attention_cpu.cpp", "layer_ops_cpu.cpp")]
 EXTENSION_NAME = "carpool_cpu_kernels"
 CPU_CAPABILITIES = ("AVX2", "AVX512")  # torch's names for CPUs that have AVX2 and FMA
 STALE_LOCK_SECONDS = 180.0  # a build takes 10-25 s; 215 s was seen once on a saturated core

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_paged_attention, cpu_skinny_linear
+from kernels import cpu_extension, cpu_layer_ops, cpu_paged_attention, cpu_skinny_linear
 from kernels.torch_kv_cache_write import write_kv_cache_torch
 from kernels.torch_paged_attention import paged_attention_torch
 
@@ -47,6 +47,9 @@ def write_kv_cache(
     """Write token t's K/V into slot slot_mapping[t], i.e. key_cache[slot // block_size, slot % block_size]."""
     if key.is_cuda and (triton_write := _triton_function("triton_kv_cache_write", "write_kv_cache_triton")):
         triton_write(key, value, key_cache, value_cache, slot_mapping)
+        return
+    if key.device.type == "cpu" and cpu_extension.load() is not None:
+        cpu_layer_ops.write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping)
         return
     write_kv_cache_torch(key, value, key_cache, value_cache, slot_mapping)
 
@@ -91,7 +94,24 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """`F.linear`, through the skinny CPU kernel when x has few rows (fp32 on an AVX2 CPU)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (0 < rows <= MAX_SKINNY_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and x.device.type == "cpu" and weight.is_contiguous() and cpu_skinny_linear.is_available()):
-        out = cpu_skinny_linear.skinny_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
+            and x.device.type == "cpu" and weight.is_contiguous()
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+            and cpu_skinny_linear.is_available()):
+        # The extension directly: the conditions above are skinny_linear's checks, already made.
+        out = cpu_extension.load().skinny_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
         return out.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama-style RMSNorm over x's last dim; the C++ kernel for fp32 CPU tensors."""
+    if cpu_layer_ops.runs_here(x, weight):
+        return cpu_layer_ops.rms_norm_cpu(x, weight, eps)
+    return cpu_layer_ops.rms_norm_torch(x, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] gate then up -> silu(gate) * up; the C++ kernel for fp32 CPU tensors."""
+    if cpu_layer_ops.runs_here(gate_up):
+        return cpu_layer_ops.silu_and_mul_cpu(gate_up)
+    return cpu_layer_ops.silu_and_mul_torch(gate_up)

@@ -44,6 +44,7 @@ from loadgen.workload import build_workload as build_chat_workload
 from worker import paged_attention_backend
 from worker.engine import Engine
 from worker.engine_config import BatchingMode, EngineConfig
+from worker.linear_layers import route_linear_layers
 from worker.model_loader import load_model, resolve_model_dir
 from worker.model_runner import resolve_device, resolve_dtype
 from worker.sampling_params import SamplingParams
@@ -300,8 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled second run")
-    parser.add_argument("--no-cpu-kernels", action="store_true",
-                        help="torch only: no C++ CPU kernels for few-row matmuls and decode attention")
+    parser.add_argument("--cpu-kernels", choices=["on", "off", "both"], default="on",
+                        help="C++ CPU kernels for few-row matmuls and decode attention (fp32 CPU); "
+                             "off: torch twins only; both: also run carpool-continuous on the twins, "
+                             "for a side-by-side ablation")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
@@ -323,20 +326,25 @@ def main(argv: list[str] | None = None) -> int:
     shape: StepShape | None = None
     profile: dict[str, float] = {}
     max_len = max(len(p) for p in work.prompts) + max(work.output_lens) + 1
-    for mode in [m for m in args.modes.split(",") if m]:
+    kernels_on = args.cpu_kernels != "off"
+    runs = [(mode, kernels_on, "") for mode in args.modes.split(",") if mode]
+    if args.cpu_kernels == "both":
+        runs.append(("continuous", False, "-torch"))
+    for mode, cpu_kernels, suffix in runs:
         config = EngineConfig(
             model=args.model, dtype=args.dtype, device=args.device, mode=BatchingMode(mode),
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=max_len, block_size=args.block_size, enable_cpu_kernels=not args.no_cpu_kernels,
+            max_model_len=max_len, block_size=args.block_size, enable_cpu_kernels=cpu_kernels,
         )
         # A fresh engine per run: a warm prefix cache would skip prefills the baselines must do.
         run_carpool(Engine(config, loaded=engine_model), work.subset([0, 1]))  # warm up torch
         mode_work = sequential_work if mode == "sequential" else work
         seconds = run_carpool(Engine(config, loaded=engine_model), mode_work)
-        note = "subset" if mode == "sequential" else ""
-        results.append(Result(f"carpool-{mode}", len(mode_work.prompts), mode_work.num_tokens, seconds, note))
-        print(f"  carpool-{mode}: {results[-1].tokens_per_s:.1f} tok/s", flush=True)
-        if mode == "continuous" and not args.no_profile:
+        note = "subset" if mode == "sequential" else ("torch twins, no C++ kernels" if suffix else "")
+        name = f"carpool-{mode}{suffix}"
+        results.append(Result(name, len(mode_work.prompts), mode_work.num_tokens, seconds, note))
+        print(f"  {name}: {results[-1].tokens_per_s:.1f} tok/s", flush=True)
+        if mode == "continuous" and not suffix and not args.no_profile:
             profile, shape = profile_carpool(Engine(config, loaded=engine_model), work)
 
     baselines = set() if args.baselines == "none" else set(args.baselines.split(","))
@@ -372,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     ceiling = None
     if shape is not None:
         model = hf_model if hf_model is not None else load_model(args.model, dtype=dtype, device=str(device)).model
+        # The same matmuls as the engine's, so the ceiling differs from it only by cache and paging.
+        route_linear_layers(model, kernels_on and device.type == "cpu" and dtype == torch.float32)
         ceiling = bare_forward_tokens_per_s(model, shape)
     print_report(results, ceiling, shape, profile)
     if args.json:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from kernels import cpu_extension
+from worker.fused_layers import route_fused_layers
 from worker.linear_layers import route_linear_layers
 from worker.model_loader import LoadedModel, ModelLoadError
 from worker.paged_attention_backend import AttentionMetadata, PagedAttentionBackend
@@ -74,6 +75,7 @@ class ModelRunner:
             cpu_kernels and device.type == "cpu" and dtype == torch.float32 and cpu_extension.load() is not None
         )
         route_linear_layers(model, self.uses_cpu_kernels)
+        route_fused_layers(model, self.uses_cpu_kernels)
         self.model = model
         self.device = device
         self.dtype = dtype

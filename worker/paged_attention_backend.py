@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 
-from kernels import paged_attention, paged_attention_torch, write_kv_cache
+from kernels import paged_attention, paged_attention_torch, write_kv_cache, write_kv_cache_torch
 
 
 @dataclass(slots=True)
@@ -64,9 +64,11 @@ def paged_attention_forward(
         )
     key_cache, value_cache = metadata.kv_caches[module.layer_idx]
     q = query[0].transpose(0, 1)  # [num_tokens, num_heads, head_dim]
-    write_kv_cache(key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache, value_cache, metadata.slot_mapping)
+    kernels_on = metadata.use_cpu_kernels or q.is_cuda
+    write = write_kv_cache if kernels_on else write_kv_cache_torch
+    write(key[0].transpose(0, 1), value[0].transpose(0, 1), key_cache, value_cache, metadata.slot_mapping)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    attend = paged_attention if metadata.use_cpu_kernels or q.is_cuda else paged_attention_torch
+    attend = paged_attention if kernels_on else paged_attention_torch
     out = attend(
         q, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
         metadata.query_start_loc, scale, metadata.max_query_len, metadata.max_seq_len,

@@ -22,14 +22,12 @@
 #include <string>
 #include <vector>
 
+#include "avx2_math.h"
+
 namespace {
 
-inline float horizontal_sum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
+using carpool::exp_nonpositive;
+using carpool::horizontal_sum;
 
 // scores[t] = scale * <q, keys[t]> for t < n: four keys at a time, so four FMA chains run at once.
 inline void key_scores(const float* q, const float* const* keys, int64_t n, int64_t head_dim, float scale, float* scores) {
@@ -53,24 +51,6 @@ inline void key_scores(const float* q, const float* const* keys, int64_t n, int6
         for (int64_t i = 0; i < head_dim; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(keys[t] + i), a);
         scores[t] = horizontal_sum(a) * scale;
     }
-}
-
-// exp(x) for x <= 0, 8 at a time (Cephes' expf: a degree-5 polynomial on [-ln2/2, ln2/2] times
-// 2^n; relative error about 2e-7). Scalar std::exp cost more than the whole attention arithmetic.
-inline __m256 exp_nonpositive(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // below this expf underflows anyway
-    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
 }
 
 // In place: scores <- softmax(scores), in fp32 with the maximum subtracted.

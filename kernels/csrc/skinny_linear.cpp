@@ -13,17 +13,14 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "avx2_math.h"
+
 namespace {
+
+using carpool::horizontal_sum;
 
 constexpr int MR = 3;  // x rows per micro-tile
 constexpr int NR = 4;  // weight rows per micro-tile: 12 accumulators + 4 weights + 1 x of 16 ymm
-
-inline float horizontal_sum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 // R rows of x against C weight rows over the first k_vec (a multiple of 8) features. The K tail
 // is added by the caller: a scalar loop in here stops GCC keeping the accumulators in registers

@@ -335,12 +335,17 @@ def test_cpu_kernels_switch_routes_the_linear_layers(tiny: TinyCase) -> None:
     def linear_classes() -> set[type]:
         return {type(m) for m in tiny.loaded.model.modules() if isinstance(m, torch.nn.Linear)}
 
+    def fused_modules() -> int:
+        return sum(type(m).__name__.startswith("Fused") for m in tiny.loaded.model.modules())
+
     try:
         engine = make_engine(tiny.loaded, enable_cpu_kernels=False)
         assert not engine.runner.uses_cpu_kernels and linear_classes() == {torch.nn.Linear}
+        assert fused_modules() == 0
         engine = make_engine(tiny.loaded)
         built = cpu_extension.load() is not None
         assert engine.runner.uses_cpu_kernels is built
         assert linear_classes() == ({DispatchedLinear} if built else {torch.nn.Linear})
+        assert fused_modules() == (7 if built else 0)  # 2 layers x (2 norms + MLP) + final norm
     finally:
         make_engine(tiny.loaded)  # leave the shared model as the other tests expect it

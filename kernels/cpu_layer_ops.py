@@ -1,0 +1,57 @@
+"""rms_norm, silu_and_mul and write_kv_cache through the C++ CPU kernels (csrc/layer_ops_cpu.cpp).
+
+Each has a torch twin here (or in torch_kv_cache_write.py) that is its specification; the kernels
+equal them up to fp32 summation order. Callers go through kernels.dispatch, which picks the
+kernel only where it runs (CPU tensors, fp32 for the arithmetic ones, the extension built).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_extension
+from kernels.arg_checks import check_write_kv_cache_args
+
+
+def runs_here(*tensors: torch.Tensor) -> bool:
+    """fp32, contiguous CPU tensors and a built extension: what rms_norm and silu_and_mul need."""
+    return (all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+            and cpu_extension.load() is not None)
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm: normalised in fp32, scaled by weight in the input's dtype."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., D] fp32 contiguous, weight: [D] -> like x."""
+    if weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"weight must be [{x.shape[-1]}] to match x's last dim, got {tuple(weight.shape)}")
+    out = torch.empty_like(x)
+    cpu_extension.load().rms_norm_cpu(x, weight, float(eps), out)
+    return out
+
+
+def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] (gate, then up) -> [..., I]: silu(gate) * up, the gated MLP's activation."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up's last dim must be even (gate then up), got {gate_up.shape[-1]}")
+    out = torch.empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2, dtype=gate_up.dtype)
+    cpu_extension.load().silu_and_mul_cpu(gate_up, out)
+    return out
+
+
+def write_kv_cache_cpu(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+    """As write_kv_cache_torch (same checks, same result), in one call; any dtype, CPU tensors."""
+    check_write_kv_cache_args(key, value, key_cache, value_cache, slot_mapping)
+    cpu_extension.load().write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping)

@@ -1,0 +1,70 @@
+"""The C++ layer ops (RMSNorm, SiLU-and-multiply, KV-cache write) against their torch twins."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import cpu_extension, cpu_layer_ops, dispatch
+from tests.kernels.test_torch_kv_cache_write import make_inputs, reference_write
+
+needs_kernel = pytest.mark.skipif(cpu_extension.load() is None, reason="no AVX2 or no compiler here")
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 576), (5, 64), (3, 7, 13), (40, 1536)])
+def test_rms_norm_equals_its_twin(shape: tuple[int, ...]) -> None:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=generator) * 3
+    weight = torch.randn(shape[-1], generator=generator)
+    expected = cpu_layer_ops.rms_norm_torch(x, weight, 1e-5)
+    torch.testing.assert_close(cpu_layer_ops.rms_norm_cpu(x, weight, 1e-5), expected, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(dispatch.rms_norm(x, weight, 1e-5), expected, rtol=2e-6, atol=2e-6)
+
+
+def test_rms_norm_twin_is_llamas() -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(24, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(-2, 2, 24))
+    x = torch.randn(4, 24, dtype=torch.bfloat16)
+    assert torch.equal(cpu_layer_ops.rms_norm_torch(x, norm.weight.to(torch.bfloat16), 1e-6),
+                       norm.to(torch.bfloat16)(x))
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (7, 2 * 13), (2, 3, 2 * 64)])
+def test_silu_and_mul_equals_its_twin(shape: tuple[int, ...]) -> None:
+    gate_up = torch.randn(shape, generator=torch.Generator().manual_seed(2)) * 8  # both signs, large |x|
+    gate_up[..., 0] = -200.0  # exp(200) would overflow a naive sigmoid
+    expected = cpu_layer_ops.silu_and_mul_torch(gate_up)
+    torch.testing.assert_close(cpu_layer_ops.silu_and_mul_cpu(gate_up), expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dispatch.silu_and_mul(gate_up), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_odd_gate_up_is_refused() -> None:
+    with pytest.raises(ValueError, match="even"):
+        cpu_layer_ops.silu_and_mul_cpu(torch.zeros(2, 5))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_write_equals_the_reference(dtype: torch.dtype) -> None:
+    key, value, key_cache, value_cache, slots = make_inputs(dtype)
+    kv = torch.cat([key, value], dim=1)  # strided key and value, as a fused projection leaves them
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    reference_write(key, value, expected_k, expected_v, slots)
+    cpu_layer_ops.write_kv_cache_cpu(kv[:, :3], kv[:, 3:], key_cache, value_cache, slots)
+    assert torch.equal(key_cache, expected_k)
+    assert torch.equal(value_cache, expected_v)
+
+
+@needs_kernel
+def test_kv_cache_write_refuses_a_slot_past_the_cache() -> None:
+    key, value, key_cache, value_cache, slots = make_inputs(torch.float32)
+    before = key_cache.clone()
+    slots[4] = key_cache.shape[0] * key_cache.shape[1]
+    with pytest.raises(ValueError, match=r"slot_mapping\[4\] = 24 is past the cache's 24 slots"):
+        cpu_layer_ops.write_kv_cache_cpu(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, before)  # checked before anything is written
