@@ -85,8 +85,9 @@ def paged_attention(
 # Up to this many rows the skinny kernel matched or beat MKL's sgemm on the model's shapes (AVX2;
 # `python scripts/bench_cpu_linear.py --rows 1,32,64,96,128 --threads 1` and `--threads 2`): on
 # the layers 1.4x (1 thread) and 2.0x (2 threads) at 1 row, 1.03-1.2x at 32-96 rows, 0.95x at 128
-# rows on 2 threads; on the 49152-wide lm_head 1.7-1.9x at 64 rows, where MKL packs the whole
-# 113 MB weight on every call. Prefill chunks (hundreds of rows) go to MKL's packed GEMM.
+# rows on 2 threads; on the 49152-wide lm_head (`--weights lm_head`) 1.2x (1 thread) and 1.7x
+# (2 threads) at 64 rows, where MKL packs the whole 113 MB weight on every call. Prefill chunks
+# (hundreds of rows) go to MKL's packed GEMM.
 MAX_SKINNY_ROWS = 96
 
 

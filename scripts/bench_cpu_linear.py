@@ -2,9 +2,10 @@
 
     python scripts/bench_cpu_linear.py                    # SmolLM2's shapes, 1 and 2 threads
     python scripts/bench_cpu_linear.py --rows 1,8,32 --threads 2
+    python scripts/bench_cpu_linear.py --weights lm_head --rows 16,32,64,96   # the 49152-wide head
 
 For each row count, the time of one pass over all 30 layers' 7 projections (q, k, v, o, gate, up,
-down), as a decode step makes it, and the ratio. Weights are far larger than the caches, as in a
+down), as a decode step makes it (or of the lm_head, with --weights lm_head), and the ratio. Weights are far larger than the caches, as in a
 real step. kernels.dispatch.MAX_SKINNY_ROWS is set from this table.
 """
 
@@ -24,16 +25,18 @@ SHAPES = {  # [out_features, in_features] of SmolLM2-135M
     "q": (576, 576), "k": (192, 576), "v": (192, 576), "o": (576, 576),
     "gate": (1536, 576), "up": (1536, 576), "down": (576, 1536),
 }
+# Weight sets: their shapes and how many copies a step multiplies by.
+WEIGHT_SETS = {"layers": (SHAPES, NUM_LAYERS), "lm_head": ({"lm_head": (49152, 576)}, 1)}
 
 
 def time_pass(rows: int, weights: dict[str, list[torch.Tensor]],
               linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], repeats: int) -> float:
-    inputs = {name: torch.randn(rows, shape[1]) for name, shape in SHAPES.items()}
+    inputs = {name: torch.randn(rows, copies[0].shape[1]) for name, copies in weights.items()}
 
     def one_pass() -> None:
-        for layer in range(NUM_LAYERS):
-            for name in SHAPES:
-                linear(inputs[name], weights[name][layer])
+        for name, copies in weights.items():
+            for weight in copies:
+                linear(inputs[name], weight)
 
     one_pass()
     started = time.perf_counter()
@@ -47,10 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,2,4,8,16,24,32,48,64")
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--weights", choices=sorted(WEIGHT_SETS), default="layers")
     args = parser.parse_args(argv)
     if cpu_extension.load() is None:
         raise SystemExit("the CPU kernels cannot be built here (no AVX2 or no compiler)")
-    weights = {name: [torch.randn(*shape) for _ in range(NUM_LAYERS)] for name, shape in SHAPES.items()}
+    shapes, copies = WEIGHT_SETS[args.weights]
+    weights = {name: [torch.randn(*shape) for _ in range(copies)] for name, shape in shapes.items()}
     print(f"{'threads':>7}{'rows':>6}{'F.linear ms':>13}{'skinny ms':>11}{'speed-up':>10}")
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)

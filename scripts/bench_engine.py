@@ -44,10 +44,8 @@ from loadgen.workload import build_workload as build_chat_workload
 from worker import paged_attention_backend
 from worker.engine import Engine
 from worker.engine_config import BatchingMode, EngineConfig
-from worker.fused_layers import route_fused_layers
-from worker.linear_layers import route_linear_layers
 from worker.model_loader import load_model, resolve_model_dir
-from worker.model_runner import resolve_device, resolve_dtype
+from worker.model_runner import resolve_device, resolve_dtype, route_cpu_kernels
 from worker.sampling_params import SamplingParams
 
 @dataclass(slots=True)
@@ -382,9 +380,7 @@ def main(argv: list[str] | None = None) -> int:
     if shape is not None:
         model = hf_model if hf_model is not None else load_model(args.model, dtype=dtype, device=str(device)).model
         # The same kernels as the engine's, so the ceiling differs from it only by cache and paging.
-        cpu_kernels = kernels_on and device.type == "cpu" and dtype == torch.float32
-        route_linear_layers(model, cpu_kernels)
-        route_fused_layers(model, cpu_kernels)
+        route_cpu_kernels(model, kernels_on, device, dtype)
         ceiling = bare_forward_tokens_per_s(model, shape)
     print_report(results, ceiling, shape, profile)
     if args.json:

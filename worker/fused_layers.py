@@ -34,7 +34,6 @@ class _FusedRMSNorm(nn.Module):
 
 
 class _FusedGatedMLP(nn.Module):
-    gate_proj: nn.Linear
     down_proj: nn.Linear
     carpool_gate_up_weight: torch.Tensor  # [2 * intermediate, hidden]: gate rows, then up rows
 

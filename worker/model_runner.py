@@ -42,6 +42,16 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if torch.cpu._is_amx_tile_supported() else torch.float32
 
 
+def route_cpu_kernels(model: torch.nn.Module, enabled: bool, device: torch.device, dtype: torch.dtype) -> bool:
+    """Route the model's linear, RMSNorm and gated-MLP layers through the C++ CPU kernels where
+    they run (fp32 on a CPU, extension built), or back to transformers' own; True if they run.
+    The extension is built (once per machine) here, not in the middle of a first step."""
+    uses = enabled and device.type == "cpu" and dtype == torch.float32 and cpu_extension.load() is not None
+    route_linear_layers(model, uses)
+    route_fused_layers(model, uses)
+    return uses
+
+
 @dataclass(slots=True)
 class ModelInputs:
     """One step's tensors, on the model's device."""
@@ -70,12 +80,7 @@ class ModelRunner:
                 f"{type(model).__name__} does not dispatch attention through transformers' "
                 "AttentionInterface, which Carpool's paged KV cache needs"
             )
-        # Built (once per machine) here, not in the middle of the first step.
-        self.uses_cpu_kernels = (
-            cpu_kernels and device.type == "cpu" and dtype == torch.float32 and cpu_extension.load() is not None
-        )
-        route_linear_layers(model, self.uses_cpu_kernels)
-        route_fused_layers(model, self.uses_cpu_kernels)
+        self.uses_cpu_kernels = route_cpu_kernels(model, cpu_kernels, device, dtype)
         self.model = model
         self.device = device
         self.dtype = dtype
