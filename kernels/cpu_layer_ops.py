@@ -1,8 +1,9 @@
 """rms_norm, silu_and_mul and write_kv_cache through the C++ CPU kernels (csrc/layer_ops_cpu.cpp).
 
 Each has a torch twin here (or in torch_kv_cache_write.py) that is its specification; the kernels
-equal them up to fp32 summation order. Callers go through kernels.dispatch, which picks the
-kernel only where it runs (CPU tensors, fp32 for the arithmetic ones, the extension built).
+equal them up to fp32 summation order (in bf16 they round where the twins round). Callers go
+through kernels.dispatch, which picks the kernel only where it runs (CPU tensors, fp32 or bf16 for
+the arithmetic ones, the extension built).
 """
 
 from __future__ import annotations
@@ -13,10 +14,16 @@ import torch.nn.functional as F
 from kernels import cpu_extension
 from kernels.arg_checks import check_write_kv_cache_args
 
+# The element types the arithmetic kernels are compiled for (computing in fp32 either way).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
 
 def runs_here(*tensors: torch.Tensor) -> bool:
-    """fp32, contiguous CPU tensors and a built extension: what rms_norm and silu_and_mul need."""
-    return (all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+    """Contiguous CPU tensors of one KERNEL_DTYPES dtype and a built extension: what rms_norm and
+    silu_and_mul need."""
+    dtype = tensors[0].dtype
+    return (dtype in KERNEL_DTYPES
+            and all(t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
             and cpu_extension.load() is not None)
 
 
@@ -28,7 +35,7 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: [..., D] fp32 contiguous, weight: [D] -> like x."""
+    """x: [..., D] contiguous, weight: [D] of x's dtype (fp32 or bf16) -> like x."""
     if weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
         raise ValueError(f"weight must be [{x.shape[-1]}] to match x's last dim, got {tuple(weight.shape)}")
     out = torch.empty_like(x)

@@ -1,4 +1,5 @@
-"""paged_attention_cpu: the C++ CPU paged-attention kernel (csrc/paged_attention_cpu.cpp), fp32.
+"""paged_attention_cpu: the C++ CPU paged-attention kernel (csrc/paged_attention_cpu.cpp), fp32 or
+bf16 (computed in fp32, rounded once at the output).
 
 Same signature and results as its twin, `paged_attention_torch`. Sequences with up to
 MAX_QUERY_ROWS query rows in the step (decodes, short chunks) are computed by the kernel straight
@@ -18,9 +19,9 @@ MAX_QUERY_ROWS = 16
 
 
 def is_available(query: torch.Tensor) -> bool:
-    """True where the kernel runs this query: fp32 on an AVX2 CPU, head_dim a multiple of 8."""
-    return (query.dtype == torch.float32 and query.device.type == "cpu" and query.shape[-1] % 8 == 0
-            and cpu_extension.load() is not None)
+    """True where the kernel runs this query: fp32 or bf16 on an AVX2 CPU, head_dim a multiple of 8."""
+    return (query.dtype in (torch.float32, torch.bfloat16) and query.device.type == "cpu"
+            and query.shape[-1] % 8 == 0 and cpu_extension.load() is not None)
 
 
 def paged_attention_cpu(
@@ -37,7 +38,8 @@ def paged_attention_cpu(
     """Causal attention of the packed query rows over each sequence's paged K/V cache (see kernels.paged_attention)."""
     check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
     if not is_available(query):
-        raise ValueError("paged_attention_cpu needs float32 CPU tensors, head_dim % 8 == 0 and the built extension")
+        raise ValueError("paged_attention_cpu needs float32 or bfloat16 CPU tensors, head_dim % 8 == 0 "
+                         "and the built extension")
     out = torch.zeros(query.shape, dtype=query.dtype)  # rows outside every sequence stay zero, as in the twin
     # The kernel checks lengths and block ids itself (ValueError): no host round trip per layer here.
     cpu_extension.load().paged_attention_cpu(

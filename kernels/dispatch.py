@@ -1,5 +1,5 @@
-"""The single dispatch point: Triton for CUDA tensors, the C++ CPU kernels for fp32 on AVX2 CPUs,
-the torch twins otherwise.
+"""The single dispatch point: Triton for CUDA tensors, the C++ CPU kernels for fp32 and bf16 on
+AVX2 CPUs (the skinny matmul: fp32 only), the torch twins otherwise.
 
 The Triton modules are imported on first CUDA call only, so `import kernels` works where triton
 is missing or cannot initialise (CPU CI). If it fails on a CUDA machine the twin (which also runs
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_extension, cpu_layer_ops, cpu_paged_attention, cpu_skinny_linear
+from kernels import cpu_extension, cpu_layer_ops, cpu_packed_linear, cpu_paged_attention, cpu_skinny_linear
 from kernels.torch_kv_cache_write import write_kv_cache_torch
 from kernels.torch_paged_attention import paged_attention_torch
 
@@ -91,8 +91,14 @@ def paged_attention(
 MAX_SKINNY_ROWS = 96
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, through the skinny CPU kernel when x has few rows (fp32 on an AVX2 CPU)."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`F.linear`, through the skinny CPU kernel when x has few rows (fp32 on an AVX2 CPU), or
+    through oneDNN's pre-reordered copy of the weight when one is given (bf16 on a CPU,
+    `cpu_packed_linear.pack_weight(weight)`)."""
+    if packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        return cpu_packed_linear.packed_linear(x, packed, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (0 < rows <= MAX_SKINNY_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32
             and x.device.type == "cpu" and weight.is_contiguous()
@@ -105,14 +111,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama-style RMSNorm over x's last dim; the C++ kernel for fp32 CPU tensors."""
+    """Llama-style RMSNorm over x's last dim; the C++ kernel for fp32 and bf16 CPU tensors."""
     if cpu_layer_ops.runs_here(x, weight):
         return cpu_layer_ops.rms_norm_cpu(x, weight, eps)
     return cpu_layer_ops.rms_norm_torch(x, weight, eps)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[..., 2I] gate then up -> silu(gate) * up; the C++ kernel for fp32 CPU tensors."""
+    """[..., 2I] gate then up -> silu(gate) * up; the C++ kernel for fp32 and bf16 CPU tensors."""
     if cpu_layer_ops.runs_here(gate_up):
         return cpu_layer_ops.silu_and_mul_cpu(gate_up)
     return cpu_layer_ops.silu_and_mul_torch(gate_up)

@@ -3,10 +3,15 @@
     python scripts/bench_cpu_linear.py                    # SmolLM2's shapes, 1 and 2 threads
     python scripts/bench_cpu_linear.py --rows 1,8,32 --threads 2
     python scripts/bench_cpu_linear.py --weights lm_head --rows 16,32,64,96   # the 49152-wide head
+    python scripts/bench_cpu_linear.py --bf16             # also F.linear in bf16 (oneDNN)
+    python scripts/bench_cpu_linear.py --bf16 --packed    # ... and on weights reordered once
 
 For each row count, the time of one pass over all 30 layers' 7 projections (q, k, v, o, gate, up,
 down), as a decode step makes it (or of the lm_head, with --weights lm_head), and the ratio. Weights are far larger than the caches, as in a
-real step. kernels.dispatch.MAX_SKINNY_ROWS is set from this table.
+real step. kernels.dispatch.MAX_SKINNY_ROWS is set from this table. With --bf16, a third column
+times F.linear on bf16 copies of the weights: on CPUs with AVX512-BF16 or AMX it beats both fp32
+paths, which is why worker.model_runner.resolve_dtype picks bf16 there. With --packed, a fourth
+times the same bf16 GEMMs on weights oneDNN reordered once (kernels/cpu_packed_linear.py).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_extension, cpu_skinny_linear
+from kernels import cpu_extension, cpu_packed_linear, cpu_skinny_linear
 
 NUM_LAYERS = 30
 SHAPES = {  # [out_features, in_features] of SmolLM2-135M
@@ -30,8 +35,11 @@ WEIGHT_SETS = {"layers": (SHAPES, NUM_LAYERS), "lm_head": ({"lm_head": (49152, 5
 
 
 def time_pass(rows: int, weights: dict[str, list[torch.Tensor]],
-              linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], repeats: int) -> float:
-    inputs = {name: torch.randn(rows, copies[0].shape[1]) for name, copies in weights.items()}
+              linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], repeats: int,
+              dtype: torch.dtype | None = None) -> float:
+    # A packed weight's dtype is oneDNN's business: the caller names the input's.
+    inputs = {name: torch.randn(rows, copies[0].shape[1], dtype=dtype or copies[0].dtype)
+              for name, copies in weights.items()}
 
     def one_pass() -> None:
         for name, copies in weights.items():
@@ -51,18 +59,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--weights", choices=sorted(WEIGHT_SETS), default="layers")
+    parser.add_argument("--bf16", action="store_true", help="also time F.linear with bf16 weights and inputs")
+    parser.add_argument("--packed", action="store_true", help="with --bf16: also on weights reordered once")
     args = parser.parse_args(argv)
     if cpu_extension.load() is None:
         raise SystemExit("the CPU kernels cannot be built here (no AVX2 or no compiler)")
     shapes, copies = WEIGHT_SETS[args.weights]
     weights = {name: [torch.randn(*shape) for _ in range(copies)] for name, shape in shapes.items()}
-    print(f"{'threads':>7}{'rows':>6}{'F.linear ms':>13}{'skinny ms':>11}{'speed-up':>10}")
+    bf16_weights = {name: [w.bfloat16() for w in ws] for name, ws in weights.items()} if args.bf16 else {}
+    bf16_header = f"{'bf16 F.linear ms':>18}{'bf16 vs skinny':>16}" if args.bf16 else ""
+    packed_weights = {}
+    if args.bf16 and args.packed:
+        packed_weights = {name: [cpu_packed_linear.pack_weight(w) for w in ws] for name, ws in bf16_weights.items()}
+        bf16_header += f"{'bf16 packed ms':>16}{'packed vs F.linear':>20}"
+    print(f"{'threads':>7}{'rows':>6}{'F.linear ms':>13}{'skinny ms':>11}{'speed-up':>10}{bf16_header}")
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for rows in (int(r) for r in args.rows.split(",")):
             reference = time_pass(rows, weights, F.linear, args.repeats)
             skinny = time_pass(rows, weights, cpu_skinny_linear.skinny_linear, args.repeats)
-            print(f"{threads:>7}{rows:>6}{reference * 1e3:>13.1f}{skinny * 1e3:>11.1f}{reference / skinny:>9.2f}x", flush=True)
+            line = f"{threads:>7}{rows:>6}{reference * 1e3:>13.1f}{skinny * 1e3:>11.1f}{reference / skinny:>9.2f}x"
+            if args.bf16:
+                bf16 = time_pass(rows, bf16_weights, F.linear, args.repeats)
+                line += f"{bf16 * 1e3:>18.1f}{skinny / bf16:>15.2f}x"
+            if packed_weights:
+                packed = time_pass(rows, packed_weights, cpu_packed_linear.packed_linear, args.repeats, torch.bfloat16)
+                line += f"{packed * 1e3:>16.1f}{bf16 / packed:>19.2f}x"
+            print(line, flush=True)
     return 0
 
 

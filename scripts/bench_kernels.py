@@ -7,7 +7,8 @@ Shapes (num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, shuffled block 
   decode-64: 64 sequences, one new token each, contexts uniform in 50..600
   mixed-256: one 256-token prefill chunk after a 256-token cached prefix, plus 63 decodes as above
 Implementations:
-  twin         kernels.paged_attention_torch (the CPU product path)
+  twin         kernels.paged_attention_torch (the specification, and the CPU path without C++)
+  cpp          kernels.paged_attention on CPU tensors: the C++ kernel (the CPU product path; cpu only)
   triton       kernels.paged_attention on CUDA tensors (cuda only)
   naive-loop   per sequence: gather K/V through the block table, then one SDPA call
   sdpa-dense   SDPA on K/V already un-paged and padded (one call for the decodes, one per prefill
@@ -196,8 +197,7 @@ def candidates(b: Batch, device: str, with_flex: bool) -> dict[str, Callable[[],
     args = (b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.query_start_loc, b.scale)
     hints = {"max_query_len": max(b.query_lens), "max_seq_len": max(b.ctx_lens)}
     impls: dict[str, Callable[[], object]] = {"twin": lambda: paged_attention_torch(*args, **hints)}
-    if device == "cuda":
-        impls["triton"] = lambda: paged_attention(*args, **hints)
+    impls["triton" if device == "cuda" else "cpp"] = lambda: paged_attention(*args, **hints)
     impls["naive-loop"] = lambda: naive_loop(b)
     impls["sdpa-dense"] = make_sdpa_dense(b)
     if with_flex:
@@ -225,8 +225,7 @@ def write_candidates(b: Batch, device: str) -> dict[str, Callable[[], object]]:
     value = torch.randn_like(key)
     args = (key, value, b.key_cache, b.value_cache, slots)
     impls: dict[str, Callable[[], object]] = {"twin": lambda: write_kv_cache_torch(*args)}
-    if device == "cuda":
-        impls["triton"] = lambda: write_kv_cache(*args)
+    impls["triton" if device == "cuda" else "cpp"] = lambda: write_kv_cache(*args)
     return impls
 
 

@@ -25,7 +25,7 @@ _DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str = "smollm2"  # a bundled model name or a local Hugging Face directory
-    dtype: str = "auto"  # auto: bf16 on a GPU or an AMX CPU, fp32 otherwise
+    dtype: str = "auto"  # auto: bf16 on a GPU or a CPU with AMX or AVX512-BF16, fp32 otherwise
     device: str = "auto"  # auto: cuda when available
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None: enough for max_num_seqs full contexts, within the budget
@@ -39,7 +39,8 @@ class EngineConfig:
     kv_cache_memory_gib: float = 2.0  # cap on the KV pool when num_kv_blocks is None
     enable_prefix_caching: bool = True  # reuse computed K/V blocks of identical prompt prefixes
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
-    # fp32 on AVX2 CPUs: few-row matmuls and decode attention through kernels/csrc (C++), not torch.
+    # CPUs with AVX2: decode attention, RMSNorm and SiLU-and-multiply (fp32 or bf16) and few-row
+    # fp32 matmuls through kernels/csrc (C++), not torch.
     enable_cpu_kernels: bool = True
 
     def __post_init__(self) -> None:

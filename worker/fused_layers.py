@@ -20,6 +20,7 @@ from torch import nn
 from transformers.activations import SiLUActivation
 
 from kernels import linear, rms_norm, silu_and_mul
+from worker.linear_layers import packed_copy
 
 RMS_NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 GATED_MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
@@ -36,9 +37,11 @@ class _FusedRMSNorm(nn.Module):
 class _FusedGatedMLP(nn.Module):
     down_proj: nn.Linear
     carpool_gate_up_weight: torch.Tensor  # [2 * intermediate, hidden]: gate rows, then up rows
+    carpool_packed_gate_up_weight: torch.Tensor | None = None  # its oneDNN copy (bf16, packed=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(linear(x, self.carpool_gate_up_weight)))
+        gate_up = linear(x, self.carpool_gate_up_weight, None, self.carpool_packed_gate_up_weight)
+        return self.down_proj(silu_and_mul(gate_up))
 
 
 @functools.cache
@@ -65,9 +68,10 @@ def _share_gate_up_weight(module: nn.Module) -> None:
     module.carpool_gate_up_weight = fused
 
 
-def route_fused_layers(model: nn.Module, fused: bool = True) -> int:
+def route_fused_layers(model: nn.Module, fused: bool = True, packed: bool = False) -> int:
     """Make the model's known RMSNorm and gated-MLP modules use the fused ops (or back); returns
-    how many modules changed class. Call after the model has its final device and dtype."""
+    how many modules changed class. packed: the MLPs also keep a oneDNN-reordered copy of their
+    bf16 gate/up weight (as linear_layers does). Call after the model has its final device and dtype."""
     count = 0
     for module in model.modules():
         cls = type(module)
@@ -75,15 +79,16 @@ def route_fused_layers(model: nn.Module, fused: bool = True) -> int:
         if not fused:
             if original is not None:
                 module.__class__ = original
+                vars(module).pop("carpool_packed_gate_up_weight", None)
                 count += 1
             continue
-        if original is not None:
-            continue
-        if cls.__name__ in RMS_NORM_CLASSES and hasattr(module, "variance_epsilon"):
+        if original is None and cls.__name__ in RMS_NORM_CLASSES and hasattr(module, "variance_epsilon"):
             module.__class__ = _fused_class(cls, _FusedRMSNorm)
             count += 1
-        elif cls.__name__ in GATED_MLP_CLASSES and _is_plain_gated_silu_mlp(module):
+        elif original is None and cls.__name__ in GATED_MLP_CLASSES and _is_plain_gated_silu_mlp(module):
             _share_gate_up_weight(module)
             module.__class__ = _fused_class(cls, _FusedGatedMLP)
             count += 1
+        if isinstance(module, _FusedGatedMLP):
+            module.carpool_packed_gate_up_weight = packed_copy(module.carpool_gate_up_weight, packed)
     return count

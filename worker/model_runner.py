@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kernels import cpu_extension
+from kernels import cpu_extension, cpu_packed_linear
 from worker.fused_layers import route_fused_layers
 from worker.linear_layers import route_linear_layers
 from worker.model_loader import LoadedModel, ModelLoadError
@@ -37,18 +37,23 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16
-    # Without AMX, CPU bf16 matmuls run through conversions: on an AVX2-only box they measured
-    # five times slower than fp32 (64x576 @ 576x1536: 5 against 28 GFLOP/s on one core).
-    return torch.bfloat16 if torch.cpu._is_amx_tile_supported() else torch.float32
+    # With AMX or AVX512-BF16, bf16 GEMMs beat fp32 ones at every row count of a step (on an
+    # AVX512-BF16 EPYC, 2 threads: 2.3-3.8x the fp32 skinny kernel at 8-96 rows, over all 30
+    # layers; `python scripts/bench_cpu_linear.py --bf16 --packed --threads 2`). Without them
+    # bf16 runs through conversions: on an AVX2-only box five times slower than fp32.
+    return torch.bfloat16 if cpu_packed_linear.runs_fast_here() else torch.float32
 
 
 def route_cpu_kernels(model: torch.nn.Module, enabled: bool, device: torch.device, dtype: torch.dtype) -> bool:
-    """Route the model's linear, RMSNorm and gated-MLP layers through the C++ CPU kernels where
-    they run (fp32 on a CPU, extension built), or back to transformers' own; True if they run.
-    The extension is built (once per machine) here, not in the middle of a first step."""
-    uses = enabled and device.type == "cpu" and dtype == torch.float32 and cpu_extension.load() is not None
-    route_linear_layers(model, uses)
-    route_fused_layers(model, uses)
+    """Route the model's linear, RMSNorm and gated-MLP layers and its paged attention through the
+    CPU kernels where they run (fp32 or bf16 on a CPU, extension built), or back to transformers'
+    own; True if they run. Linear layers: the skinny C++ kernel in fp32, oneDNN on weights
+    reordered once in bf16. The extension is built (once per machine) here, not mid-step."""
+    uses = (enabled and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and cpu_extension.load() is not None)
+    packed = uses and dtype == torch.bfloat16 and cpu_packed_linear.runs_fast_here()
+    route_linear_layers(model, uses, packed)
+    route_fused_layers(model, uses, packed)
     return uses
 
 

@@ -1,5 +1,6 @@
 // paged_attention_cpu: causal attention of a few query rows per sequence over its paged K/V cache,
-// fp32 on AVX2 CPUs. The pure-torch twin (kernels/torch_paged_attention.py) is its specification.
+// fp32 or bf16 (computed in fp32) on AVX2 CPUs. The pure-torch twin (kernels/torch_paged_attention.py)
+// is its specification.
 //
 // Why: in a decode step each sequence has one query row and a short context. The twin gathers
 // every context into a padded tensor and calls SDPA; at these sizes the gather and SDPA's own
@@ -28,18 +29,22 @@ namespace {
 
 using carpool::exp_nonpositive;
 using carpool::horizontal_sum;
+using carpool::load8;
+using carpool::store8;
 
 // scores[t] = scale * <q, keys[t]> for t < n: four keys at a time, so four FMA chains run at once.
-inline void key_scores(const float* q, const float* const* keys, int64_t n, int64_t head_dim, float scale, float* scores) {
+// q is the query row widened to fp32 once.
+template <typename T>
+inline void key_scores(const float* q, const T* const* keys, int64_t n, int64_t head_dim, float scale, float* scores) {
     int64_t t = 0;
     for (; t + 4 <= n; t += 4) {
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t i = 0; i < head_dim; i += 8) {
             const __m256 qv = _mm256_loadu_ps(q + i);
-            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[t] + i), a0);
-            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[t + 1] + i), a1);
-            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[t + 2] + i), a2);
-            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys[t + 3] + i), a3);
+            a0 = _mm256_fmadd_ps(qv, load8(keys[t] + i), a0);
+            a1 = _mm256_fmadd_ps(qv, load8(keys[t + 1] + i), a1);
+            a2 = _mm256_fmadd_ps(qv, load8(keys[t + 2] + i), a2);
+            a3 = _mm256_fmadd_ps(qv, load8(keys[t + 3] + i), a3);
         }
         scores[t] = horizontal_sum(a0) * scale;
         scores[t + 1] = horizontal_sum(a1) * scale;
@@ -48,7 +53,7 @@ inline void key_scores(const float* q, const float* const* keys, int64_t n, int6
     }
     for (; t < n; ++t) {
         __m256 a = _mm256_setzero_ps();
-        for (int64_t i = 0; i < head_dim; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(keys[t] + i), a);
+        for (int64_t i = 0; i < head_dim; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(keys[t] + i), a);
         scores[t] = horizontal_sum(a) * scale;
     }
 }
@@ -71,17 +76,18 @@ inline void softmax(float* scores, int64_t n) {
 }
 
 // out = sum_t probs[t] * values[t]: up to 64 output floats held in registers across all keys.
-inline void weighted_values(const float* probs, const float* const* values, int64_t n, int64_t head_dim, float* out) {
+template <typename T>
+inline void weighted_values(const float* probs, const T* const* values, int64_t n, int64_t head_dim, T* out) {
     for (int64_t d = 0; d < head_dim; d += 64) {
         const int num_vecs = static_cast<int>(std::min<int64_t>(64, head_dim - d) / 8);
         __m256 acc[8];
         for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
         for (int64_t t = 0; t < n; ++t) {
             const __m256 p = _mm256_set1_ps(probs[t]);
-            const float* v = values[t] + d;
-            for (int i = 0; i < num_vecs; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), acc[i]);
+            const T* v = values[t] + d;
+            for (int i = 0; i < num_vecs; ++i) acc[i] = _mm256_fmadd_ps(p, load8(v + 8 * i), acc[i]);
         }
-        for (int i = 0; i < num_vecs; ++i) _mm256_storeu_ps(out + d + 8 * i, acc[i]);
+        for (int i = 0; i < num_vecs; ++i) store8(out + d + 8 * i, acc[i]);
     }
 }
 
@@ -106,33 +112,31 @@ void check_lengths_and_tables(const int32_t* starts, const int32_t* lens, const 
     }
 }
 
-}  // namespace
-
-// query: [num_tokens, num_heads, head_dim], head_dim contiguous; out: the same shape, contiguous; caches: [num_blocks, block_size, num_kv_heads, head_dim];
 // block_tables: [num_seqs, width] int32; seq_lens: [num_seqs] int32; query_start_loc: [num_seqs + 1] int32.
-void paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                         const at::Tensor& query_start_loc, double scale, int64_t max_query_rows,
-                         at::Tensor& out) {
+template <typename T>
+void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                     double scale, int64_t max_query_rows, at::Tensor& out) {
     // Shapes, dtypes and strides are checked by the Python wrapper; lengths and block ids here.
     const int64_t num_seqs = seq_lens.size(0), num_heads = query.size(1), head_dim = query.size(2);
     const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
     const int64_t group = num_heads / num_kv_heads, table_width = block_tables.size(1);
     const int64_t token_stride = num_kv_heads * head_dim, block_stride = block_size * token_stride;
     const int64_t q_token_stride = query.stride(0), q_head_stride = query.stride(1);
-    const float* q = query.data_ptr<float>();
-    const float* kc = key_cache.data_ptr<float>();
-    const float* vc = value_cache.data_ptr<float>();
+    const T* q = query.data_ptr<T>();
+    const T* kc = key_cache.data_ptr<T>();
+    const T* vc = value_cache.data_ptr<T>();
     const int32_t* tables = block_tables.data_ptr<int32_t>();
     const int32_t* lens = seq_lens.data_ptr<int32_t>();
     const int32_t* starts = query_start_loc.data_ptr<int32_t>();
-    float* o = out.data_ptr<float>();
+    T* o = out.data_ptr<T>();
     const float fscale = static_cast<float>(scale);
     check_lengths_and_tables(starts, lens, tables, num_seqs, table_width, block_size, key_cache.size(0), query.size(0));
 
     at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores;  // one query head's scores over the context
-        std::vector<const float*> keys, values;  // where each context position's K/V row lies
+        std::vector<float> q_row(static_cast<size_t>(head_dim));  // the query head, in fp32
+        std::vector<const T*> keys, values;  // where each context position's K/V row lies
         for (int64_t task = begin; task < end; ++task) {
             const int64_t s = task / num_kv_heads, kv = task % num_kv_heads;
             const int64_t first_row = starts[s], q_len = starts[s + 1] - starts[s], ctx = lens[s];
@@ -150,12 +154,29 @@ void paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache, c
                 const int64_t row = first_row + j, num_keys = ctx - q_len + j + 1;  // causal: keys 0..position
                 for (int64_t g = 0; g < group; ++g) {
                     const int64_t head = kv * group + g;
-                    key_scores(q + row * q_token_stride + head * q_head_stride, keys.data(), num_keys, head_dim, fscale,
-                               scores.data());
+                    const T* q_head = q + row * q_token_stride + head * q_head_stride;
+                    for (int64_t i = 0; i < head_dim; i += 8) _mm256_storeu_ps(q_row.data() + i, load8(q_head + i));
+                    key_scores(q_row.data(), keys.data(), num_keys, head_dim, fscale, scores.data());
                     softmax(scores.data(), num_keys);
                     weighted_values(scores.data(), values.data(), num_keys, head_dim, o + (row * num_heads + head) * head_dim);
                 }
             }
         }
     });
+}
+
+}  // namespace
+
+// query: [num_tokens, num_heads, head_dim], head_dim contiguous; out: the same shape and dtype, contiguous;
+// caches: [num_blocks, block_size, num_kv_heads, head_dim]; all fp32 or all bf16.
+void paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const at::Tensor& query_start_loc, double scale, int64_t max_query_rows,
+                         at::Tensor& out) {
+    if (query.scalar_type() == at::kBFloat16)
+        paged_attention<carpool::bf16>(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                                       max_query_rows, out);
+    else
+        paged_attention<float>(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                               max_query_rows, out);
 }

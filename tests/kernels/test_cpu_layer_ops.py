@@ -43,6 +43,38 @@ def test_silu_and_mul_equals_its_twin(shape: tuple[int, ...]) -> None:
     torch.testing.assert_close(dispatch.silu_and_mul(gate_up), expected, rtol=1e-6, atol=1e-6)
 
 
+def assert_bf16_matches_twin(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """bf16 kernel against its bf16 twin: both round at the same points, so they may differ only
+    where fp32 summation order (or exp's last bit) tips a rounding: by one bf16 step, rarely."""
+    assert actual.dtype == expected.dtype == torch.bfloat16
+    differs = actual != expected
+    assert differs.float().mean().item() <= 0.01, f"{differs.sum().item()} of {actual.numel()} values differ"
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=2**-7, atol=1e-6)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 576), (5, 64), (3, 7, 13), (40, 1536)])
+def test_rms_norm_in_bf16_rounds_where_llama_does(shape: tuple[int, ...]) -> None:
+    generator = torch.Generator().manual_seed(3)
+    x = (torch.randn(shape, generator=generator) * 3).bfloat16()
+    weight = torch.randn(shape[-1], generator=generator).bfloat16()
+    expected = cpu_layer_ops.rms_norm_torch(x, weight, 1e-5)
+    assert_bf16_matches_twin(cpu_layer_ops.rms_norm_cpu(x, weight, 1e-5), expected)
+    assert_bf16_matches_twin(dispatch.rms_norm(x, weight, 1e-5), expected)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (7, 2 * 13), (2, 3, 2 * 64)])
+def test_silu_and_mul_in_bf16_rounds_where_torch_does(shape: tuple[int, ...]) -> None:
+    gate_up = (torch.randn(shape, generator=torch.Generator().manual_seed(4)) * 8).bfloat16()
+    gate_up[..., 0] = float("nan")
+    expected = cpu_layer_ops.silu_and_mul_torch(gate_up)
+    actual = cpu_layer_ops.silu_and_mul_cpu(gate_up)
+    assert actual[..., 0].isnan().all()  # NaN stays NaN through the bf16 narrowing
+    assert_bf16_matches_twin(actual[..., 1:], expected[..., 1:])
+    assert_bf16_matches_twin(dispatch.silu_and_mul(gate_up)[..., 1:], expected[..., 1:])
+
+
 def test_odd_gate_up_is_refused() -> None:
     with pytest.raises(ValueError, match="even"):
         cpu_layer_ops.silu_and_mul_cpu(torch.zeros(2, 5))

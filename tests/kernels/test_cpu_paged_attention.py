@@ -11,23 +11,38 @@ from kernels.cpu_paged_attention import MAX_QUERY_ROWS, paged_attention_cpu
 pytestmark = pytest.mark.skipif(cpu_extension.load() is None, reason="no AVX2 or no compiler here")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (9, 3)])
-def test_mixed_batch_matches_dense(paged_batch, dense_reference, close, mixed_lens, head_dim, num_heads, num_kv_heads):
+def test_mixed_batch_matches_dense(paged_batch, dense_reference, close, mixed_lens, head_dim, num_heads, num_kv_heads,
+                                   dtype):
     # The mixed batch holds a 20- and a 33-row chunk: those go through the twin, the rest through C++.
     batch = paged_batch(*mixed_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                        seed=head_dim)
-    close(paged_attention_cpu(*batch.args()), dense_reference(batch), torch.float32)
+                        seed=head_dim, dtype=dtype)
+    out = paged_attention_cpu(*batch.args())
+    assert out.dtype == dtype
+    close(out, dense_reference(batch), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 8, 16, 32])
-def test_decodes_and_short_chunks_over_shuffled_blocks(paged_batch, dense_reference, close, block_size):
+def test_decodes_and_short_chunks_over_shuffled_blocks(paged_batch, dense_reference, close, block_size, dtype):
     # Every sequence within the kernel's reach; unused table entries hold garbage, unowned slots NaN.
     query_lens = [1, 1, MAX_QUERY_ROWS, 3, 1, 0]
     seq_lens = [1, 300, MAX_QUERY_ROWS + 40, 3, 77, 12]
     batch = paged_batch(query_lens, seq_lens, num_heads=9, num_kv_heads=3, head_dim=64, block_size=block_size,
-                        seed=block_size)
-    close(paged_attention_cpu(*batch.args()), dense_reference(batch), torch.float32)
+                        seed=block_size, dtype=dtype)
+    close(paged_attention_cpu(*batch.args()), dense_reference(batch), dtype)
+
+
+def test_bf16_is_the_fp32_result_rounded_once(paged_batch):
+    # bf16 K/V and queries are widened exactly, so the kernel's bf16 output must be its own fp32
+    # output on the same (widened) values, rounded to bf16 once: nothing else rounds in between.
+    batch = paged_batch([1, 1, 5, 2], [1, 300, 45, 77], num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+    widened = [t.float() if t.is_floating_point() else t for t in batch.args()[:-1]]
+    out32 = paged_attention_cpu(*widened, batch.scale)
+    out16 = paged_attention_cpu(*batch.args())
+    assert torch.equal(out16, out32.to(torch.bfloat16))
 
 
 def test_padding_rows_are_zero_and_head_major_query_is_read_in_place(paged_batch, dense_reference, close, mixed_lens):
@@ -38,12 +53,12 @@ def test_padding_rows_are_zero_and_head_major_query_is_read_in_place(paged_batch
     close(out, dense_reference(batch), torch.float32)
 
 
-def test_dispatch_picks_the_kernel_for_fp32_on_cpu(paged_batch, mixed_lens):
-    batch = paged_batch(*mixed_lens, num_heads=9, num_kv_heads=3, head_dim=64)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dispatch_picks_the_kernel_for_fp32_and_bf16_on_cpu(paged_batch, close, mixed_lens, dtype):
+    batch = paged_batch(*mixed_lens, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype)
     assert cpu_paged_attention.is_available(batch.query)
     assert torch.equal(paged_attention(*batch.args()), paged_attention_cpu(*batch.args()))
-    torch.testing.assert_close(paged_attention(*batch.args()), paged_attention_torch(*batch.args()),
-                               atol=1e-5, rtol=1e-5)
+    close(paged_attention(*batch.args()), paged_attention_torch(*batch.args()), dtype)
 
 
 def test_a_table_entry_outside_the_pool_is_refused(paged_batch):

@@ -67,9 +67,9 @@ def test_hints_do_not_change_the_result(paged_batch, mixed_lens):
     assert torch.equal(plain, hinted)
 
 
-def test_dispatch_runs_the_twin_on_cpu_outside_fp32(paged_batch, mixed_lens):
-    # fp32 goes to the C++ kernel where it is built (tests/kernels/test_cpu_paged_attention.py).
-    batch = paged_batch(*mixed_lens, dtype=torch.bfloat16)
+def test_dispatch_runs_the_twin_on_cpu_outside_fp32_and_bf16(paged_batch, mixed_lens):
+    # fp32 and bf16 go to the C++ kernel where it is built (tests/kernels/test_cpu_paged_attention.py).
+    batch = paged_batch(*mixed_lens, dtype=torch.float16)
     assert torch.equal(paged_attention(*batch.args()), paged_attention_torch(*batch.args()))
 
 

@@ -219,13 +219,13 @@ def greedy_max_tokens(index: int) -> int:
 
 
 def greedy_reference(
-    directory: Path, prompts: list[list[int]], max_tokens: list[int] | None = None
+    directory: Path, prompts: list[list[int]], max_tokens: list[int] | None = None, dtype: str = "float32",
 ) -> list[list[int]]:
-    """HF `generate`, one prompt at a time, greedy, fp32, on a separate (sdpa) model instance."""
+    """HF `generate`, one prompt at a time, greedy, on a separate (sdpa) model instance."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=getattr(torch, dtype)).eval()
     outputs = []
     with torch.inference_mode():
         for i, prompt in enumerate(prompts):
@@ -243,6 +243,7 @@ def make_engine(loaded: Any, **overrides: Any) -> Any:
     from worker.engine import Engine
     from worker.engine_config import EngineConfig
 
-    settings = {"model": str(loaded.path), "block_size": 4, "num_kv_blocks": 512, "max_num_seqs": 32,
-                "max_num_batched_tokens": 256, **overrides}
+    # fp32 whatever the CPU: the references are fp32 (auto picks bf16 on AVX512-BF16/AMX CPUs).
+    settings = {"model": str(loaded.path), "dtype": "float32", "block_size": 4, "num_kv_blocks": 512,
+                "max_num_seqs": 32, "max_num_batched_tokens": 256, **overrides}
     return Engine(EngineConfig(**settings), loaded=loaded)

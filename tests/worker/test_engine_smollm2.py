@@ -1,4 +1,4 @@
-"""The real SmolLM2-135M-Instruct (fp32) against Hugging Face `generate`."""
+"""The real SmolLM2-135M-Instruct against Hugging Face `generate`, in fp32 and in bf16."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.worker.conftest import greedy_reference, make_engine
 from worker.engine import FinishReason, SamplingParams
@@ -42,3 +43,19 @@ def test_two_plus_two_is_four(engine: Any) -> None:
     result = engine.generate([prompt], SamplingParams(max_tokens=32, temperature=0.0))[0]
     assert "4" in result.text, result.text
     assert result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+def test_bf16_greedy_equals_hf_generate_in_bf16(smollm2_dir: Path) -> None:
+    # bf16 end to end: packed oneDNN linears, the C++ norm, activation and attention on a bf16 KV
+    # cache, against transformers' own bf16 model. Rounding differs only in summation order.
+    from kernels import cpu_extension
+    from worker.model_loader import load_model
+
+    loaded = load_model(str(smollm2_dir))
+    engine = make_engine(loaded, dtype="bfloat16", num_kv_blocks=256, block_size=16, max_num_batched_tokens=128)
+    assert engine.runner.dtype == torch.bfloat16 and engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert engine.runner.uses_cpu_kernels == (cpu_extension.load() is not None)
+    prompts = [engine.encode_chat([{"role": "user", "content": chat}]) for chat in CHATS]
+    results = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
+    expected = greedy_reference(smollm2_dir, prompts, [24] * len(prompts), dtype="bfloat16")
+    assert [r.token_ids for r in results] == expected
