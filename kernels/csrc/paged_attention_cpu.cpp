@@ -7,12 +7,13 @@
 // set-up cost more than the arithmetic (a third of a mid-size decode step). This kernel reads
 // K/V where they lie, through the block table.
 //
-// Algorithm, per (sequence, kv head) task: the addresses of the context's K/V rows are looked up
-// once; then for each query row j (absolute position p) and each query head sharing the kv head,
-// scores against keys 0..p (four keys at a time), a softmax in fp32 with the max subtracted, and
-// the weighted sum of V rows accumulated in registers. The task's K/V (a few KiB per hundred
-// positions) stays in L1/L2 across the group's heads. Sequences with more query rows than
-// max_query_rows are skipped (left untouched in `out`): the caller hands them to the twin.
+// Algorithm, per (sequence, kv head) task: the context's K and V rows are read once through the
+// block table into contiguous fp32 scratch (widened from bf16 there, once, not once per query
+// head); it stays in L1/L2 while every query row j (absolute position p) of every query head
+// sharing the kv head takes its scores against keys 0..p (eight keys at a time, reduced together),
+// a softmax in fp32 with the max subtracted, and the weighted sum of V rows accumulated in
+// registers. Sequences with more query rows than max_query_rows are skipped (left untouched in
+// `out`): the caller hands them to the twin.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -32,35 +33,49 @@ using carpool::horizontal_sum;
 using carpool::load8;
 using carpool::store8;
 
-// scores[t] = scale * <q, keys[t]> for t < n: four keys at a time, so four FMA chains run at once.
-// q is the query row widened to fp32 once.
-template <typename T>
-inline void key_scores(const float* q, const T* const* keys, int64_t n, int64_t head_dim, float scale, float* scores) {
+// [sum(a0), sum(a1), ..., sum(a7)]: eight dot products finished in eight instructions, not forty.
+inline __m256 sum_each(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+    // hadd pairs neighbours within each 128-bit half; after two rounds each half holds four sums.
+    const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// scores[t] = scale * <q, keys[t]> for t < n; keys: [n, head_dim] fp32 contiguous. Returns the max.
+inline float key_scores(const float* q, const float* keys, int64_t n, int64_t head_dim, float scale, float* scores) {
+    const __m256 scale_v = _mm256_set1_ps(scale);
+    __m256 peak_v = _mm256_set1_ps(-INFINITY);
     int64_t t = 0;
-    for (; t + 4 <= n; t += 4) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; t + 8 <= n; t += 8) {
+        const float* k = keys + t * head_dim;
+        __m256 a[8];
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
         for (int64_t i = 0; i < head_dim; i += 8) {
             const __m256 qv = _mm256_loadu_ps(q + i);
-            a0 = _mm256_fmadd_ps(qv, load8(keys[t] + i), a0);
-            a1 = _mm256_fmadd_ps(qv, load8(keys[t + 1] + i), a1);
-            a2 = _mm256_fmadd_ps(qv, load8(keys[t + 2] + i), a2);
-            a3 = _mm256_fmadd_ps(qv, load8(keys[t + 3] + i), a3);
+            for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * head_dim + i), a[j]);
         }
-        scores[t] = horizontal_sum(a0) * scale;
-        scores[t + 1] = horizontal_sum(a1) * scale;
-        scores[t + 2] = horizontal_sum(a2) * scale;
-        scores[t + 3] = horizontal_sum(a3) * scale;
+        const __m256 v = _mm256_mul_ps(sum_each(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]), scale_v);
+        _mm256_storeu_ps(scores + t, v);
+        peak_v = _mm256_max_ps(peak_v, v);
+    }
+    float peak = -INFINITY;
+    {
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, peak_v);
+        for (float lane : lanes) peak = std::max(peak, lane);
     }
     for (; t < n; ++t) {
         __m256 a = _mm256_setzero_ps();
-        for (int64_t i = 0; i < head_dim; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), load8(keys[t] + i), a);
+        for (int64_t i = 0; i < head_dim; i += 8)
+            a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(keys + t * head_dim + i), a);
         scores[t] = horizontal_sum(a) * scale;
+        peak = std::max(peak, scores[t]);
     }
+    return peak;
 }
 
-// In place: scores <- softmax(scores), in fp32 with the maximum subtracted.
-inline void softmax(float* scores, int64_t n) {
-    const float peak = *std::max_element(scores, scores + n);
+// In place: scores <- softmax(scores), in fp32 with the maximum (peak) subtracted.
+inline void softmax(float* scores, int64_t n, float peak) {
     const __m256 peak_v = _mm256_set1_ps(peak);
     __m256 total_v = _mm256_setzero_ps();
     int64_t t = 0;
@@ -71,23 +86,63 @@ inline void softmax(float* scores, int64_t n) {
     }
     float total = horizontal_sum(total_v);
     for (; t < n; ++t) total += (scores[t] = std::exp(scores[t] - peak));
-    const float inv = 1.f / total;
-    for (t = 0; t < n; ++t) scores[t] *= inv;
+    const __m256 inv_v = _mm256_set1_ps(1.f / total);
+    for (t = 0; t + 8 <= n; t += 8) _mm256_storeu_ps(scores + t, _mm256_mul_ps(_mm256_loadu_ps(scores + t), inv_v));
+    for (; t < n; ++t) scores[t] *= 1.f / total;
 }
 
-// out = sum_t probs[t] * values[t]: up to 64 output floats held in registers across all keys.
+// out = sum_t probs[t] * values[t]; values: [n, head_dim] fp32 contiguous. Up to 64 output floats
+// are held in registers across all keys.
 template <typename T>
-inline void weighted_values(const float* probs, const T* const* values, int64_t n, int64_t head_dim, T* out) {
+inline void weighted_values(const float* probs, const float* values, int64_t n, int64_t head_dim, T* out) {
     for (int64_t d = 0; d < head_dim; d += 64) {
         const int num_vecs = static_cast<int>(std::min<int64_t>(64, head_dim - d) / 8);
         __m256 acc[8];
         for (int i = 0; i < 8; ++i) acc[i] = _mm256_setzero_ps();
-        for (int64_t t = 0; t < n; ++t) {
-            const __m256 p = _mm256_set1_ps(probs[t]);
-            const T* v = values[t] + d;
-            for (int i = 0; i < num_vecs; ++i) acc[i] = _mm256_fmadd_ps(p, load8(v + 8 * i), acc[i]);
+        if (num_vecs == 8) {  // the common head_dim 64 / 128: a fixed trip count GCC unrolls
+            for (int64_t t = 0; t < n; ++t) {
+                const __m256 p = _mm256_set1_ps(probs[t]);
+                const float* v = values + t * head_dim + d;
+                for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), acc[i]);
+            }
+        } else {
+            for (int64_t t = 0; t < n; ++t) {
+                const __m256 p = _mm256_set1_ps(probs[t]);
+                const float* v = values + t * head_dim + d;
+                for (int i = 0; i < num_vecs; ++i) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), acc[i]);
+            }
         }
         for (int i = 0; i < num_vecs; ++i) store8(out + d + 8 * i, acc[i]);
+    }
+}
+
+// dst[t, :] = row t of the context (through the block table), widened to fp32, block by block.
+// The next block is prefetched while this one is copied: blocks lie scattered (in DRAM for all
+// but the smallest pools), and without it each row waited for its own miss. The first kv head's
+// task prefetches the whole block, every head's rows in one sequential run, so that the tasks of
+// the sequence's other kv heads, next on the same thread, find their rows in L2.
+template <typename T>
+inline void gather_rows(const T* cache, const int32_t* table, int64_t n, int64_t block_size, int64_t block_stride,
+                        int64_t token_stride, int64_t head_offset, int64_t head_dim, float* dst) {
+    const int64_t block_bytes = block_stride * static_cast<int64_t>(sizeof(T));
+    const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
+    const int64_t token_bytes = token_stride * static_cast<int64_t>(sizeof(T));
+    for (int64_t first = 0, c = 0; first < n; first += block_size, ++c) {
+        if (first + block_size < n) {
+            const char* next = reinterpret_cast<const char*>(cache + table[c + 1] * block_stride);
+            if (head_offset == 0) {
+                for (int64_t b = 0; b < block_bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+            } else {
+                next += head_offset * static_cast<int64_t>(sizeof(T));
+                for (int64_t r = 0; r < block_size; ++r)
+                    for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(next + r * token_bytes + b, _MM_HINT_T0);
+            }
+        }
+        const T* row = cache + table[c] * block_stride + head_offset;
+        const int64_t rows = std::min(block_size, n - first);
+        float* out = dst + first * head_dim;
+        for (int64_t r = 0; r < rows; ++r, row += token_stride, out += head_dim)
+            for (int64_t i = 0; i < head_dim; i += 8) _mm256_storeu_ps(out + i, load8(row + i));
     }
 }
 
@@ -136,28 +191,25 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
     at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores;  // one query head's scores over the context
         std::vector<float> q_row(static_cast<size_t>(head_dim));  // the query head, in fp32
-        std::vector<const T*> keys, values;  // where each context position's K/V row lies
+        std::vector<float> keys, values;  // the task's context K/V rows, fp32, contiguous
         for (int64_t task = begin; task < end; ++task) {
             const int64_t s = task / num_kv_heads, kv = task % num_kv_heads;
             const int64_t first_row = starts[s], q_len = starts[s + 1] - starts[s], ctx = lens[s];
             if (q_len == 0 || q_len > max_query_rows) continue;
             const int32_t* table = tables + s * table_width;
             scores.resize(static_cast<size_t>(ctx));
-            keys.resize(static_cast<size_t>(ctx));
-            values.resize(static_cast<size_t>(ctx));
-            for (int64_t t = 0; t < ctx; ++t) {
-                const int64_t offset = table[t / block_size] * block_stride + (t % block_size) * token_stride + kv * head_dim;
-                keys[t] = kc + offset;
-                values[t] = vc + offset;
-            }
+            keys.resize(static_cast<size_t>(ctx * head_dim));
+            values.resize(static_cast<size_t>(ctx * head_dim));
+            gather_rows(kc, table, ctx, block_size, block_stride, token_stride, kv * head_dim, head_dim, keys.data());
+            gather_rows(vc, table, ctx, block_size, block_stride, token_stride, kv * head_dim, head_dim, values.data());
             for (int64_t j = 0; j < q_len; ++j) {
                 const int64_t row = first_row + j, num_keys = ctx - q_len + j + 1;  // causal: keys 0..position
                 for (int64_t g = 0; g < group; ++g) {
                     const int64_t head = kv * group + g;
                     const T* q_head = q + row * q_token_stride + head * q_head_stride;
                     for (int64_t i = 0; i < head_dim; i += 8) _mm256_storeu_ps(q_row.data() + i, load8(q_head + i));
-                    key_scores(q_row.data(), keys.data(), num_keys, head_dim, fscale, scores.data());
-                    softmax(scores.data(), num_keys);
+                    const float peak = key_scores(q_row.data(), keys.data(), num_keys, head_dim, fscale, scores.data());
+                    softmax(scores.data(), num_keys, peak);
                     weighted_values(scores.data(), values.data(), num_keys, head_dim, o + (row * num_heads + head) * head_dim);
                 }
             }
