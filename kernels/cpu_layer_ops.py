@@ -1,4 +1,5 @@
-"""rms_norm, silu_and_mul and write_kv_cache through the C++ CPU kernels (csrc/layer_ops_cpu.cpp).
+"""rms_norm, silu_and_mul, rotary_embedding and write_kv_cache through the C++ CPU kernels
+(csrc/layer_ops_cpu.cpp).
 
 Each has a torch twin here (or in torch_kv_cache_write.py) that is its specification; the kernels
 equal them up to fp32 summation order (in bf16 they round where the twins round). Callers go
@@ -55,6 +56,29 @@ def silu_and_mul_cpu(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(*gate_up.shape[:-1], gate_up.shape[-1] // 2, dtype=gate_up.dtype)
     cpu_extension.load().silu_and_mul_cpu(gate_up, out)
     return out
+
+
+def rotary_embedding_torch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> None:
+    """In place on the first num_heads heads of each row of qkv ([T, W], a fused q/k/v projection;
+    the query's heads, then the key's): x <- x * cos + rotate_half(x) * sin, Llama's rotary
+    embedding, with cos, sin: [T, head_dim] for each row's position."""
+    head_dim = cos.shape[-1]
+    heads = qkv[:, : num_heads * head_dim].unflatten(-1, (num_heads, head_dim))
+    x1, x2 = heads[..., : head_dim // 2], heads[..., head_dim // 2:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    heads.copy_(heads * cos.unsqueeze(1) + rotated * sin.unsqueeze(1))
+
+
+def rotary_embedding_cpu(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> None:
+    """As rotary_embedding_torch, in one pass; qkv's rows may be strided, each row unit-stride."""
+    head_dim = cos.shape[-1]
+    if qkv.dim() != 2 or cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != qkv.shape[0]:
+        raise ValueError(f"need qkv [T, W] and cos, sin [T, head_dim]; got {tuple(qkv.shape)}, "
+                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
+    if head_dim % 2 or num_heads * head_dim > qkv.shape[1] or qkv.stride(1) != 1:
+        raise ValueError(f"{num_heads} heads of {head_dim} (even) must fit in qkv's unit-stride rows of "
+                         f"{qkv.shape[1]}, got strides {qkv.stride()}")
+    cpu_extension.load().rotary_embedding_cpu(qkv, cos.contiguous(), sin.contiguous(), num_heads)
 
 
 def write_kv_cache_cpu(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -122,3 +122,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if cpu_layer_ops.runs_here(gate_up):
         return cpu_layer_ops.silu_and_mul_cpu(gate_up)
     return cpu_layer_ops.silu_and_mul_torch(gate_up)
+
+
+def rotary_embedding(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> None:
+    """In place on the first num_heads heads of each [T, W] row of a fused q/k/v projection:
+    x <- x * cos + rotate_half(x) * sin (Llama's rotary embedding; cos, sin: [T, head_dim]).
+    The C++ kernel for fp32 and bf16 CPU tensors."""
+    if cpu_layer_ops.runs_here(cos, sin) and qkv.dtype == cos.dtype and qkv.device.type == "cpu":
+        cpu_layer_ops.rotary_embedding_cpu(qkv, cos, sin, num_heads)
+    else:
+        cpu_layer_ops.rotary_embedding_torch(qkv, cos, sin, num_heads)

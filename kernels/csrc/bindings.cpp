@@ -9,13 +9,15 @@ void paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache, c
                          at::Tensor& out);
 void rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
 void silu_and_mul_cpu(const at::Tensor& gate_up, at::Tensor& out);
+void rotary_embedding_cpu(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads);
 void write_kv_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                         const at::Tensor& slot_mapping);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("skinny_linear", &skinny_linear, "y = x @ weight.T (+ bias), fp32, few rows, AVX2+FMA");
-    m.def("rms_norm_cpu", &rms_norm_cpu, "out = x * rsqrt(mean(x^2) + eps) * weight, fp32, per row");
-    m.def("silu_and_mul_cpu", &silu_and_mul_cpu, "out = silu(gate) * up from [M, 2I] gate_up, fp32");
+    m.def("rms_norm_cpu", &rms_norm_cpu, "out = x * rsqrt(mean(x^2) + eps) * weight, fp32 or bf16, per row");
+    m.def("silu_and_mul_cpu", &silu_and_mul_cpu, "out = silu(gate) * up from [M, 2I] gate_up, fp32 or bf16");
+    m.def("rotary_embedding_cpu", &rotary_embedding_cpu, "x = x * cos + rotate_half(x) * sin on the first heads of qkv rows, in place");
     m.def("write_kv_cache_cpu", &write_kv_cache_cpu, "K/V rows into their cache slots (negative: skip)");
-    m.def("paged_attention_cpu", &paged_attention_cpu, "paged causal attention, fp32, few query rows per sequence");
+    m.def("paged_attention_cpu", &paged_attention_cpu, "paged causal attention, fp32 or bf16, few query rows per sequence");
 }

@@ -1,5 +1,5 @@
-// The small per-layer ops of a decoder step, fp32 or bf16 on AVX2 CPUs: RMSNorm, SiLU-and-multiply
-// and the KV-cache write. Their twins are the torch code in kernels/cpu_layer_ops.py and
+// The small per-layer ops of a decoder step, fp32 or bf16 on AVX2 CPUs: RMSNorm, SiLU-and-multiply,
+// the rotary embedding and the KV-cache write. Their twins are the torch code in kernels/cpu_layer_ops.py and
 // kernels/torch_kv_cache_write.py.
 //
 // Why: each is a handful of torch ops (RMSNorm is seven: cast, pow, mean, add, rsqrt, mul, mul),
@@ -96,6 +96,42 @@ void silu_and_mul(const at::Tensor& gate_up, at::Tensor& out) {
     });
 }
 
+// Llama's rotary embedding on one head, in place: x <- x * cos + rotate_half(x) * sin, with
+// rotate_half(x) = [-x2, x1] over the two halves of the head. Each product is rounded to T before
+// the sum, as torch's three bf16 ops round.
+template <typename T>
+inline void rotate_head(T* x, const T* cos, const T* sin, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    int64_t i = 0;
+    for (; i + 8 <= half; i += 8) {
+        const __m256 x1 = load8(x + i), x2 = load8(x + half + i);
+        const __m256 first = _mm256_sub_ps(round_like<T>(_mm256_mul_ps(x1, load8(cos + i))),
+                                           round_like<T>(_mm256_mul_ps(x2, load8(sin + i))));
+        const __m256 second = _mm256_add_ps(round_like<T>(_mm256_mul_ps(x2, load8(cos + half + i))),
+                                            round_like<T>(_mm256_mul_ps(x1, load8(sin + half + i))));
+        store8(x + i, first);
+        store8(x + half + i, second);
+    }
+    for (; i < half; ++i) {
+        const float x1 = to_float(x[i]), x2 = to_float(x[half + i]);
+        x[i] = static_cast<T>(round_like<T>(x1 * to_float(cos[i])) - round_like<T>(x2 * to_float(sin[i])));
+        x[half + i] = static_cast<T>(round_like<T>(x2 * to_float(cos[half + i])) + round_like<T>(x1 * to_float(sin[half + i])));
+    }
+}
+
+template <typename T>
+void rotary_embedding(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads) {
+    const int64_t rows = qkv.size(0), row_stride = qkv.stride(0), head_dim = cos.size(1);
+    T* base = qkv.data_ptr<T>();
+    const T* c = cos.data_ptr<T>();
+    const T* s = sin.data_ptr<T>();
+    at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t)
+            for (int64_t h = 0; h < num_heads; ++h)
+                rotate_head(base + t * row_stride + h * head_dim, c + t * head_dim, s + t * head_dim, head_dim);
+    });
+}
+
 }  // namespace
 
 // out[m, :] = x[m, :] / sqrt(mean(x[m, :]^2) + eps) * weight. x, out: [M, D] contiguous, weight: [D];
@@ -139,4 +175,13 @@ void write_kv_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tens
             std::memcpy(vc + slots[t] * slot_bytes + h * head_bytes, v + (t * value.stride(0) + h * value.stride(1)) * elem, head_bytes);
         }
     }
+}
+
+// qkv: [T, >= num_heads * D] rows (a fused q/k/v projection, unit stride within a row); its first
+// num_heads heads (the query's, then the key's) are rotated in place. cos, sin: [T, D] contiguous.
+void rotary_embedding_cpu(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads) {
+    if (qkv.scalar_type() == at::kBFloat16)
+        rotary_embedding<bf16>(qkv, cos, sin, num_heads);
+    else
+        rotary_embedding<float>(qkv, cos, sin, num_heads);
 }

@@ -1,4 +1,4 @@
-"""The C++ layer ops (RMSNorm, SiLU-and-multiply, KV-cache write) against their torch twins."""
+"""The C++ layer ops (RMSNorm, SiLU-and-multiply, rotary embedding, KV-cache write) against their torch twins."""
 
 from __future__ import annotations
 
@@ -73,6 +73,50 @@ def test_silu_and_mul_in_bf16_rounds_where_torch_does(shape: tuple[int, ...]) ->
     assert actual[..., 0].isnan().all()  # NaN stays NaN through the bf16 narrowing
     assert_bf16_matches_twin(actual[..., 1:], expected[..., 1:])
     assert_bf16_matches_twin(dispatch.silu_and_mul(gate_up)[..., 1:], expected[..., 1:])
+
+
+def _rotary_inputs(dtype: torch.dtype, num_tokens: int = 5, head_dim: int = 64) -> tuple[torch.Tensor, ...]:
+    # A fused projection's rows: 3 query heads, 1 key head, 1 value head, with a strided row view.
+    generator = torch.Generator().manual_seed(7)
+    qkv = (torch.randn(num_tokens, 6 * head_dim, generator=generator) * 2).to(dtype)[:, : 5 * head_dim]
+    angles = torch.rand(num_tokens, head_dim // 2, generator=generator) * 50
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    return qkv, cos, sin
+
+
+def test_rotary_twin_is_llamas() -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    qkv, cos, sin = _rotary_inputs(torch.bfloat16)
+    q = qkv[:, : 3 * 64].unflatten(-1, (3, 64)).transpose(0, 1).unsqueeze(0)  # [1, heads, T, D]
+    k = qkv[:, 3 * 64: 4 * 64].unflatten(-1, (1, 64)).transpose(0, 1).unsqueeze(0)
+    q_embed, k_embed = apply_rotary_pos_emb(q, k, cos.unsqueeze(0), sin.unsqueeze(0))
+    value_before = qkv[:, 4 * 64:].clone()
+    cpu_layer_ops.rotary_embedding_torch(qkv, cos, sin, num_heads=4)
+    assert torch.equal(qkv[:, : 3 * 64], q_embed[0].transpose(0, 1).flatten(1))
+    assert torch.equal(qkv[:, 3 * 64: 4 * 64], k_embed[0].transpose(0, 1).flatten(1))
+    assert torch.equal(qkv[:, 4 * 64:], value_before)  # the value head is not rotated
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", [64, 24, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_kernel_equals_its_twin(dtype: torch.dtype, head_dim: int) -> None:
+    qkv, cos, sin = _rotary_inputs(dtype, num_tokens=37, head_dim=head_dim)
+    expected = qkv.clone()
+    cpu_layer_ops.rotary_embedding_torch(expected, cos, sin, num_heads=4)
+    dispatch.rotary_embedding(qkv, cos, sin, num_heads=4)
+    if dtype == torch.bfloat16:  # the same rounding points: equal to the bit
+        assert torch.equal(qkv, expected)
+    else:
+        torch.testing.assert_close(qkv, expected, rtol=1e-6, atol=1e-6)
+
+
+@needs_kernel
+def test_rotary_kernel_refuses_heads_past_the_row() -> None:
+    qkv, cos, sin = _rotary_inputs(torch.float32)
+    with pytest.raises(ValueError, match="must fit"):
+        cpu_layer_ops.rotary_embedding_cpu(qkv, cos, sin, num_heads=6)
 
 
 def test_odd_gate_up_is_refused() -> None:

@@ -1,5 +1,5 @@
-"""route_fused_layers on the tiny Llama and Qwen2: which modules change, what they share, what
-they compute."""
+"""route_fused_layers on the tiny Llama and Qwen2 (whose q/k/v projections have biases): which
+modules change, what they share, what they compute."""
 
 from __future__ import annotations
 
@@ -27,16 +27,16 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, use_cache=False).logits
 
 
-def test_routes_every_norm_and_mlp_and_back(model: torch.nn.Module) -> None:
+def test_routes_every_norm_mlp_and_attention_and_back(model: torch.nn.Module) -> None:
     names = {type(m).__name__ for m in model.modules()}
     arch = "Llama" if "LlamaMLP" in names else "Qwen2"
-    # Two norms per layer and the final one, one MLP per layer.
-    assert route_fused_layers(model) == 3 * NUM_LAYERS + 1
+    # Two norms per layer and the final one, one MLP and one attention block per layer.
+    assert route_fused_layers(model) == 4 * NUM_LAYERS + 1
     routed = {type(m).__name__ for m in model.modules()}
-    assert {f"Fused{arch}RMSNorm", f"Fused{arch}MLP"} <= routed
-    assert f"{arch}MLP" not in routed and f"{arch}RMSNorm" not in routed
+    assert {f"Fused{arch}RMSNorm", f"Fused{arch}MLP", f"Fused{arch}Attention"} <= routed
+    assert not {f"{arch}MLP", f"{arch}RMSNorm", f"{arch}Attention"} & routed
     assert route_fused_layers(model) == 0  # already routed
-    assert route_fused_layers(model, fused=False) == 3 * NUM_LAYERS + 1
+    assert route_fused_layers(model, fused=False) == 4 * NUM_LAYERS + 1
     assert {type(m).__name__ for m in model.modules()} == names
 
 
@@ -51,6 +51,53 @@ def test_gate_and_up_become_views_of_one_weight(model: torch.nn.Module) -> None:
     assert mlp.gate_proj.weight.data_ptr() == fused.data_ptr()
     assert mlp.up_proj.weight.data_ptr() == fused[gate.shape[0]:].data_ptr()
     assert set(model.state_dict()) == keys_before  # nothing new saved or loaded
+
+
+def test_q_k_and_v_become_views_of_one_weight_and_bias(model: torch.nn.Module) -> None:
+    keys_before = set(model.state_dict())
+    attention = model.model.layers[1].self_attn
+    projections = [attention.q_proj, attention.k_proj, attention.v_proj]
+    weights = [p.weight.detach().clone() for p in projections]
+    biases = [None if p.bias is None else p.bias.detach().clone() for p in projections]
+    route_fused_layers(model)
+    assert torch.equal(attention.carpool_qkv_weight, torch.cat(weights))
+    rows = [0, weights[0].shape[0], weights[0].shape[0] + weights[1].shape[0]]
+    for projection, row in zip(projections, rows):
+        assert projection.weight.data_ptr() == attention.carpool_qkv_weight[row:].data_ptr()
+    if biases[0] is None:  # Llama
+        assert attention.carpool_qkv_bias is None
+    else:  # Qwen2
+        assert torch.equal(attention.carpool_qkv_bias, torch.cat(biases))
+        assert attention.v_proj.bias.data_ptr() == attention.carpool_qkv_bias[rows[2]:].data_ptr()
+    assert (attention.carpool_num_heads, attention.carpool_num_kv_heads) == (
+        model.config.num_attention_heads, model.config.num_key_value_heads)
+    assert set(model.state_dict()) == keys_before
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_attention_calls_the_models_attention_function(
+    model: torch.nn.Module, implementation: str, dtype: torch.dtype,
+) -> None:
+    # Outside the engine the routed block hands its rotated q, k, v to transformers' own
+    # attention: it must then compute what the unrouted model computes, to the bit in bf16.
+    model.to(dtype)
+    model.set_attn_implementation(implementation)
+    ids = torch.randint(3, 1000, (1, 9), generator=torch.Generator().manual_seed(5))
+    expected = _logits(model, ids)
+    route_fused_layers(model, packed=dtype == torch.bfloat16)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 0, "atol": 0}
+    torch.testing.assert_close(_logits(model, ids), expected, **tolerance)
+
+
+def test_fused_attention_keeps_transformers_kv_cache_path(model: torch.nn.Module) -> None:
+    # With transformers' own cache (a plain generate), the original forward runs.
+    prompt = torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(6))
+    settings = {"max_new_tokens": 5, "do_sample": False, "pad_token_id": 0}
+    with torch.inference_mode():
+        expected = model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings)
+        route_fused_layers(model)
+        assert torch.equal(model.generate(prompt, attention_mask=torch.ones_like(prompt), **settings), expected)
 
 
 def test_routed_model_computes_what_transformers_does_in_fp32(model: torch.nn.Module) -> None:
