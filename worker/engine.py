@@ -55,6 +55,7 @@ class Engine:
         self.loaded = loaded
         self.tokenizer: Any = loaded.tokenizer
         self.runner = ModelRunner(loaded, device, dtype, config.enable_cpu_kernels)
+        self.runner.warm_up(config.max_num_batched_tokens, config.max_num_seqs)
         self.max_model_len, num_blocks = self._size_kv_pool()
         self.runner.allocate_kv_cache(num_blocks, config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)

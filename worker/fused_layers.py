@@ -78,21 +78,22 @@ class _FusedAttention(nn.Module):
         cache: Any = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if cache is not None:  # transformers' own KV cache (a plain generate): its own forward
-            original = type(self).carpool_original_class  # type: ignore[attr-defined]
+        original = type(self).carpool_original_class  # type: ignore[attr-defined]
+        cos, sin = position_embeddings
+        # Transformers' own KV cache (a plain generate), or a rotary embedding over part of each
+        # head (partial_rotary_factor): the module's own forward.
+        if cache is not None or cos.shape[-1] != self.head_dim:
             return original.forward(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
         input_shape = hidden_states.shape[:-1]
         num_heads, num_kv_heads, head_dim = self.carpool_num_heads, self.carpool_num_kv_heads, self.head_dim
         # qkv: [..., (H + 2 * KV) * head_dim]; the q and k heads are rotated in place.
         qkv = linear(hidden_states, self.carpool_qkv_weight, self.carpool_qkv_bias, self.carpool_packed_qkv_weight)
-        cos, sin = position_embeddings
         rotary_embedding(qkv.view(-1, qkv.shape[-1]), cos.reshape(-1, head_dim), sin.reshape(-1, head_dim),
                          num_heads + num_kv_heads)
         query, key, value = (
             part.unflatten(-1, (-1, head_dim)).transpose(-3, -2)  # [..., heads, tokens, head_dim] views
             for part in qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
         )
-        original = type(self).carpool_original_class  # type: ignore[attr-defined]
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, _eager_attention(original))
         sliding_window = ATTENTION_CLASSES[original.__name__](self)
         output, weights = attention(
@@ -193,6 +194,16 @@ def route_fused_layers(model: nn.Module, fused: bool = True, packed: bool = Fals
             count += 1
         if isinstance(module, _FusedGatedMLP):
             module.carpool_packed_gate_up_weight = packed_copy(module.carpool_gate_up_weight, packed)
+            _drop_packed_copies(module.gate_proj, module.up_proj)
         elif isinstance(module, _FusedAttention):
             module.carpool_packed_qkv_weight = packed_copy(module.carpool_qkv_weight, packed)
+            _drop_packed_copies(module.q_proj, module.k_proj, module.v_proj)
     return count
+
+
+def _drop_packed_copies(*projections: nn.Module) -> None:
+    """The fused module multiplies by its concatenated weight: its projections' own oneDNN copies
+    (made by linear_layers.route_linear_layers) would only take memory."""
+    for projection in projections:
+        if "carpool_packed_weight" in vars(projection):
+            projection.carpool_packed_weight = None

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kernels import linear
-from kernels.cpu_packed_linear import pack_weight
+from kernels.cpu_packed_linear import pack_weight, warm_up
 
 PACKED_ATTRIBUTE = "carpool_packed_weight"
 
@@ -49,3 +49,22 @@ def route_linear_layers(model: nn.Module, dispatched: bool = True, packed: bool 
         else:
             vars(module).pop(PACKED_ATTRIBUTE, None)
     return count
+
+
+def warm_up_packed_layers(model: nn.Module, max_rows: int, max_output_rows: int) -> int:
+    """Have oneDNN build its primitive for every row count a step can bring, once per distinct
+    packed weight shape: up to max_rows for the layers, up to max_output_rows (the sampling rows)
+    for the output embedding. Returns how many shapes were warmed."""
+    output_embedding = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    done: set[tuple[int, int, int]] = set()
+    for module in model.modules():
+        for name, packed in vars(module).items():
+            if not name.startswith("carpool_packed_") or packed is None:
+                continue
+            dense = module.weight if name == PACKED_ATTRIBUTE else vars(module)[name.replace("packed_", "", 1)]
+            rows = max_output_rows if module is output_embedding else max_rows
+            key = (*dense.shape, rows)
+            if key not in done:
+                warm_up(packed, dense.shape[1], rows)
+                done.add(key)
+    return len(done)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from worker.fused_layers import route_fused_layers
-from worker.linear_layers import DispatchedLinear, route_linear_layers
+from worker.linear_layers import DispatchedLinear, route_linear_layers, warm_up_packed_layers
 from worker.model_loader import load_model
 
 NUM_LAYERS = 2  # worker/tiny_models.py
@@ -132,3 +132,16 @@ def test_routed_bf16_model_stays_within_bf16_rounding_of_transformers(model: tor
     # RMSNorm's fp32 sum in another order may tip a bf16 rounding by one step; nothing more.
     torch.testing.assert_close(actual, expected, rtol=0.02, atol=0.02 * expected.abs().max().item())
     assert (actual.argmax(-1) == expected.argmax(-1)).float().mean().item() >= 8 / 9
+
+
+def test_warm_up_visits_each_packed_shape_once(model: torch.nn.Module) -> None:
+    model.to(torch.bfloat16)
+    assert warm_up_packed_layers(model, max_rows=80, max_output_rows=8) == 0  # nothing packed yet
+    route_linear_layers(model, packed=True)
+    route_fused_layers(model, packed=True)
+    # q/k/v, o, gate/up, down: one shape each for all layers; the lm_head with its own row limit.
+    # The projections that fused blocks replaced keep no copy of their own.
+    assert warm_up_packed_layers(model, max_rows=80, max_output_rows=8) == 5
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attention.q_proj.carpool_packed_weight is None and mlp.up_proj.carpool_packed_weight is None
+    assert attention.o_proj.carpool_packed_weight is not None and mlp.down_proj.carpool_packed_weight is not None
