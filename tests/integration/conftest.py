@@ -27,6 +27,9 @@ from protocol import FinishReason, JobReader, JobSpec, JobState, Keys, StreamEnt
 KEYS = Keys()
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 240.0  # importing torch on a loaded 2-core box is slow
+# Workers and the reference engine in fp32 on every CPU: dtype=auto would pick bf16 on AVX512-BF16
+# machines, where a job resumed by a prefill may round differently from its undisturbed run.
+FP32 = ["--dtype", "float32"]
 # Database numbers handed out to fleets (each module, and tests/reliability's shared worker).
 DATABASES = itertools.count(1)
 
@@ -118,7 +121,7 @@ class Fleet:
         started = []
         for name, extra in specs:
             worker = WorkerProcess(
-                name, ["--model", str(self.model_dir), "--redis-url", self.redis_url, *extra],
+                name, ["--model", str(self.model_dir), "--redis-url", self.redis_url, *FP32, *extra],
                 self.log_dir / f"{name}.log")
             worker.start()
             started.append(worker)
@@ -154,7 +157,7 @@ def reference_engine(tiny_llama_dir: Path) -> Any:
     from worker.engine_config import EngineConfig
 
     # One thread, like the workers under test: on a 2-core box more threads only contend.
-    return Engine(EngineConfig(model=str(tiny_llama_dir), max_num_seqs=64, num_threads=1))
+    return Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_num_seqs=64, num_threads=1))
 
 
 def new_id() -> str:

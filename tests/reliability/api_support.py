@@ -23,7 +23,7 @@ from redis import Redis
 
 from protocol import Keys, ModelCard
 from tests.conftest import RedisServer, _free_port
-from tests.integration.conftest import READY_TIMEOUT_S, REPO, WorkerProcess, wait_until
+from tests.integration.conftest import FP32, READY_TIMEOUT_S, REPO, WorkerProcess, wait_until
 from tests.integration.conftest import sse_events  # noqa: F401  (re-exported for the api tests here)
 
 KEYS = Keys()
@@ -170,7 +170,7 @@ def process_cpu_seconds(pid: int) -> float:
 def start_worker(name: str, redis_url: str, model_dir: Path, log_dir: Path,
                  args: list[str]) -> WorkerProcess:
     """A real `python -m worker` on `model_dir`, ready (its stats are in Redis) when returned."""
-    worker = WorkerProcess(name, ["--model", str(model_dir), "--redis-url", redis_url, *args],
+    worker = WorkerProcess(name, ["--model", str(model_dir), "--redis-url", redis_url, *FP32, *args],
                            log_dir / f"{name}.log")
     worker.start()
     try:

@@ -45,9 +45,15 @@ def test_two_plus_two_is_four(engine: Any) -> None:
     assert result.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
 
 
-def test_bf16_greedy_equals_hf_generate_in_bf16(smollm2_dir: Path) -> None:
-    # bf16 end to end: packed oneDNN linears, the C++ norm, activation and attention on a bf16 KV
-    # cache, against transformers' own bf16 model. Rounding differs only in summation order.
+def test_bf16_greedy_picks_transformers_argmax_up_to_bf16_rounding(smollm2_dir: Path) -> None:
+    # bf16 end to end: packed oneDNN linears, the C++ norm, activation, rotary and attention on a
+    # bf16 KV cache. Two bf16 implementations agree only up to rounding (transformers' own torch
+    # path against itself through our twins already differs), so exact token equality with
+    # `generate` holds only until a near-tie. What must hold at every step: the engine's token is
+    # transformers' bf16 argmax, teacher-forced on the same text, within bf16 rounding of the logits
+    # (one step is 0.125 at their magnitude, 16-32; a wrong kernel misses by whole units).
+    from transformers import AutoModelForCausalLM
+
     from kernels import cpu_extension
     from worker.model_loader import load_model
 
@@ -56,6 +62,14 @@ def test_bf16_greedy_equals_hf_generate_in_bf16(smollm2_dir: Path) -> None:
     assert engine.runner.dtype == torch.bfloat16 and engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     assert engine.runner.uses_cpu_kernels == (cpu_extension.load() is not None)
     prompts = [engine.encode_chat([{"role": "user", "content": chat}]) for chat in CHATS]
-    results = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))
-    expected = greedy_reference(smollm2_dir, prompts, [24] * len(prompts), dtype="bfloat16")
-    assert [r.token_ids for r in results] == expected
+    results = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    reference = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval()
+    agree = 0
+    for prompt, result in zip(prompts, results):
+        assert len(result.token_ids) == 24
+        with torch.inference_mode():
+            logits = reference(torch.tensor([prompt + result.token_ids])).logits[0, len(prompt) - 1:-1].float()
+        chosen = logits.gather(1, torch.tensor(result.token_ids)[:, None])[:, 0]
+        assert (logits.max(-1).values - chosen).max().item() <= 0.25, result.text
+        agree += (logits.argmax(-1) == torch.tensor(result.token_ids)).sum().item()
+    assert agree >= 0.9 * 24 * len(CHATS)  # near-ties are rare

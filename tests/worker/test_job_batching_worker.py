@@ -72,7 +72,7 @@ def reference(tiny_llama_dir: Path) -> object:
     from worker.engine import Engine
     from worker.engine_config import EngineConfig
 
-    return Engine(EngineConfig(model=str(tiny_llama_dir), num_threads=1))
+    return Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_threads=1))
 
 
 @pytest.mark.parametrize("running", ["continuous", "static", "sequential"], indirect=True)
