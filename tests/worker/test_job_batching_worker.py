@@ -21,7 +21,7 @@ def engines(tiny_llama_dir: Path) -> dict[str, object]:
 
     out = {}
     for mode in ("continuous", "static", "sequential"):
-        settings = WorkerSettings(model=str(tiny_llama_dir), redis_url="redis://unused",
+        settings = WorkerSettings(model=str(tiny_llama_dir), dtype="float32", redis_url="redis://unused",
                                   name=f"w-{mode}", mode=mode, max_num_seqs=3, lease_seconds=5,
                                   drain_seconds=0, idle_block_seconds=0.05, num_threads=1)
         out[mode] = (settings, Engine(settings.engine_config()))
