@@ -57,9 +57,8 @@ inline __m256 silu_times(__m256 g, __m256 u) {
     const __m256 sign_mask = _mm256_set1_ps(-0.0f);
     const __m256 e = exp_nonpositive(_mm256_or_ps(g, sign_mask));  // exp(-|g|)
     const __m256 one = _mm256_set1_ps(1.0f);
-    const __m256 denominator = _mm256_add_ps(one, e);
-    const __m256 positive = _mm256_div_ps(one, denominator);  // sigmoid(g) for g >= 0
-    const __m256 negative = _mm256_div_ps(e, denominator);  // sigmoid(g) for g < 0
+    const __m256 positive = _mm256_div_ps(one, _mm256_add_ps(one, e));  // sigmoid(g) for g >= 0
+    const __m256 negative = _mm256_mul_ps(e, positive);  // sigmoid(g) for g < 0: one division, not two
     const __m256 sigmoid = _mm256_blendv_ps(positive, negative, g);  // picks by g's sign bit
     return _mm256_mul_ps(round_like<T>(_mm256_mul_ps(g, sigmoid)), u);
 }
