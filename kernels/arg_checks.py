@@ -33,6 +33,16 @@ def _check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> Non
         raise ValueError(f"value_cache is on {value_cache.device} but key_cache is on {key_cache.device}")
 
 
+def _check_like_cache(tensor: torch.Tensor, name: str, key_cache: torch.Tensor) -> None:
+    """The cache's dtype and device, head_dim contiguous (rows and heads may be strided)."""
+    if tensor.dtype != key_cache.dtype:
+        raise ValueError(f"{name} dtype {tensor.dtype} must equal the cache dtype {key_cache.dtype}")
+    if tensor.device != key_cache.device:
+        raise ValueError(f"{name} is on {tensor.device} but the caches are on {key_cache.device}")
+    if tensor.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in head_dim, got strides {tensor.stride()}")
+
+
 def _check_index(tensor: torch.Tensor, name: str, dim: int, dtype: torch.dtype, device: torch.device) -> None:
     if tensor.dim() != dim:
         raise ValueError(f"{name} must have {dim} dim(s), got shape {tuple(tensor.shape)}")
@@ -58,12 +68,7 @@ def check_write_kv_cache_args(
         if tensor.dim() != 3 or tuple(tensor.shape[1:]) != (num_kv_heads, head_dim):
             raise ValueError(f"{name} must be [num_tokens, {num_kv_heads}, {head_dim}] to match the cache, "
                              f"got shape {tuple(tensor.shape)}")
-        if tensor.dtype != key_cache.dtype:
-            raise ValueError(f"{name} dtype {tensor.dtype} must equal the cache dtype {key_cache.dtype}")
-        if tensor.device != key_cache.device:
-            raise ValueError(f"{name} is on {tensor.device} but the caches are on {key_cache.device}")
-        if tensor.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in head_dim, got strides {tensor.stride()}")
+        _check_like_cache(tensor, name, key_cache)
     if value.shape[0] != key.shape[0]:
         raise ValueError(f"value has {value.shape[0]} tokens but key has {key.shape[0]}")
     _check_index(slot_mapping, "slot_mapping", 1, torch.int64, key_cache.device)
@@ -88,12 +93,7 @@ def check_paged_attention_args(
         raise ValueError(f"query head_dim {query.shape[2]} must equal the cache head_dim {head_dim}")
     if query.shape[1] % num_kv_heads:
         raise ValueError(f"query num_heads {query.shape[1]} must be a multiple of num_kv_heads {num_kv_heads}")
-    if query.dtype != key_cache.dtype:
-        raise ValueError(f"query dtype {query.dtype} must equal the cache dtype {key_cache.dtype}")
-    if query.device != key_cache.device:
-        raise ValueError(f"query is on {query.device} but the caches are on {key_cache.device}")
-    if query.stride(-1) != 1:
-        raise ValueError(f"query must be contiguous in head_dim, got strides {query.stride()}")
+    _check_like_cache(query, "query", key_cache)
     _check_index(block_tables, "block_tables", 2, torch.int32, key_cache.device)
     _check_index(seq_lens, "seq_lens", 1, torch.int32, key_cache.device)
     _check_index(query_start_loc, "query_start_loc", 1, torch.int32, key_cache.device)
