@@ -61,9 +61,10 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def warm_up(packed: torch.Tensor, in_features: int, max_rows: int) -> None:
+def warm_up(packed: torch.Tensor, max_rows: int) -> None:
     """Build (and cache) oneDNN's primitive for every row count up to max_rows, for this weight's
-    shape: a step then never waits for one."""
-    inputs = torch.zeros(row_buckets(max_rows)[-1], in_features, dtype=torch.bfloat16)
-    for rows in row_buckets(max_rows):
+    shape (a packed tensor keeps its [out_features, in_features]): a step then never waits for one."""
+    buckets = row_buckets(max_rows)
+    inputs = torch.zeros(buckets[-1], packed.shape[1], dtype=torch.bfloat16)
+    for rows in buckets:
         packed_linear(inputs[:rows], packed)

@@ -61,10 +61,9 @@ def warm_up_packed_layers(model: nn.Module, max_rows: int, max_output_rows: int)
         for name, packed in vars(module).items():
             if not name.startswith("carpool_packed_") or packed is None:
                 continue
-            dense = module.weight if name == PACKED_ATTRIBUTE else vars(module)[name.replace("packed_", "", 1)]
             rows = max_output_rows if module is output_embedding else max_rows
-            key = (*dense.shape, rows)
+            key = (*packed.shape, rows)
             if key not in done:
-                warm_up(packed, dense.shape[1], rows)
+                warm_up(packed, rows)
                 done.add(key)
     return len(done)
