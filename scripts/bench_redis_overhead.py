@@ -88,9 +88,9 @@ def main() -> int:
 
 
 def _run(args: argparse.Namespace, url: str, redis: Redis) -> int:
-    from worker.batching_worker import BatchingWorker
-    from worker.engine import Engine
-    from worker.worker_settings import WorkerSettings
+    from worker.jobs.batching_worker import BatchingWorker
+    from worker.engine.engine import Engine
+    from worker.jobs.settings import WorkerSettings
 
     settings = WorkerSettings(model=args.model, redis_url=url, name="bench",
                               max_num_seqs=args.num_jobs, lease_seconds=60, drain_seconds=0,

@@ -15,21 +15,21 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.tiny_models import build_tiny_model
+    from worker.model.tiny_models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.tiny_models import build_tiny_model
+    from worker.model.tiny_models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", seed=1)
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from worker.model_loader import resolve_model_dir
+    from worker.model.loader import resolve_model_dir
 
     return resolve_model_dir("smollm2")
 

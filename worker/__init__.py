@@ -1,22 +1,4 @@
-"""Carpool's worker: the continuous-batching engine and the Redis side that feeds it."""
-
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
-
-from worker.engine_config import BatchingMode, EngineConfig
-from worker.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from worker.engine import Engine
-
-__all__ = ["BatchingMode", "Engine", "EngineConfig", "SamplingParams"]
-
-
-def __getattr__(name: str) -> Any:
-    # Engine pulls in torch and transformers; the scheduler's users (and api/) must not pay for that.
-    if name == "Engine":
-        from worker.engine import Engine
-
-        return Engine
-    raise AttributeError(f"module 'worker' has no attribute {name!r}")
+"""Carpool's worker, in three wings: `engine` (scheduling, the forward pass, sampling), `model`
+(the Hugging Face side: loading, routing, attention and fused layers) and `jobs` (the only
+Redis/RQ code: claim, lease, publish). `python -m worker` composes them; `rq_entry` is the
+function RQ records on every job."""

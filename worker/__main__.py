@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     overrides = {name: value for name, value in vars(args).items() if value is not None}
-    from worker.worker_settings import WorkerSettings
+    from worker.jobs.settings import WorkerSettings
 
     try:
         settings = WorkerSettings(**overrides)
@@ -55,9 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.retry import Retry
 
-    from worker.batching_worker import BatchingWorker
-    from worker.engine import Engine
-    from worker.model_loader import ModelLoadError
+    from worker.jobs.batching_worker import BatchingWorker
+    from worker.engine.engine import Engine
+    from worker.model.loader import ModelLoadError
 
     redis = Redis.from_url(settings.redis_url, socket_timeout=settings.redis_timeout_seconds
                            + settings.idle_block_seconds,

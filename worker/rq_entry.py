@@ -33,8 +33,8 @@ _REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH,
 
 def _engine(model: str) -> Any:
     if model not in _engines:
-        from worker.engine import Engine
-        from worker.engine_config import EngineConfig
+        from worker.engine.engine import Engine
+        from worker.engine.config import EngineConfig
 
         _engines[model] = Engine(EngineConfig(model=model, max_num_seqs=1))
     return _engines[model]
@@ -43,7 +43,7 @@ def _engine(model: str) -> Any:
 def generate(spec_data: dict[str, Any], keys_prefix: str = "carpool") -> dict[str, Any]:
     """Run one job to its end; returns JobResult.to_dict() (RQ stores it as the job's result).
     Raises ValueError with a clear message for a bad job (RQ marks it failed)."""
-    from worker.sampling_params import SamplingParams
+    from worker.engine.sampling_params import SamplingParams
 
     spec = JobSpec.from_dict(spec_data)
     job = get_current_job()

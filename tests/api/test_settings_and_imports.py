@@ -77,7 +77,7 @@ def test_chat_without_a_template_is_approximated() -> None:
 
 
 def test_smollm2_template_when_its_files_are_here() -> None:
-    from worker.model_loader import DEFAULT_CACHE_DIR
+    from worker.model.loader import DEFAULT_CACHE_DIR
 
     template_file = DEFAULT_CACHE_DIR / "smollm2" / "chat_template.jinja"
     if not template_file.is_file():

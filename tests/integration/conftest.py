@@ -153,8 +153,8 @@ def fleet(redis_server: Any, tiny_llama_dir: Path, tmp_path_factory: pytest.Temp
 
 @pytest.fixture(scope="session")
 def reference_engine(tiny_llama_dir: Path) -> Any:
-    from worker.engine import Engine
-    from worker.engine_config import EngineConfig
+    from worker.engine.engine import Engine
+    from worker.engine.config import EngineConfig
 
     # One thread, like the workers under test: on a 2-core box more threads only contend.
     return Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_num_seqs=64, num_threads=1))
@@ -186,7 +186,7 @@ def make_specs(model: str, count: int, max_tokens: int = 24, seeded_every: int =
 
 def expected_tokens(engine: Any, specs: list[JobSpec]) -> dict[str, list[int]]:
     """What an undisturbed run produces for each job."""
-    from worker.sampling_params import SamplingParams
+    from worker.engine.sampling_params import SamplingParams
 
     params = [SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                              top_k=s.top_k, seed=s.seed, stop=tuple(s.stop),

@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 
-from worker.block_manager import BlockManager
-from worker.engine_config import BatchingMode
-from worker.sampling_params import SamplingParams
-from worker.scheduler import Scheduler, SchedulerOutput
-from worker.sequence import Sequence, SequenceStatus
+from worker.engine.block_manager import BlockManager
+from worker.engine.config import BatchingMode
+from worker.engine.sampling_params import SamplingParams
+from worker.engine.outputs import SchedulerOutput
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import Sequence, SequenceStatus
 
 EOS = 0
 
@@ -180,7 +181,7 @@ def run_engine(
 
 
 def _load(directory: Path) -> Any:
-    from worker.model_loader import load_model
+    from worker.model.loader import load_model
 
     return load_model(str(directory))
 
@@ -240,8 +241,8 @@ def greedy_reference(
 
 
 def make_engine(loaded: Any, **overrides: Any) -> Any:
-    from worker.engine import Engine
-    from worker.engine_config import EngineConfig
+    from worker.engine.engine import Engine
+    from worker.engine.config import EngineConfig
 
     # fp32 whatever the CPU: the references are fp32 (auto picks bf16 on AVX512-BF16/AMX CPUs).
     settings = {"model": str(loaded.path), "dtype": "float32", "block_size": 4, "num_kv_blocks": 512,

@@ -10,12 +10,12 @@ from rq.job import JobStatus as RQJobStatus
 from rq.serializers import JSONSerializer
 
 from protocol import FinishReason, JobReader, JobSpec, JobStatus, Keys, submit_job
-from tests.worker.job_support import fake_redis
+from tests.worker.jobs.job_support import fake_redis
 
 
 def test_a_plain_rq_worker_runs_a_job_and_streams_it(tiny_llama_dir: Path) -> None:
     from worker import rq_entry
-    from worker.sampling_params import SamplingParams
+    from worker.engine.sampling_params import SamplingParams
 
     redis = fake_redis()
     spec = JobSpec(job_id="plain-1", model=str(tiny_llama_dir), prompt="Hello there",

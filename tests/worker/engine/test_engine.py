@@ -1,0 +1,351 @@
+"""The engine against Hugging Face `generate`, token for token, under every scheduling regime."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests.worker.conftest import (
+    GREEDY_PROMPTS,
+    Run,
+    TinyCase,
+    greedy_max_tokens,
+    greedy_reference,
+    make_engine,
+    random_prompts,
+    run_engine,
+)
+from worker.engine.engine import Engine, FinishReason, SamplingParams
+from worker.engine.config import BatchingMode, EngineConfig
+from worker.model.attention_backend import PagedAttentionBackend
+
+
+def greedy_requests() -> list[tuple[str, list[int], SamplingParams]]:
+    return [
+        (f"r{i}", prompt, SamplingParams(max_tokens=greedy_max_tokens(i), temperature=0.0))
+        for i, prompt in enumerate(GREEDY_PROMPTS)
+    ]
+
+
+def assert_matches_reference(run: Run, tiny: TinyCase) -> None:
+    assert len(GREEDY_PROMPTS) >= 16
+    for i, expected in enumerate(tiny.reference):
+        request_id = f"r{i}"
+        assert run.token_ids[request_id] == expected, f"{tiny.architecture} prompt {i}"
+        assert run.indices[request_id] == list(range(len(expected)))
+        assert run.reasons[request_id] is FinishReason.LENGTH or expected[-1] == 2
+
+
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "all-at-once": {},
+    "tiny-kv-pool": {"num_kv_blocks": 24, "max_num_seqs": 16},  # 96 slots for 18 sequences
+    "tiny-kv-pool-handed-back": {"num_kv_blocks": 24, "max_num_seqs": 16, "requeue_preempted": False},
+    "tiny-kv-pool-no-prefix-cache": {"num_kv_blocks": 24, "max_num_seqs": 16, "enable_prefix_caching": False},
+    "chunked-prefill-8": {"max_num_batched_tokens": 8},
+    "static": {"mode": BatchingMode.STATIC, "max_num_seqs": 8},
+    "sequential": {"mode": BatchingMode.SEQUENTIAL},
+    "torch-only": {"enable_cpu_kernels": False},  # the twins: F.linear and the torch paged attention
+}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_greedy_equals_hf_generate(tiny: TinyCase, scenario: str) -> None:
+    engine = make_engine(tiny.loaded, **SCENARIOS[scenario])
+    run = run_engine(engine, greedy_requests())
+    assert_matches_reference(run, tiny)
+    assert engine.num_free_kv_blocks() == engine.block_manager.num_blocks
+    if scenario.startswith("tiny-kv-pool"):
+        assert run.num_preemptions > 0
+    if scenario == "chunked-prefill-8":
+        assert run.max_scheduled_tokens == 8
+
+
+def test_greedy_equals_hf_generate_with_staggered_arrivals(tiny: TinyCase) -> None:
+    engine = make_engine(tiny.loaded, num_kv_blocks=40, max_num_batched_tokens=16)
+    arrivals = {f"r{i}": 1 + (i * 5) % 17 for i in range(0, len(GREEDY_PROMPTS), 2)}
+    run = run_engine(engine, greedy_requests(), arrivals)
+    assert_matches_reference(run, tiny)
+
+
+def test_greedy_equals_hf_generate_with_a_cached_shared_prefix(tiny: TinyCase, tiny_llama_dir: Any, tiny_qwen2_dir: Any) -> None:
+    directory = tiny_llama_dir if tiny.architecture == "llama" else tiny_qwen2_dir
+    shared = GREEDY_PROMPTS[8][:21]
+    prompts = [shared + suffix[:n] for n, suffix in zip((1, 3, 6, 11, 2, 7), GREEDY_PROMPTS[9:15])]
+    expected = greedy_reference(directory, prompts, [10] * len(prompts))
+    params = SamplingParams(max_tokens=10, temperature=0.0)
+    for overrides in ({}, {"num_kv_blocks": 20, "max_num_batched_tokens": 16}):
+        engine = make_engine(tiny.loaded, **overrides)
+        requests = [(f"p{i}", prompt, params) for i, prompt in enumerate(prompts)]
+        arrivals = {f"p{i}": 2 * i for i in range(1, len(prompts))}  # the prefix is cached by then
+        run = run_engine(engine, requests, arrivals)
+        assert [run.token_ids[f"p{i}"] for i in range(len(prompts))] == expected
+        assert run.num_cached_tokens >= 20 * (len(prompts) - 1)  # five blocks of 4 each time
+        assert engine.num_free_kv_blocks() == engine.block_manager.num_blocks
+
+
+def test_attention_metadata_reaches_the_attention_layers(tiny: TinyCase) -> None:
+    model = tiny.loaded.model
+    make_engine(tiny.loaded)
+    assert model.config._attn_implementation == PagedAttentionBackend.NAME
+    with pytest.raises(RuntimeError, match=PagedAttentionBackend.KWARG), torch.inference_mode():
+        model(input_ids=torch.tensor([[5, 6]]), use_cache=False)
+
+
+def test_no_attention_mask_is_built(tiny: TinyCase) -> None:
+    from transformers.masking_utils import create_causal_mask
+
+    model = tiny.loaded.model
+    make_engine(tiny.loaded)
+    embeds = torch.zeros(1, 7, model.config.hidden_size)
+    mask = create_causal_mask(
+        config=model.config, inputs_embeds=embeds, attention_mask=None, cache=None,
+        position_ids=torch.tensor([[0, 1, 2, 0, 1, 2, 3]]),
+    )
+    assert mask is None
+
+
+# -- stop conditions ---------------------------------------------------------------------------
+
+
+def test_stop_string_spanning_two_tokens_is_not_emitted(tiny_llama: Any) -> None:
+    engine = make_engine(tiny_llama)
+    prompt = GREEDY_PROMPTS[5]
+    free = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    pieces = [engine.tokenizer.decode([t]) for t in free.token_ids]
+    # A stop string made of the last 2 characters of token 6 and the first 2 of token 7.
+    assert len(pieces[6]) >= 2 and len(pieces[7]) >= 2, pieces
+    stop = pieces[6][-2:] + pieces[7][:2]
+    start = free.text.find(stop)
+    assert start >= 0
+    stopped = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop=(stop,)))[0]
+    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.text == free.text[:start]
+    assert stop not in stopped.text
+    assert stopped.token_ids == free.token_ids[: len(stopped.token_ids)]
+    assert len(stopped.token_ids) <= 8
+
+
+def test_eos_stops_generation_as_in_hf(tiny_llama_dir: Any) -> None:
+    from worker.model.loader import load_model
+
+    loaded = load_model(str(tiny_llama_dir))  # its own copy: we change its EOS token
+    prompt = GREEDY_PROMPTS[3]
+    free = greedy_reference(tiny_llama_dir, [prompt], [16])[0]
+    eos = free[5]
+    assert eos not in free[:5]
+    loaded.model.generation_config.eos_token_id = eos
+    engine = make_engine(loaded)
+    run = run_engine(engine, [("eos", prompt, SamplingParams(max_tokens=16, temperature=0.0))])
+    assert run.token_ids["eos"] == free[:6]
+    assert run.reasons["eos"] is FinishReason.STOP
+    run = run_engine(
+        engine, [("ignored", prompt, SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))]
+    )
+    assert run.token_ids["ignored"] == free[:9]
+    assert run.reasons["ignored"] is FinishReason.LENGTH
+
+
+def test_max_tokens_and_context_length(tiny_llama: Any) -> None:
+    engine = make_engine(tiny_llama, max_model_len=32)
+    assert engine.max_model_len == 32
+    requests = [
+        ("max-tokens", [5] * 4, SamplingParams(max_tokens=3)),
+        ("context", [5] * 28, SamplingParams(max_tokens=100)),
+    ]
+    run = run_engine(engine, requests)
+    assert len(run.token_ids["max-tokens"]) == 3 and run.reasons["max-tokens"] is FinishReason.LENGTH
+    assert len(run.token_ids["context"]) == 4 and run.reasons["context"] is FinishReason.LENGTH
+
+
+def test_streamed_text_is_the_decoded_output(tiny_llama: Any) -> None:
+    engine = make_engine(tiny_llama)
+    results = engine.generate(GREEDY_PROMPTS[:6], SamplingParams(max_tokens=20, temperature=0.7, seed=3))
+    for result in results:
+        assert result.text == engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        assert "\ufffd" not in result.text or "\ufffd" in engine.tokenizer.decode(result.token_ids)
+
+
+# -- seeds -------------------------------------------------------------------------------------
+
+SEEDED = SamplingParams(max_tokens=20, temperature=0.9, top_k=50, top_p=0.95, seed=1234)
+
+
+def test_seeded_tokens_do_not_depend_on_batch_companions(tiny_llama: Any) -> None:
+    prompt = GREEDY_PROMPTS[4]
+    alone = run_engine(make_engine(tiny_llama), [("seeded", prompt, SEEDED)])
+    companions = [(f"c{i}", p, SamplingParams(max_tokens=12, temperature=1.0)) for i, p in enumerate(GREEDY_PROMPTS[6:14])]
+    crowded = run_engine(make_engine(tiny_llama), [*companions[:4], ("seeded", prompt, SEEDED), *companions[4:]])
+    assert crowded.token_ids["seeded"] == alone.token_ids["seeded"]
+    assert len(set(map(tuple, crowded.token_ids.values()))) == len(crowded.token_ids)
+
+
+def test_seeded_tokens_survive_preemption_and_resume(tiny_llama: Any) -> None:
+    prompt = GREEDY_PROMPTS[4]
+    alone = run_engine(make_engine(tiny_llama), [("seeded", prompt, SEEDED)])
+    others = [(f"o{i}", p, SamplingParams(max_tokens=20, temperature=0.0)) for i, p in enumerate(GREEDY_PROMPTS[8:16])]
+    for requeue in (True, False):
+        engine = make_engine(tiny_llama, num_kv_blocks=24, requeue_preempted=requeue)
+        tight = run_engine(engine, [*others, ("seeded", prompt, SEEDED)])
+        assert tight.num_preemptions > 0
+        assert tight.token_ids["seeded"] == alone.token_ids["seeded"]
+        assert tight.texts["seeded"] == alone.texts["seeded"]
+
+
+def test_resume_with_output_token_ids_continues_identically(tiny_llama: Any) -> None:
+    prompt = GREEDY_PROMPTS[4]
+    whole = run_engine(make_engine(tiny_llama), [("seeded", prompt, SEEDED)])
+    tokens = whole.token_ids["seeded"]
+    engine = make_engine(tiny_llama)
+    engine.add_request("seeded", prompt, SEEDED, output_token_ids=tokens[:7])
+    rest = run_engine(engine, [])
+    assert rest.token_ids["seeded"] == tokens[7:]
+    assert rest.indices["seeded"] == list(range(7, len(tokens)))
+    first_part = "".join(
+        engine.tokenizer.decode(tokens[:7], skip_special_tokens=True)
+    )
+    assert first_part + rest.texts["seeded"] == whole.texts["seeded"]
+
+
+def test_unseeded_requests_get_their_own_seed(tiny_llama: Any) -> None:
+    engine = make_engine(tiny_llama)
+    params = SamplingParams(max_tokens=12, temperature=1.0)
+    run = run_engine(engine, [(f"u{i}", GREEDY_PROMPTS[2], params) for i in range(4)])
+    assert len({tuple(tokens) for tokens in run.token_ids.values()}) > 1
+
+
+# -- lifecycle -------------------------------------------------------------------------------
+
+
+def test_abort_frees_blocks_now_and_reports_at_the_next_step(tiny_llama: Any) -> None:
+    engine = make_engine(tiny_llama, num_kv_blocks=64)
+    engine.add_request("keep", GREEDY_PROMPTS[6], SamplingParams(max_tokens=8))
+    engine.add_request("drop", GREEDY_PROMPTS[7], SamplingParams(max_tokens=8))
+    engine.step()
+    before = engine.num_free_kv_blocks()
+    assert engine.abort("drop") is True
+    assert engine.num_free_kv_blocks() > before
+    assert engine.abort("drop") is False and engine.abort("never-added") is False
+    out = engine.step()
+    aborted = [o for o in out.outputs if o.request_id == "drop"]
+    assert len(aborted) == 1 and aborted[0].finish_reason is FinishReason.ABORT and aborted[0].tokens == []
+    run = run_engine(engine, [])
+    assert set(run.reasons) == {"keep"}
+    assert engine.num_free_kv_blocks() == 64
+
+
+def test_free_slots_by_mode(tiny_llama: Any) -> None:
+    params = SamplingParams(max_tokens=3)
+    continuous = make_engine(tiny_llama, max_num_seqs=4)
+    continuous.add_request("a", [5, 6], params)
+    assert continuous.num_free_slots() == 3
+    static = make_engine(tiny_llama, max_num_seqs=4, mode=BatchingMode.STATIC)
+    static.add_request("a", [5, 6], params)
+    static.step()
+    assert static.num_free_slots() == 0
+    sequential = make_engine(tiny_llama, mode=BatchingMode.SEQUENTIAL)
+    assert sequential.num_free_slots() == 1
+    sequential.add_request("a", [5, 6], params)
+    assert sequential.num_free_slots() == 0
+
+
+def test_step_stats(tiny_llama: Any) -> None:
+    engine = make_engine(tiny_llama, max_num_seqs=4, num_kv_blocks=64)
+    for i in range(5):
+        engine.add_request(f"s{i}", GREEDY_PROMPTS[i + 1], SamplingParams(max_tokens=4))
+    stats = engine.step().stats
+    assert stats.num_seqs == 4 and stats.num_running == 4 and stats.num_waiting == 1
+    assert stats.num_prefill_tokens == sum(len(GREEDY_PROMPTS[i + 1]) for i in range(4))
+    assert stats.num_decode_tokens == 0 and stats.num_scheduled_tokens == stats.num_prefill_tokens
+    assert stats.slot_utilisation == 1.0 and stats.num_kv_blocks_total == 64
+    assert 0 < stats.num_kv_blocks_used == 64 - engine.num_free_kv_blocks()
+    stats = engine.step().stats
+    assert stats.num_decode_tokens == 4 and stats.step_time_s > 0
+
+
+def test_generate_and_chat_encoding(tiny_llama: Any) -> None:
+    engine = make_engine(tiny_llama)
+    ids = engine.encode_chat([{"role": "user", "content": "Hi"}])
+    assert engine.tokenizer.decode(ids).endswith("<|im_start|>assistant\n")
+    results = engine.generate(["Hello there", ids], SamplingParams(max_tokens=5, temperature=0.0))
+    assert [r.num_prompt_tokens for r in results] == [len(engine.tokenizer.encode("Hello there")), len(ids)]
+    assert all(len(r.token_ids) == 5 and r.finish_reason is FinishReason.LENGTH for r in results)
+
+
+# -- validation ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompt", "kwargs", "message"),
+    [
+        ([], {}, "prompt_token_ids is empty"),
+        ([5, 49152], {}, "outside the vocabulary"),
+        ([5, -1], {}, "outside the vocabulary"),
+        ([5, "6"], {}, "must hold ints"),
+        ([5] * 64, {}, "max_model_len=64"),
+        ([5] * 60, {"output_token_ids": [6] * 4}, "plus output"),
+        ([5], {"output_token_ids": [6] * 16}, "nothing is left to generate"),
+    ],
+)
+def test_add_request_validation(tiny_llama: Any, prompt: list, kwargs: dict, message: str) -> None:
+    engine = make_engine(tiny_llama, max_model_len=64)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request("r", prompt, SamplingParams(max_tokens=16), **kwargs)
+    assert not engine.has_unfinished()
+
+
+def test_add_request_rejects_a_duplicate_id(tiny_llama: Any) -> None:
+    engine = make_engine(tiny_llama)
+    engine.add_request("r", [5], SamplingParams())
+    with pytest.raises(ValueError, match="already in the engine"):
+        engine.add_request("r", [6], SamplingParams())
+
+
+def test_max_model_len_is_capped_by_the_pool(tiny_llama: Any) -> None:
+    assert make_engine(tiny_llama, num_kv_blocks=10, max_model_len=None).max_model_len == 40
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        make_engine(tiny_llama, max_model_len=4096)
+
+
+def test_engine_is_exported_lazily() -> None:
+    import worker.engine
+
+    assert worker.engine.Engine is Engine and worker.engine.EngineConfig is EngineConfig
+    assert {"Engine", "EngineConfig", "SamplingParams", "BatchingMode"} <= set(worker.engine.__all__)
+
+
+def test_kv_pool_is_sized_from_the_config(tiny_llama: Any) -> None:
+    engine = make_engine(tiny_llama, num_kv_blocks=None, max_num_seqs=2, max_model_len=100, block_size=16)
+    assert engine.block_manager.num_blocks == 13  # ceil(2 * 100 / 16)
+    budget = make_engine(tiny_llama, num_kv_blocks=None, max_model_len=1024, kv_cache_memory_gib=1 / 1024)
+    per_block = engine.runner.kv_cache_bytes_per_token() * 4
+    assert budget.block_manager.num_blocks == 2**20 // per_block
+    assert budget.max_model_len == min(1024, budget.block_manager.num_blocks * 4)
+
+
+def test_random_prompts_builder_is_deterministic() -> None:
+    assert random_prompts(12, seed=1) == random_prompts(12, seed=1)
+
+
+def test_cpu_kernels_switch_routes_the_linear_layers(tiny: TinyCase) -> None:
+    from kernels import cpu_extension
+    from worker.model.linear_layers import DispatchedLinear
+
+    def linear_classes() -> set[type]:
+        return {type(m) for m in tiny.loaded.model.modules() if isinstance(m, torch.nn.Linear)}
+
+    def fused_modules() -> int:
+        return sum(type(m).__name__.startswith("Fused") for m in tiny.loaded.model.modules())
+
+    try:
+        engine = make_engine(tiny.loaded, enable_cpu_kernels=False)
+        assert not engine.runner.uses_cpu_kernels and linear_classes() == {torch.nn.Linear}
+        assert fused_modules() == 0
+        engine = make_engine(tiny.loaded)
+        built = cpu_extension.load() is not None
+        assert engine.runner.uses_cpu_kernels is built
+        assert linear_classes() == ({DispatchedLinear} if built else {torch.nn.Linear})
+        assert fused_modules() == (9 if built else 0)  # 2 layers x (2 norms + MLP + attention) + final norm
+    finally:
+        make_engine(tiny.loaded)  # leave the shared model as the other tests expect it

@@ -1,0 +1,132 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.engine.sampler import Sampler, SamplingMetadata, uniform_from_seed
+from worker.engine.sampling_params import SamplingParams
+
+VOCAB = 64
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], indices: list[int]) -> list[int]:
+    metadata = SamplingMetadata.build(params, seeds, indices, logits.shape[-1])
+    return Sampler().sample(logits, metadata).tolist()
+
+
+def random_logits(rows: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_uniforms_depend_on_seed_and_index_only() -> None:
+    values = [uniform_from_seed(seed, index) for seed in range(50) for index in range(50)]
+    assert all(0.0 <= v < 1.0 for v in values)
+    assert len(set(values)) == len(values)
+    assert uniform_from_seed(7, 3) == uniform_from_seed(7, 3)
+    assert abs(sum(values) / len(values) - 0.5) < 0.02
+
+
+def test_greedy_is_argmax() -> None:
+    logits = random_logits(5)
+    greedy = SamplingParams(temperature=0.0)
+    assert sample(logits, [greedy] * 5, [0] * 5, [0] * 5) == logits.argmax(-1).tolist()
+
+
+def test_greedy_rows_stay_greedy_in_a_mixed_batch() -> None:
+    logits = random_logits(4)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 2
+    tokens = sample(logits, params, [1, 2, 3, 4], [0] * 4)
+    assert tokens[0] == logits[0].argmax().item() and tokens[2] == logits[2].argmax().item()
+
+
+def test_top_k_1_and_a_tiny_top_p_equal_greedy() -> None:
+    logits = random_logits(32, seed=1)
+    greedy = logits.argmax(-1).tolist()
+    seeds, indices = list(range(32)), list(range(32))
+    assert sample(logits, [SamplingParams(temperature=1.5, top_k=1)] * 32, seeds, indices) == greedy
+    assert sample(logits, [SamplingParams(temperature=1.5, top_p=1e-6)] * 32, seeds, indices) == greedy
+
+
+def test_seeded_rows_do_not_depend_on_their_companions() -> None:
+    logits = random_logits(6, seed=2)
+    params = [
+        SamplingParams(temperature=0.8, seed=11),
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.2, top_p=0.9),
+        SamplingParams(temperature=0.7, top_k=3, top_p=0.8),
+        SamplingParams(temperature=1.0),
+    ]
+    seeds, indices = [11, 5, 6, 7, 8, 9], [4, 0, 1, 2, 3, 4]
+    together = sample(logits, params, seeds, indices)
+    for row in range(6):
+        alone = sample(logits[row : row + 1], [params[row]], [seeds[row]], [indices[row]])
+        assert alone == [together[row]], row
+
+
+def _frequencies(logits: torch.Tensor, params: SamplingParams, draws: int) -> torch.Tensor:
+    # One row per draw: the same distribution, told apart only by the output index.
+    tokens = sample(logits.expand(draws, -1).contiguous(), [params] * draws, [42] * draws, list(range(draws)))
+    return torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1]).double() / draws
+
+
+def test_temperature_sampling_frequencies_match_softmax() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, 0.2]])
+    for temperature in (1.0, 0.5, 2.0):
+        observed = _frequencies(logits, SamplingParams(temperature=temperature), draws=40_000)
+        expected = torch.softmax(logits[0].double() / temperature, dim=-1)
+        assert (observed - expected).abs().max().item() < 0.01, temperature
+
+
+def test_top_k_and_top_p_restrict_and_renormalise() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, 0.2]])
+    observed = _frequencies(logits, SamplingParams(top_k=3), draws=30_000)
+    kept = torch.tensor([0, 1, 6])
+    expected = torch.zeros(8, dtype=torch.float64)
+    expected[kept] = torch.softmax(logits[0, kept].double(), dim=-1)
+    assert (observed - expected).abs().max().item() < 0.01
+    probs = torch.softmax(logits[0].double(), dim=-1)  # sorted: 0 (.39), 6 (.24), 1 (.14), ...
+    observed = _frequencies(logits, SamplingParams(top_p=0.6), draws=30_000)
+    kept = torch.tensor([0, 6])  # .39 < 0.6 so 6 is still needed; .39 + .24 covers 0.6
+    expected = torch.zeros(8, dtype=torch.float64)
+    expected[kept] = probs[kept] / probs[kept].sum()
+    assert (observed - expected).abs().max().item() < 0.01
+
+
+def test_zero_probability_tokens_are_never_drawn() -> None:
+    logits = torch.full((1, VOCAB), float("-inf"))
+    logits[0, 17] = 0.0
+    logits[0, 40] = 0.0
+    tokens = set(sample(logits.expand(500, -1).contiguous(), [SamplingParams()] * 500, [1] * 500, list(range(500))))
+    assert tokens == {17, 40}
+
+
+@pytest.mark.parametrize("vocab", [2, 49152])
+def test_top_k_past_the_vocabulary_is_no_filter(vocab: int) -> None:
+    logits = random_logits(3, vocab=vocab)
+    params = [SamplingParams(top_k=vocab + 10, seed=1)] * 3
+    unfiltered = [SamplingParams(seed=1)] * 3
+    assert sample(logits, params, [1, 2, 3], [0, 0, 0]) == sample(logits, unfiltered, [1, 2, 3], [0, 0, 0])
+
+
+def test_sampling_params_validation() -> None:
+    cases = [
+        ({"max_tokens": 0}, "max_tokens must be at least 1"),
+        ({"max_tokens": 2.5}, "max_tokens must be an int"),
+        ({"temperature": -0.1}, "temperature must be at least 0.0"),
+        ({"temperature": float("nan")}, "temperature must be a finite number"),
+        ({"top_p": 0.0}, r"top_p must be in \(0.0, 1.0\]"),
+        ({"top_p": 1.5}, r"top_p must be in \(0.0, 1.0\]"),
+        ({"top_k": -1}, "top_k must be at least 0"),
+        ({"seed": -1}, "seed must be in"),
+        ({"seed": "1"}, "seed must be an int"),
+        ({"stop": "END"}, "stop must be a tuple of strings"),
+        ({"stop": ("",)}, "stop strings must be non-empty"),
+        ({"stop": ("x" * 300,)}, "at most 256 characters"),
+        ({"stop": tuple("abcdefghijklmnopq")}, "at most 16 strings"),
+        ({"ignore_eos": 1}, "ignore_eos must be a bool"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**kwargs)
+    assert SamplingParams(temperature=0.0).is_greedy

@@ -1,0 +1,63 @@
+"""Builders for the Redis-side worker tests (claims, fencing, publishing, recovery)."""
+
+from __future__ import annotations
+
+import fakeredis
+from redis import Redis
+
+from protocol import JobSpec, Keys, Priority, submit_job
+from worker.jobs.job_queue import ClaimedJob, JobQueue
+from worker.jobs.job_scripts import JobScripts
+from worker.jobs.running_job import RunningJob
+from worker.jobs.stream_publisher import StreamPublisher
+
+KEYS = Keys()
+BLOCK_SIZE = 16
+
+
+def fake_redis() -> fakeredis.FakeRedis:
+    return fakeredis.FakeRedis(server=fakeredis.FakeServer())
+
+
+def make_spec(job_id: str, priority: Priority = Priority.NORMAL, **overrides) -> JobSpec:
+    fields = dict(job_id=job_id, model="tiny", prompt="Hello", max_tokens=8, temperature=0.0,
+                  priority=priority, created_at=1000.0)
+    fields.update(overrides)
+    return JobSpec(**fields)
+
+
+def submit(redis: Redis, *job_ids: str, priority: Priority = Priority.NORMAL, **overrides) -> None:
+    for job_id in job_ids:
+        submit_job(redis, make_spec(job_id, priority, **overrides))
+
+
+def make_queue(redis: Redis, worker: str = "w1", lease_ms: int = 10_000,
+               scripts: JobScripts | None = None) -> JobQueue:
+    scripts = scripts or JobScripts()
+    scripts.load(redis)
+    return JobQueue(redis, scripts, KEYS, worker, lease_ms, execution_ttl_s=120,
+                    block_size=BLOCK_SIZE)
+
+
+def make_publisher(queue: JobQueue) -> StreamPublisher:
+    return StreamPublisher(queue.redis, queue.scripts, KEYS, queue.worker_name, queue.lease_ms)
+
+
+def running(claim: ClaimedJob, num_prompt_tokens: int = 3) -> RunningJob:
+    return RunningJob(lease=claim.lease, spec=claim.spec, state=claim.state,
+                      result_ttl=claim.result_ttl, failure_ttl=claim.failure_ttl,
+                      num_prompt_tokens=num_prompt_tokens,
+                      token_ids=[t.token_id for t in claim.tokens],
+                      texts=[t.text for t in claim.tokens], claimed_at=claim.claimed_at)
+
+
+def generate(job: RunningJob, *token_ids: int) -> None:
+    """Pretend the engine produced these tokens (text: the id in brackets)."""
+    start = job.num_tokens
+    job.add_tokens([(start + i, t, f"<{t}>") for i, t in enumerate(token_ids)], now=2000.0)
+
+
+def expire_lease(redis: Redis, job_id: str) -> None:
+    """The owner went silent: its lease key and its deadline in the leases set both lapse."""
+    redis.delete(KEYS.lease(job_id))
+    redis.zadd(KEYS.leases(), {job_id: 1})

@@ -1,0 +1,136 @@
+"""The worker loop in-process (real engine, tiny model, fakeredis): modes, cancel, drain."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import fakeredis
+import pytest
+
+from protocol import JobReader, JobSpec, JobStatus, WorkerStats, cancel_job, submit_jobs
+from tests.worker.jobs.job_support import KEYS
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_dir: Path) -> dict[str, object]:
+    from worker.engine.engine import Engine
+    from worker.jobs.settings import WorkerSettings
+
+    out = {}
+    for mode in ("continuous", "static", "sequential"):
+        settings = WorkerSettings(model=str(tiny_llama_dir), dtype="float32", redis_url="redis://unused",
+                                  name=f"w-{mode}", mode=mode, max_num_seqs=3, lease_seconds=5,
+                                  drain_seconds=0, idle_block_seconds=0.05, num_threads=1)
+        out[mode] = (settings, Engine(settings.engine_config()))
+    return out
+
+
+class Running:
+    def __init__(self, settings, engine) -> None:
+        from worker.jobs.batching_worker import BatchingWorker
+
+        server = fakeredis.FakeServer()
+        self.redis = fakeredis.FakeRedis(server=server)
+        self.worker = BatchingWorker(settings, engine, self.redis,
+                                     presence_redis=fakeredis.FakeRedis(server=server))
+        self.thread = threading.Thread(target=self.worker.run, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.worker.request_stop(15, None)
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture()
+def running(request: pytest.FixtureRequest, engines) -> Iterator[Running]:
+    run = Running(*engines[request.param])
+    yield run
+    run.stop()
+
+
+def _wait(condition, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(0.02)
+    raise AssertionError("timed out")
+
+
+def _specs(model: str, count: int, max_tokens: int = 6) -> list[JobSpec]:
+    return [JobSpec(job_id=f"job-{i}", model=model, prompt=f"Say {i}", max_tokens=max_tokens,
+                    temperature=0.0) for i in range(count)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir: Path) -> object:
+    """An engine of its own (the workers' engines are busy in their threads)."""
+    from worker.engine.engine import Engine
+    from worker.engine.config import EngineConfig
+
+    return Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_threads=1))
+
+
+@pytest.mark.parametrize("running", ["continuous", "static", "sequential"], indirect=True)
+def test_every_mode_runs_jobs_to_the_engines_own_output(running: Running, reference) -> None:
+    from worker.engine.sampling_params import SamplingParams
+
+    specs = _specs(running.worker.settings.served_model_name, 5)
+    submit_jobs(running.redis, specs)
+    reader = JobReader(running.redis)
+    states = _wait(lambda: (s := [reader.state(x.job_id) for x in specs]) and
+                   all(st.status.is_final for st in s) and s)
+    expected = reference.generate([s.prompt for s in specs],
+                                  SamplingParams(max_tokens=6, temperature=0.0))
+    assert [list(s.token_ids) for s in states] == [list(c.token_ids) for c in expected]
+    assert all(s.status is JobStatus.FINISHED for s in states)
+
+
+@pytest.mark.parametrize("running", ["continuous"], indirect=True)
+def test_cancel_a_running_job_frees_its_blocks(running: Running) -> None:
+    (spec,) = _specs(running.worker.settings.served_model_name, 1, max_tokens=900)
+    spec = JobSpec(**{**spec.to_dict(), "ignore_eos": True, "priority": spec.priority})
+    submit_jobs(running.redis, [spec])
+    _wait(lambda: running.redis.xlen(KEYS.stream(spec.job_id)) >= 3)
+    assert cancel_job(running.redis, spec.job_id) is JobStatus.RUNNING
+    reader = JobReader(running.redis)
+    _wait(lambda: reader.state(spec.job_id).status is JobStatus.CANCELED)
+    stats = _wait(lambda: (s := WorkerStats.from_fields(
+        running.redis.hgetall(KEYS.worker_stats(running.worker.name)))).num_running == 0
+        and s.num_kv_blocks_used == 0 and s)
+    assert stats.num_kv_blocks_total > 0
+    assert running.worker.engine.num_free_kv_blocks() == stats.num_kv_blocks_total
+    assert stats.num_jobs == 0
+
+
+@pytest.mark.parametrize("running", ["continuous"], indirect=True)
+def test_a_job_popped_just_before_redis_drops_is_claimed_once_it_answers(
+        running: Running) -> None:
+    """The idle wait pops a job id (BLPOP) and then claims it: if Redis drops in between, the id
+    is on no queue any more and only this worker knows it, so the claim must be retried."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    queue = running.worker.queue
+    real_claim = queue.claim
+    failed: list[tuple[str, int]] = []
+
+    def claim_only_what_wait_popped(max_jobs: int, free_kv_blocks: int | None = None,
+                                    adopt: tuple[str, int] | None = None) -> list:
+        if adopt is None:
+            return []  # every job goes through the idle wait's pop
+        if not failed:
+            failed.append(adopt)
+            raise RedisConnectionError("Connection closed by server.")
+        return real_claim(0, free_kv_blocks, adopt=adopt)
+
+    queue.claim = claim_only_what_wait_popped  # type: ignore[method-assign]
+    (spec,) = _specs(running.worker.settings.served_model_name, 1)
+    submit_jobs(running.redis, [spec])
+    reader = JobReader(running.redis)
+    state = _wait(lambda: (s := reader.state(spec.job_id)) and s.status.is_final and s)
+    assert failed == [(spec.job_id, 1)]  # popped from carpool-normal, claim failed once
+    assert state.status is JobStatus.FINISHED and len(state.token_ids) == 6

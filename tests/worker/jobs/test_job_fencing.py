@@ -1,0 +1,228 @@
+"""Fenced writes: only the lease holder appends, finishes or requeues; the finish guard."""
+
+from __future__ import annotations
+
+from rq import Queue, Worker
+from rq.job import Job
+from rq.job import JobStatus as RQJobStatus
+from rq.registry import (
+    CanceledJobRegistry,
+    FailedJobRegistry,
+    FinishedJobRegistry,
+    StartedJobRegistry,
+)
+from rq.results import Result
+from rq.serializers import JSONSerializer
+
+from protocol import FinishReason, JobReader, JobStatus, StreamEntry, cancel_job
+from protocol.rq_keys import RQKeys
+from tests.worker.jobs.job_support import (
+    KEYS,
+    expire_lease,
+    fake_redis,
+    generate,
+    make_publisher,
+    make_queue,
+    running,
+    submit,
+)
+from worker.jobs.stream_publisher import JobEnd
+
+
+def _stream(redis, job_id: str) -> list[tuple[str, StreamEntry]]:
+    return [(i.decode(), StreamEntry.from_fields(f)) for i, f in redis.xrange(KEYS.stream(job_id))]
+
+
+def test_append_writes_explicit_ids_and_renews_the_lease() -> None:
+    redis = fake_redis()
+    submit(redis, "job-1")
+    queue = make_queue(redis, lease_ms=5000)
+    job = running(queue.claim(1)[0])
+    pub = make_publisher(queue)
+    redis.pexpire(KEYS.lease("job-1"), 100)
+    generate(job, 11, 12)
+    pub.append(job)
+    report = pub.flush()
+    assert report.refused == set()
+    assert [(i, e.index, e.token_id, e.text) for i, e in _stream(redis, "job-1")] == [
+        ("0-1", 0, 11, "<11>"), ("0-2", 1, 12, "<12>")]
+    assert redis.pttl(KEYS.lease("job-1")) > 4000
+    state = JobReader(redis).state("job-1")
+    assert (state.prompt_tokens, state.first_token_at) == (3, 2000.0)
+
+
+def test_a_resent_append_skips_tokens_already_there_and_a_gap_is_refused() -> None:
+    # (A gap in a first send is stopped before Redis: RunningJob.add_tokens insists on
+    # consecutive indices from the engine.)
+    redis = fake_redis()
+    submit(redis, "job-1")
+    queue = make_queue(redis)
+    job = running(queue.claim(1)[0])
+    pub = make_publisher(queue)
+    generate(job, 11, 12)
+    pub.append(job)
+    pub.flush()
+    job.unpublished = [(1, 12, "<12>"), (2, 13, "<13>")]  # a retry overlapping the last write
+    pub.append(job)
+    assert pub.flush().refused == set()
+    assert [e.token_id for _, e in _stream(redis, "job-1")] == [11, 12, 13]
+    job.unpublished = [(2, 13, "<13>"), (5, 99, "x")]
+    pub.append(job)
+    assert pub.flush().refused == {"job-1"}
+    assert [e.token_id for _, e in _stream(redis, "job-1")] == [11, 12, 13]
+
+
+def test_a_zombie_whose_lease_was_taken_over_cannot_write() -> None:
+    redis = fake_redis()
+    submit(redis, "job-1")
+    zombie_queue = make_queue(redis, worker="zombie")
+    zombie = running(zombie_queue.claim(1)[0])
+    zombie_pub = make_publisher(zombie_queue)
+    generate(zombie, 11)
+    zombie_pub.append(zombie)
+    zombie_pub.flush()
+    # The zombie pauses; its lease lapses; recovery requeues; another worker takes over.
+    expire_lease(redis, "job-1")
+    other_queue = make_queue(redis, worker="other")
+    other_pub = make_publisher(other_queue)
+    other_pub.recover()
+    assert other_pub.flush().recovered == ["job-1"]
+    (claim,) = other_queue.claim(1)
+    assert claim.lease.token == "2"
+    assert [t.token_id for t in claim.tokens] == [11]
+    # The zombie wakes up: every write it tries is refused and changes nothing.
+    before = redis.xrange(KEYS.stream("job-1"))
+    generate(zombie, 12)
+    zombie_pub.append(zombie)
+    assert zombie_pub.flush().refused == {"job-1"}
+    zombie_pub.finish(zombie, JobEnd(JobStatus.FINISHED, FinishReason.STOP))
+    zombie_pub.requeue(zombie, count_as_preemption=True)
+    report = zombie_pub.flush()
+    assert report.refused == {"job-1"} and report.ended == {} and report.requeued == set()
+    assert redis.xrange(KEYS.stream("job-1")) == before
+    assert redis.get(KEYS.lease("job-1")) == b"2"
+    assert JobReader(redis).state("job-1").worker == "other"
+    assert Queue("carpool-normal", connection=redis).count == 0
+    # The new owner continues at index 1.
+    owner = running(claim)
+    generate(owner, 12)
+    other_pub.append(owner)
+    assert other_pub.flush().refused == set()
+    assert [(i, e.token_id) for i, e in _stream(redis, "job-1")] == [("0-1", 11), ("0-2", 12)]
+
+
+def test_finish_records_the_result_everywhere_rq_looks() -> None:
+    redis = fake_redis()
+    Worker(["carpool-normal"], name="w1", connection=redis).register_birth()
+    submit(redis, "job-1")
+    queue = make_queue(redis, worker="w1")
+    claim = queue.claim(1)[0]
+    job = running(claim, num_prompt_tokens=4)
+    pub = make_publisher(queue)
+    generate(job, 11, 12, 13)
+    pub.append(job)
+    pub.finish(job, JobEnd(JobStatus.FINISHED, FinishReason.LENGTH), now=3000.0)
+    report = pub.flush()
+    assert report.ended == {"job-1": JobStatus.FINISHED}
+    ids, entries = zip(*_stream(redis, "job-1"))
+    assert ids == ("0-1", "0-2", "0-3", "0-4")
+    assert entries[-1] == StreamEntry(kind="done", finish_reason=FinishReason.LENGTH,
+                                      prompt_tokens=4, completion_tokens=3)
+    state = JobReader(redis).state("job-1")
+    assert (state.status, state.finish_reason, state.text, state.token_ids, state.finished_at) == (
+        JobStatus.FINISHED, FinishReason.LENGTH, "<11><12><13>", (11, 12, 13), 3000.0)
+    rq_job = Job.fetch("job-1", redis, serializer=JSONSerializer)
+    assert rq_job.get_status() == RQJobStatus.FINISHED
+    value = rq_job.return_value()
+    assert (value["token_ids"], value["text"], value["finish_reason"], value["status"]) == (
+        [11, 12, 13], "<11><12><13>", "length", "finished")
+    assert value["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert (value["created_at"], value["finished_at"]) == (1000.0, 3000.0)
+    result = rq_job.latest_result()
+    assert result.type == Result.Type.SUCCESSFUL and result.execution_id == claim.lease.execution_id
+    assert "job-1" in FinishedJobRegistry("carpool-normal", connection=redis)
+    assert StartedJobRegistry("carpool-normal", connection=redis).get_job_ids() == []
+    assert rq_job.get_executions() == []
+    execution_key = RQKeys.execution("job-1", claim.lease.execution_id)
+    assert redis.exists(KEYS.lease("job-1"), execution_key) == 0
+    assert redis.zcard(KEYS.leases()) == 0
+    assert redis.scard(RQKeys.worker_executions("w1")) == 0
+    for key in (KEYS.stream("job-1"), KEYS.state("job-1"), RQKeys.job("job-1"),
+                KEYS.fence("job-1")):
+        assert 0 < redis.ttl(key) <= claim.result_ttl
+    (worker,) = Worker.all(connection=redis)
+    assert (worker.successful_job_count, worker.failed_job_count) == (1, 0)
+
+
+def test_the_finish_guard_turns_a_late_finish_of_a_canceled_job_into_canceled() -> None:
+    redis = fake_redis()
+    submit(redis, "job-1")
+    queue = make_queue(redis)
+    job = running(queue.claim(1)[0])
+    assert cancel_job(redis, "job-1") is JobStatus.RUNNING
+    pub = make_publisher(queue)
+    generate(job, 11)
+    pub.append(job)
+    pub.finish(job, JobEnd(JobStatus.FINISHED, FinishReason.STOP))
+    assert pub.flush().ended == {"job-1": JobStatus.CANCELED}
+    assert _stream(redis, "job-1")[-1] == ("0-2", StreamEntry(
+        kind="done", finish_reason=FinishReason.CANCELED, prompt_tokens=3, completion_tokens=1))
+    assert JobReader(redis).state("job-1").status is JobStatus.CANCELED
+    assert Job.fetch("job-1", redis).get_status() == RQJobStatus.CANCELED
+    assert "job-1" in CanceledJobRegistry("carpool-normal", connection=redis)
+    assert not redis.sismember(KEYS.canceled(), "job-1")
+    # And nothing can finish it again.
+    pub.finish(job, JobEnd(JobStatus.FINISHED, FinishReason.STOP))
+    assert pub.flush().refused == {"job-1"}
+
+
+def test_a_failed_job_carries_its_message_to_rq_jobstate_and_stream() -> None:
+    redis = fake_redis()
+    submit(redis, "job-1")
+    queue = make_queue(redis)
+    job = running(queue.claim(1)[0], num_prompt_tokens=0)
+    pub = make_publisher(queue)
+    pub.finish(job, JobEnd(JobStatus.FAILED, FinishReason.ERROR, "prompt too long"))
+    assert pub.flush().ended == {"job-1": JobStatus.FAILED}
+    assert _stream(redis, "job-1") == [("0-1", StreamEntry(
+        kind="done", finish_reason=FinishReason.ERROR, error="prompt too long"))]
+    state = JobReader(redis).state("job-1")
+    assert (state.status, state.error) == (JobStatus.FAILED, "prompt too long")
+    rq_job = Job.fetch("job-1", redis, serializer=JSONSerializer)
+    assert rq_job.get_status() == RQJobStatus.FAILED
+    assert rq_job.latest_result().exc_string == "prompt too long"
+    assert "job-1" in FailedJobRegistry("carpool-normal", connection=redis)
+
+
+def test_requeue_puts_the_job_at_the_front_and_the_next_claim_resumes_it() -> None:
+    redis = fake_redis()
+    submit(redis, "job-1", "job-2")
+    queue = make_queue(redis)
+    job = running(queue.claim(1)[0], num_prompt_tokens=5)
+    pub = make_publisher(queue)
+    generate(job, 11, 12)
+    pub.append(job)
+    pub.flush()
+    pub.requeue(job, count_as_preemption=True)
+    assert pub.flush().requeued == {"job-1"}
+    assert Queue("carpool-normal", connection=redis).job_ids == ["job-1", "job-2"]
+    state = JobReader(redis).state("job-1")
+    assert (state.status, state.num_preemptions, state.prompt_tokens) == (
+        JobStatus.PREEMPTED, 1, 5)
+    assert Job.fetch("job-1", redis).get_status() == RQJobStatus.QUEUED
+    assert StartedJobRegistry("carpool-normal", connection=redis).get_job_ids() == []
+    assert redis.exists(KEYS.lease("job-1")) == 0
+    (again,) = make_queue(redis, worker="w2").claim(1)
+    assert (again.lease.job_id, again.lease.token) == ("job-1", "2")
+    assert [t.token_id for t in again.tokens] == [11, 12]
+
+
+def test_running_job_insists_on_consecutive_token_indices() -> None:
+    import pytest
+
+    redis = fake_redis()
+    submit(redis, "job-1")
+    job = running(make_queue(redis).claim(1)[0])
+    generate(job, 11)
+    with pytest.raises(ValueError, match="engine produced token index 3, expected 1"):
+        job.add_tokens([(3, 12, "x")], now=1.0)

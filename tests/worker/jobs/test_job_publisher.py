@@ -1,0 +1,150 @@
+"""The publish of one iteration is one round trip; metrics, stats and heartbeats ride along."""
+
+from __future__ import annotations
+
+import pytest
+from redis.client import Pipeline
+from rq import Worker
+
+from protocol import FinishReason, JobStatus, WorkerStats
+from protocol.messages import HISTOGRAM_BUCKETS
+from tests.worker.jobs.job_support import (
+    KEYS,
+    fake_redis,
+    generate,
+    make_publisher,
+    make_queue,
+    running,
+    submit,
+)
+from worker.jobs.rq_presence import RQPresence
+from worker.jobs.stream_publisher import JobEnd, StreamPublisher
+
+
+def test_everything_one_iteration_publishes_is_one_round_trip(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    redis = fake_redis()
+    submit(redis, "a", "b", "c", "d")
+    queue = make_queue(redis, worker="w1")
+    a, b, c, d = (running(claim) for claim in queue.claim(4))
+    presence = RQPresence(redis, "w1", KEYS.queue_names(), ttl_seconds=30)
+    presence.register_birth()
+    pub = StreamPublisher(redis, queue.scripts, KEYS, "w1", queue.lease_ms, presence)
+    for job in (a, b, c):
+        generate(job, 7)
+    for job in (a, b, c, d):
+        pub.append(job)
+    pub.finish(c, JobEnd(JobStatus.FINISHED, FinishReason.STOP))
+    pub.requeue(d, count_as_preemption=True)
+    redis.sadd(KEYS.canceled(), "b")
+    pub.stats(WorkerStats(name="w1", model="tiny", mode="continuous", num_running=2), 10)
+    pub.heartbeat([a.lease, b.lease], execution_ttl_s=120)
+    pub.recover()
+    pub.observe("inter_token_latency_seconds", 0.02)
+    round_trips: list[int] = []
+    real_execute = Pipeline.execute
+
+    def counting_execute(self, raise_on_error: bool = True):
+        round_trips.append(len(self.command_stack))
+        return real_execute(self, raise_on_error)
+
+    monkeypatch.setattr(Pipeline, "execute", counting_execute)
+    monkeypatch.setattr(type(redis), "execute_command",
+                        lambda *a, **k: pytest.fail(f"a command outside the pipeline: {a[1:]}"))
+    report = pub.flush()
+    assert len(round_trips) == 1
+    assert report.refused == set()
+    assert report.canceled == {"b"}
+    assert report.ended == {"c": JobStatus.FINISHED}
+    assert report.requeued == {"d"}
+    assert report.recovered == []
+    assert pub.is_empty
+
+
+def test_histograms_are_cumulative_and_counters_add_up() -> None:
+    redis = fake_redis()
+    submit(redis, "a")
+    queue = make_queue(redis)
+    pub = make_publisher(queue)
+    for value in (0.004, 0.02, 0.02, 200.0):
+        pub.observe("inter_token_latency_seconds", value)
+    job = running(queue.claim(1)[0])
+    generate(job, 1, 2, 3)
+    pub.append(job)
+    pub.flush()
+    hist = {k.decode(): v.decode() for k, v in
+            redis.hgetall(KEYS.histogram("inter_token_latency_seconds")).items()}
+    assert hist["0.005"] == "1" and hist["0.01"] == "1" and hist["0.025"] == "3"
+    assert hist[str(HISTOGRAM_BUCKETS[-1])] == "3"
+    assert (hist["+Inf"], hist["count"]) == ("4", "4")
+    assert float(hist["sum"]) == pytest.approx(200.044)
+    assert redis.hget(KEYS.counters(), "generated_tokens_total") == b"3"
+
+
+def test_stats_expire_and_the_rq_heartbeat_keeps_the_worker_listed() -> None:
+    redis = fake_redis()
+    queue = make_queue(redis, worker="w1")
+    presence = RQPresence(redis, "w1", KEYS.queue_names(), ttl_seconds=30)
+    presence.register_birth()
+    pub = StreamPublisher(redis, queue.scripts, KEYS, "w1", queue.lease_ms, presence)
+    stats = WorkerStats(name="w1", model="tiny", mode="static", num_kv_blocks_total=8,
+                        max_num_seqs=4, updated_at=5.0)
+    pub.stats(stats, ttl_seconds=10)
+    pub.heartbeat([], execution_ttl_s=120)
+    pub.flush()
+    assert WorkerStats.from_fields(redis.hgetall(KEYS.worker_stats("w1"))) == stats
+    assert 0 < redis.pttl(KEYS.worker_stats("w1")) <= 10_000
+    (worker,) = Worker.all(connection=redis)
+    assert worker.name == "w1" and worker.queue_names() == KEYS.queue_names()
+    assert 60 < redis.ttl(worker.key) <= 90
+
+
+def test_scripts_flushed_from_redis_are_loaded_again() -> None:
+    redis = fake_redis()
+    submit(redis, "a")
+    queue = make_queue(redis)
+    job = running(queue.claim(1)[0])
+    pub = make_publisher(queue)
+    redis.script_flush()
+    generate(job, 5)
+    pub.append(job)
+    pub.count("jobs_finished_total")
+    assert pub.flush().refused == set()
+    assert redis.xlen(KEYS.stream("a")) == 1
+    assert redis.hget(KEYS.counters(), "jobs_finished_total") == b"1"
+
+
+def test_an_iteration_is_kept_when_redis_drops_while_its_scripts_are_reloaded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redis restarted (no scripts), then dropped again during the reload: nothing of the
+    iteration may be forgotten, so the worker's retry of flush() sends it all again."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from worker.jobs.job_scripts import JobScripts
+
+    redis = fake_redis()
+    submit(redis, "a")
+    queue = make_queue(redis)
+    job = running(queue.claim(1)[0])
+    pub = make_publisher(queue)
+    redis.script_flush()
+    generate(job, 5, 6)
+    pub.append(job)
+    pub.finish(job, JobEnd(JobStatus.FINISHED, FinishReason.LENGTH))
+    real_load = JobScripts.load
+    failures: list[int] = []
+
+    def load_after_one_failure(self: JobScripts, target: object) -> object:
+        if not failures:
+            failures.append(1)
+            raise RedisConnectionError("Connection closed by server.")
+        return real_load(self, target)
+
+    monkeypatch.setattr(JobScripts, "load", load_after_one_failure)
+    with pytest.raises(RedisConnectionError):
+        pub.flush()
+    report = pub.flush()
+    assert (report.refused, report.ended) == (set(), {"a": JobStatus.FINISHED})
+    assert [e[1][b"kind"] for e in redis.xrange(KEYS.stream("a"))] == [b"token", b"token",
+                                                                        b"done"]
+    assert pub.is_empty

@@ -1,0 +1,144 @@
+"""Claims: priority order, RQ bookkeeping as an rq worker does it, KV budget, resume data."""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+
+from rq import Queue, Worker
+from rq.job import Job
+from rq.job import JobStatus as RQJobStatus
+from rq.registry import StartedJobRegistry
+from rq.serializers import JSONSerializer
+
+from protocol import JobReader, JobStatus, Priority, StreamEntry, cancel_job
+from protocol.rq_keys import RQKeys
+from tests.worker.jobs.job_support import KEYS, fake_redis, make_queue, make_spec, submit
+from worker.jobs.job_queue import decode_spec
+
+
+def test_claim_takes_higher_priorities_first_and_fifo_within_one() -> None:
+    redis = fake_redis()
+    submit(redis, "low-1", priority=Priority.LOW)
+    submit(redis, "normal-1", "normal-2")
+    submit(redis, "high-1", priority=Priority.HIGH)
+    queue = make_queue(redis)
+    assert [c.lease.job_id for c in queue.claim(3)] == ["high-1", "normal-1", "normal-2"]
+    assert [c.lease.job_id for c in queue.claim(3)] == ["low-1"]
+    assert queue.claim(3) == []
+
+
+def test_claim_records_the_job_as_started_the_rq_way() -> None:
+    redis = fake_redis()
+    submit(redis, "job-1")
+    (claim,) = make_queue(redis, worker="w1").claim(4)
+    assert claim.spec == make_spec("job-1")
+    assert (claim.lease.token, claim.lease.queue_name) == ("1", "carpool-normal")
+    job = Job.fetch("job-1", redis, serializer=JSONSerializer)
+    assert job.get_status() == RQJobStatus.STARTED
+    assert job.worker_name == "w1" and job.started_at is not None
+    assert StartedJobRegistry("carpool-normal", connection=redis).get_job_ids() == ["job-1"]
+    (execution,) = job.get_executions()
+    assert (execution.id, execution.worker_name) == (claim.lease.execution_id, "w1")
+    assert redis.smembers(RQKeys.worker_executions("w1")) == {claim.lease.composite.encode()}
+    assert Queue("carpool-normal", connection=redis).count == 0
+    state = JobReader(redis).state("job-1")
+    assert (state.status, state.worker, state.execution) == (
+        JobStatus.RUNNING, "w1", claim.lease.composite)
+    assert state.started_at > 0
+    assert redis.get(KEYS.lease("job-1")) == b"1"
+    assert 9000 < redis.pttl(KEYS.lease("job-1")) <= 10_000
+    assert redis.zscore(KEYS.leases(), "job-1") > time.time() * 1000
+
+
+def test_claim_sets_the_rq_worker_busy_for_rq_info() -> None:
+    redis = fake_redis()
+    worker = Worker(["carpool-normal"], name="w1", connection=redis)
+    worker.register_birth()
+    submit(redis, "job-1")
+    make_queue(redis, worker="w1").claim(1)
+    (listed,) = Worker.all(connection=redis)
+    assert listed.get_state() == "busy"
+    assert [e.job_id for e in listed.get_current_executions()] == ["job-1"]
+
+
+def test_claim_stops_at_a_job_that_does_not_fit_the_kv_budget() -> None:
+    redis = fake_redis()
+    submit(redis, "big", "small", priority=Priority.HIGH)
+    submit(redis, "normal-1")
+    redis.hset(KEYS.state("big"), "prompt_tokens", 40)  # 41 tokens: 3 blocks of 16
+    queue = make_queue(redis)
+    assert queue.claim(4, free_kv_blocks=2) == []
+    assert Queue("carpool-high", connection=redis).job_ids == ["big", "small"]
+    assert [c.lease.job_id for c in queue.claim(4, free_kv_blocks=4)] == ["big", "small"]
+
+
+def test_claim_returns_the_tokens_to_resume_from_and_the_cancel_flag() -> None:
+    redis = fake_redis()
+    submit(redis, "job-1")
+    for i in range(3):
+        entry = StreamEntry(kind="token", index=i, token_id=50 + i, text=str(i))
+        redis.xadd(KEYS.stream("job-1"), entry.to_fields(), id=StreamEntry.token_entry_id(i))
+    redis.hset(KEYS.state("job-1"), mapping={"status": "preempted", "num_preemptions": 1})
+    redis.sadd(KEYS.canceled(), "job-1")
+    (claim,) = make_queue(redis).claim(1)
+    assert [(t.index, t.token_id) for t in claim.tokens] == [(0, 50), (1, 51), (2, 52)]
+    assert claim.state.num_preemptions == 1
+    assert claim.is_canceled
+
+
+def test_claim_drops_stale_ids_and_reports_malformed_payloads() -> None:
+    redis = fake_redis()
+    submit(redis, "gone", "broken", "ok")
+    redis.delete(RQKeys.job("gone"))
+    payload = b'["worker.rq_entry.generate", null, [7], {}]'
+    redis.hset(RQKeys.job("broken"), "data", zlib.compress(payload))
+    claims = make_queue(redis).claim(3)
+    assert [c.lease.job_id for c in claims] == ["broken", "ok"]
+    assert claims[0].spec is None
+    assert claims[0].error == "malformed job: job spec must be a JSON object, got int"
+
+
+def test_claim_skips_jobs_canceled_while_queued() -> None:
+    redis = fake_redis()
+    submit(redis, "job-1", "job-2")
+    cancel_job(redis, "job-1")
+    assert [c.lease.job_id for c in make_queue(redis).claim(2)] == ["job-2"]
+
+
+def test_wait_blocks_until_a_job_arrives_then_adopt_claims_it_first() -> None:
+    server_redis = fake_redis()
+    queue = make_queue(server_redis)
+    submit(server_redis, "later", priority=Priority.LOW)
+    server_redis.lpop(RQKeys.queue("carpool-low"))
+    assert queue.wait(0.05) is None
+    timer = threading.Timer(0.1, lambda: submit(server_redis, "job-1"))
+    timer.start()
+    popped = queue.wait(2.0)
+    timer.join()
+    assert popped == ("job-1", 1)
+    submit(server_redis, "job-2")
+    claims = queue.claim(4, adopt=popped)
+    assert [c.lease.job_id for c in claims] == ["job-1", "job-2"]
+
+
+def test_decode_spec_explains_bad_payloads() -> None:
+    redis = fake_redis()
+    import pytest
+
+    with pytest.raises(ValueError, match="not rq JSON"):
+        decode_spec("j", b"\x80\x04pickle", redis)
+    with pytest.raises(ValueError, match="exactly one argument"):
+        decode_spec("j", b'["f", null, [], {}]', redis)
+    with pytest.raises(ValueError, match="names job 'other'"):
+        decode_spec("j", b'["f", null, [{"job_id": "other", "model": "m", "prompt": "x"}], {}]',
+                    redis)
+
+
+def test_claim_survives_a_flushed_script_cache() -> None:
+    redis = fake_redis()
+    submit(redis, "job-1")
+    queue = make_queue(redis)
+    redis.script_flush()
+    assert [c.lease.job_id for c in queue.claim(1)] == ["job-1"]

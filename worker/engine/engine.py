@@ -1,0 +1,308 @@
+"""The in-process engine: requests in, token deltas out, one forward pass per `step()`.
+
+No Redis, no asyncio: the Redis worker drives it by calling `add_request`, `abort` and `step`
+at iteration boundaries.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from worker.engine.block_manager import BlockManager
+from worker.engine.detokenizer import Detokenizer, make_decode
+from worker.engine.config import BatchingMode, EngineConfig
+from worker.model.loader import LoadedModel, load_model
+from worker.model.routing import resolve_device, resolve_dtype
+from worker.engine.model_runner import ModelRunner
+from worker.engine.sampling_params import MAX_SEED, SamplingParams
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import FinishReason, Sequence
+from worker.engine.outputs import (
+    Completion,
+    PreemptedRequest,
+    RequestOutput,
+    SchedulerOutput,
+    StepOutput,
+    StepStats,
+    TokenDelta,
+)
+
+__all__ = [
+    "BatchingMode", "Completion", "Engine", "EngineConfig", "FinishReason", "PreemptedRequest",
+    "RequestOutput", "SamplingParams", "StepOutput", "StepStats", "TokenDelta",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 2048  # for configs that name no max_position_embeddings
+
+
+@dataclass(slots=True)
+class _Request:
+    seq: Sequence
+    detokenizer: Detokenizer
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        if loaded is None:
+            loaded = load_model(config.model, dtype=dtype, device=str(device))
+        self.loaded = loaded
+        self.tokenizer: Any = loaded.tokenizer
+        self.runner = ModelRunner(loaded, device, dtype, config.enable_cpu_kernels)
+        self.runner.warm_up(config.max_num_batched_tokens, config.max_num_seqs)
+        self.max_model_len, num_blocks = self._size_kv_pool()
+        self.runner.allocate_kv_cache(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.eos_token_ids = _eos_token_ids(loaded)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            mode=config.mode,
+            eos_token_ids=self.eos_token_ids,
+            requeue_preempted=config.requeue_preempted,
+        )
+        self._decode = make_decode(self.tokenizer)
+        self._requests: dict[str, _Request] = {}
+        self._pending: list[RequestOutput] = []  # aborts, reported by the next step
+        self._rng = random.Random()  # seeds for unseeded requests; OS entropy
+        self._generate_ids = itertools.count()
+
+    @property
+    def model_dir(self) -> Path:
+        """The Hugging Face directory the model was loaded from (tokenizer files, config)."""
+        return self.loaded.path
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: Seq[int] = (),
+    ) -> None:
+        """Queue a request; `output_token_ids` resumes one, generation continuing at that index."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        prompt = self._check_token_ids("prompt_token_ids", prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt_token_ids is empty: a request needs at least one prompt token")
+        output = self._check_token_ids("output_token_ids", output_token_ids)
+        if len(output) >= params.max_tokens:
+            raise ValueError(
+                f"output_token_ids already holds {len(output)} tokens, max_tokens is {params.max_tokens}: "
+                "nothing is left to generate"
+            )
+        if len(prompt) + len(output) >= self.max_model_len:
+            what = f"prompt ({len(prompt)} tokens)" + (f" plus output ({len(output)})" if output else "")
+            raise ValueError(
+                f"{what} leaves no room to generate within max_model_len={self.max_model_len}; "
+                f"at most {self.max_model_len - 1} tokens fit"
+            )
+        seed = params.seed if params.seed is not None else self._rng.randint(0, MAX_SEED)
+        seq = Sequence(
+            request_id=request_id,
+            token_ids=prompt + output,
+            num_prompt_tokens=len(prompt),
+            params=params,
+            seed=seed,
+        )
+        detokenizer = Detokenizer(self._decode, prompt, params.stop)
+        for token_id in output:  # replay, so the deltas continue exactly where they stopped
+            detokenizer.step(token_id)
+        self.scheduler.add(seq)
+        self._requests[request_id] = _Request(seq, detokenizer)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel at this iteration boundary: blocks are freed now, the next step reports ABORT."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            return False
+        del self._requests[request_id]
+        self._pending.append(self._request_output(seq, []))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def num_free_slots(self) -> int:
+        return self.scheduler.num_free_slots()
+
+    def num_free_kv_blocks(self) -> int:
+        return self.block_manager.num_free_blocks
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def step(self) -> StepOutput:
+        started = time.perf_counter()
+        outputs, self._pending = self._pending, []
+        scheduled = self.scheduler.schedule()
+        sampled = self.runner.execute(scheduled) if scheduled.seqs else []
+        self.scheduler.update(scheduled, sampled)
+        for seq, is_sampling in zip(scheduled.seqs, scheduled.is_sampling):
+            if is_sampling:
+                outputs.append(self._emit_token(seq))
+        for seq in scheduled.finished:  # retired while scheduling, without a new token
+            if self._requests.pop(seq.request_id, None) is not None:
+                outputs.append(self._request_output(seq, []))
+        preempted = []
+        if not self.config.requeue_preempted:
+            for seq in scheduled.preempted:
+                del self._requests[seq.request_id]
+                preempted.append(PreemptedRequest(seq.request_id, seq.output_token_ids))
+        return StepOutput(outputs, preempted, self._stats(scheduled, started))
+
+    def _emit_token(self, seq: Sequence) -> RequestOutput:
+        request = self._requests[seq.request_id]
+        token_id = seq.token_ids[-1]
+        text, hit_stop = request.detokenizer.step(token_id)
+        if hit_stop:
+            self.scheduler.finish(seq, FinishReason.STOP)
+            seq.finish_reason = FinishReason.STOP  # a stop string beats max_tokens on the same token
+        elif seq.is_finished:
+            text += request.detokenizer.flush()
+        if seq.is_finished:
+            del self._requests[seq.request_id]
+        return self._request_output(seq, [TokenDelta(seq.num_output_tokens - 1, token_id, text)])
+
+    def _request_output(self, seq: Sequence, tokens: list[TokenDelta]) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            tokens=tokens,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+        )
+
+    def _stats(self, scheduled: SchedulerOutput, started: float) -> StepStats:
+        num_running = len(self.scheduler.running)
+        return StepStats(
+            num_seqs=len(scheduled.seqs),
+            num_scheduled_tokens=scheduled.total_num_scheduled_tokens,
+            num_prefill_tokens=scheduled.num_prefill_tokens,
+            num_decode_tokens=scheduled.num_decode_tokens,
+            num_cached_tokens=scheduled.num_cached_tokens,
+            num_kv_blocks_used=self.block_manager.num_used_blocks,
+            num_kv_blocks_total=self.block_manager.num_blocks,
+            num_running=num_running,
+            num_waiting=len(self.scheduler.waiting),
+            slot_utilisation=num_running / self.config.max_num_seqs,
+            num_preemptions=len(scheduled.preempted),
+            step_time_s=time.perf_counter() - started,
+        )
+
+    # -- convenience -----------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+    ) -> list[Completion]:
+        """Run prompts to completion (strings tokenized raw, no chat template); results in order."""
+        if self.has_unfinished():
+            raise RuntimeError("generate() drives the engine alone; finish or abort other requests first")
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        run = next(self._generate_ids)
+        ids = [f"generate-{run}-{i}" for i in range(len(prompts))]
+        prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        for request_id, prompt, p in zip(ids, prompt_ids, params):
+            self.add_request(request_id, prompt, p)
+        texts = dict.fromkeys(ids, "")
+        tokens: dict[str, list[int]] = {request_id: [] for request_id in ids}
+        reasons: dict[str, FinishReason] = {}
+        by_id = dict(zip(ids, zip(prompt_ids, params)))
+        while self.has_unfinished():
+            out = self.step()
+            for request in out.outputs:
+                for delta in request.tokens:
+                    texts[request.request_id] += delta.text
+                    tokens[request.request_id].append(delta.token_id)
+                if request.finish_reason is not None:
+                    reasons[request.request_id] = request.finish_reason
+            for preempted in out.preempted:  # requeue_preempted=False: resume it ourselves
+                prompt, p = by_id[preempted.request_id]
+                self.add_request(preempted.request_id, prompt, p, preempted.output_token_ids)
+        return [
+            Completion(texts[i], tokens[i], reasons[i], len(prompt)) for i, prompt in zip(ids, prompt_ids)
+        ]
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a chat through the tokenizer's template, ready for the assistant's turn."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # -- sizing ----------------------------------------------------------------------------------
+
+    def _size_kv_pool(self) -> tuple[int, int]:
+        """(max_model_len, num_kv_blocks): the pool always holds one full-length sequence."""
+        config, runner = self.config, self.runner
+        model_len = runner.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
+        if config.max_model_len is not None:
+            if config.max_model_len > model_len:
+                raise ValueError(
+                    f"max_model_len={config.max_model_len} exceeds the model's "
+                    f"max_position_embeddings={model_len}"
+                )
+            model_len = config.max_model_len
+        if runner.sliding_window is not None and runner.sliding_window < model_len:
+            # Within the window, sliding-window attention is full attention, which the kernels do.
+            log.warning("capping max_model_len at the model's sliding window, %d", runner.sliding_window)
+            model_len = runner.sliding_window
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            wanted = -(-config.max_num_seqs * model_len // config.block_size)
+            bytes_per_block = runner.kv_cache_bytes_per_token() * config.block_size
+            affordable = int(config.kv_cache_memory_gib * 2**30) // bytes_per_block
+            num_blocks = max(1, min(wanted, affordable))
+        capacity = num_blocks * config.block_size
+        if capacity < model_len:
+            if config.max_model_len is not None:
+                log.warning("the KV pool holds %d tokens: capping max_model_len=%d", capacity, model_len)
+            model_len = capacity
+        return model_len, num_blocks
+
+    def _check_token_ids(self, name: str, token_ids: Seq[int]) -> list[int]:
+        ids = list(token_ids)
+        vocab_size = self.runner.vocab_size
+        for token_id in ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int):
+                raise ValueError(f"{name} must hold ints, got {token_id!r}")
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"{name} holds {token_id}, outside the vocabulary [0, {vocab_size})")
+        return ids
+
+
+def _eos_token_ids(loaded: LoadedModel) -> set[int]:
+    ids: set[int] = set()
+    generation_config = getattr(loaded.model, "generation_config", None)
+    for source in (getattr(generation_config, "eos_token_id", None), loaded.tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(token_id) for token_id in source)
+    return ids

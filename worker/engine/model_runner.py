@@ -1,0 +1,176 @@
+"""Runs one packed forward pass per step over a Hugging Face causal LM with a paged KV cache.
+
+Every scheduled token of every sequence goes into one `[1, num_tokens]` batch with its own
+position; K/V land in the paged cache through the slot mapping and attention reads them back
+through the block tables, so prefill chunks and decodes share a single forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from worker.model.linear_layers import warm_up_packed_layers
+from worker.model.routing import route_cpu_kernels
+from worker.model.loader import LoadedModel, ModelLoadError
+from worker.model.attention_backend import AttentionMetadata, PagedAttentionBackend
+from worker.engine.sampler import Sampler, SamplingMetadata
+from worker.engine.outputs import SchedulerOutput
+
+@dataclass(slots=True)
+class ModelInputs:
+    """One step's tensors, on the model's device."""
+
+    input_ids: torch.Tensor  # [1, num_tokens] int64
+    position_ids: torch.Tensor  # [1, num_tokens] int64
+    logits_indices: torch.Tensor  # [num_sampling] int64: rows whose next token is sampled
+    attention: AttentionMetadata
+    sampling: SamplingMetadata
+
+
+class ModelRunner:
+    def __init__(
+        self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, cpu_kernels: bool = True,
+    ) -> None:
+        model = loaded.model
+        first = next(model.parameters())
+        if first.device != device or first.dtype != dtype:
+            model.to(device=device, dtype=dtype)
+        model.eval()
+        model.set_attn_implementation(PagedAttentionBackend.register())
+        if model.config._attn_implementation != PagedAttentionBackend.NAME:
+            # transformers only warns for models outside its attention interface; we would then
+            # run their own attention without our cache and return garbage.
+            raise ModelLoadError(
+                f"{type(model).__name__} does not dispatch attention through transformers' "
+                "AttentionInterface, which Carpool's paged KV cache needs"
+            )
+        self.uses_cpu_kernels = route_cpu_kernels(model, cpu_kernels, device, dtype)
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        config = model.config.get_text_config()
+        self.num_layers: int = config.num_hidden_layers
+        self.num_kv_heads: int = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
+        self.max_position_embeddings: int | None = getattr(config, "max_position_embeddings", None)
+        self.sliding_window = _sliding_window(config)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.block_size = 0
+        self.sampler = Sampler()
+        self._pin = device.type == "cuda"
+
+    def warm_up(self, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        """Build oneDNN's GEMM primitives for every row count a step can bring (bf16 CPU path), so
+        that no step waits 0.7 ms per layer shape for one; a no-op elsewhere."""
+        warm_up_packed_layers(self.model, max_num_batched_tokens, min(max_num_seqs, max_num_batched_tokens))
+
+    def kv_cache_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        # Zeroed, not empty: the attention kernels mask unwritten slots, but NaN garbage is noise.
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.num_layers)
+        ]
+        self.block_size = block_size
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> list[int]:
+        """Run the step's forward and sample; return one token per sampling sequence, in order."""
+        inputs = self.prepare_inputs(out)
+        logits = self.forward(inputs)
+        return self.sample(logits, inputs.sampling)
+
+    def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
+        starts = out.num_computed_tokens
+        lens = out.num_scheduled_tokens
+        num_seqs = len(out.seqs)
+        input_ids: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        params, seeds, output_indices = [], [], []
+        for seq, start, num_new, is_sampling in zip(out.seqs, starts, lens, out.is_sampling):
+            input_ids += seq.token_ids[start : start + num_new]
+            end = query_start_loc[-1] + num_new
+            query_start_loc.append(end)
+            seq_lens.append(start + num_new)
+            if is_sampling:
+                logits_indices.append(end - 1)
+                params.append(seq.params)
+                seeds.append(seq.seed)
+                output_indices.append(seq.num_output_tokens)  # the index the sampled token gets
+        num_tokens = len(input_ids)
+        width = max(len(table) for table in out.block_tables)
+        block_tables = [table + [0] * (width - len(table)) for table in out.block_tables]
+
+        qsl = self._tensor(query_start_loc, torch.int32)
+        tables = self._tensor(block_tables, torch.int32)
+        lens_t = self._tensor(lens, torch.int64)
+        # position of token t = its sequence's start + (t - the sequence's first row)
+        offsets = self._tensor([s - q for s, q in zip(starts, query_start_loc)], torch.int64)
+        positions = torch.arange(num_tokens, device=self.device) + offsets.repeat_interleave(
+            lens_t, output_size=num_tokens
+        )
+        token_seq = torch.arange(num_seqs, device=self.device).repeat_interleave(lens_t, output_size=num_tokens)
+        block_ids = tables[token_seq, positions // self.block_size].long()
+        slot_mapping = block_ids * self.block_size + positions % self.block_size
+        attention = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            block_tables=tables,
+            seq_lens=self._tensor(seq_lens, torch.int32),
+            query_start_loc=qsl,
+            max_query_len=max(lens),
+            max_seq_len=max(seq_lens),
+            kv_caches=self.kv_caches,
+            use_cpu_kernels=self.uses_cpu_kernels,
+        )
+        sampling = SamplingMetadata.build(params, seeds, output_indices, self.vocab_size, self.device)
+        return ModelInputs(
+            input_ids=self._tensor(input_ids, torch.int64).unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
+            logits_indices=self._tensor(logits_indices, torch.int64),
+            attention=attention,
+            sampling=sampling,
+        )
+
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """Logits of the sampling rows only: [num_sampling, vocab_size] float32."""
+        kwargs: dict[str, Any] = {PagedAttentionBackend.KWARG: inputs.attention}
+        output = self.model(
+            input_ids=inputs.input_ids,
+            position_ids=inputs.position_ids,
+            use_cache=False,
+            logits_to_keep=inputs.logits_indices,
+            **kwargs,
+        )
+        return output.logits[0].float()
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> list[int]:
+        if logits.shape[0] == 0:
+            return []
+        return self.sampler.sample(logits, metadata).tolist()  # the step's one host sync
+
+    def _tensor(self, values: list[Any], dtype: torch.dtype) -> torch.Tensor:
+        tensor = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True) if self._pin else tensor.to(self.device)
+
+
+def _sliding_window(config: Any) -> int | None:
+    """The attention window if any layer uses one (the kernels attend to the whole context)."""
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)

@@ -1,0 +1,110 @@
+"""Turns one step's logits into tokens: greedy, temperature, top-k, top-p, per-request seeds."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from worker.engine.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def uniform_from_seed(seed: int, index: int) -> float:
+    """A uniform in [0, 1) that depends on (seed, output index) only: splitmix64 of the pair."""
+    x = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xD1B54A32D192ED03) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    x ^= x >> 31
+    return (x >> 11) * (1.0 / (1 << 53))
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-row sampling inputs for one step, built once from plain Python values."""
+
+    all_greedy: bool
+    greedy_rows: list[int]
+    temperatures: torch.Tensor | None  # [num_rows] float32, 1.0 on greedy rows
+    top_k: torch.Tensor | None  # [num_rows] int64, 0 where off; None if no row uses it
+    max_top_k: int
+    top_p_rows: torch.Tensor | None  # [num_top_p_rows] int64: rows with top_p < 1
+    top_p: torch.Tensor | None  # [num_top_p_rows] float32
+    uniforms: torch.Tensor | None  # [num_rows] float64, from (seed, output index)
+
+    @classmethod
+    def build(
+        cls,
+        params: Seq[SamplingParams],
+        seeds: Seq[int],
+        output_indices: Seq[int],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+    ) -> SamplingMetadata:
+        greedy_rows = [row for row, p in enumerate(params) if p.temperature == 0.0]
+        if len(greedy_rows) == len(params):
+            return cls(True, greedy_rows, None, None, 0, None, None, None)
+        temperatures = [p.temperature if p.temperature > 0.0 else 1.0 for p in params]
+        top_k = [min(p.top_k, vocab_size) if p.temperature > 0.0 else 0 for p in params]
+        use_top_k = any(k > 0 for k in top_k)
+        p_rows = [row for row, p in enumerate(params) if p.top_p < 1.0 and p.temperature > 0.0]
+        uniforms = [uniform_from_seed(seed, index) for seed, index in zip(seeds, output_indices)]
+        return cls(
+            all_greedy=False,
+            greedy_rows=greedy_rows,
+            temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device) if use_top_k else None,
+            max_top_k=max(top_k) if use_top_k else 0,
+            top_p_rows=torch.tensor(p_rows, dtype=torch.int64, device=device) if p_rows else None,
+            top_p=torch.tensor([params[r].top_p for r in p_rows], dtype=torch.float32, device=device)
+            if p_rows else None,
+            uniforms=torch.tensor(uniforms, dtype=torch.float64, device=device),
+        )
+
+
+class Sampler:
+    """Inverse-CDF sampling with one uniform per row, drawn from (seed, output index).
+
+    The token drawn depends only on the row's own filtered distribution and that uniform, so a
+    seeded request gets the same tokens whatever shares its batch and across preemptions.
+    """
+
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        # logits: [num_rows, vocab_size] float32 -> tokens: [num_rows] int64
+        greedy = logits.argmax(dim=-1)
+        if metadata.all_greedy:
+            return greedy
+        probs = self.probabilities(logits, metadata)
+        cdf = probs.double().cumsum(dim=-1)
+        # The first index whose cdf passes u * total: zero-probability tokens never match.
+        target = (metadata.uniforms * cdf[:, -1]).unsqueeze(1)
+        tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
+        tokens = tokens.clamp_(max=logits.shape[-1] - 1)
+        if metadata.greedy_rows:
+            rows = torch.tensor(metadata.greedy_rows, device=logits.device)
+            tokens[rows] = greedy[rows]
+        return tokens
+
+    def probabilities(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The filtered, renormalised distribution each row samples from: [num_rows, vocab_size]."""
+        assert metadata.temperatures is not None
+        scaled = logits / metadata.temperatures.unsqueeze(1)
+        if metadata.top_k is not None:
+            top = scaled.topk(metadata.max_top_k, dim=-1).values  # [num_rows, max_top_k]
+            k = metadata.top_k.unsqueeze(1)
+            kth = top.gather(1, (k - 1).clamp_(min=0))
+            kth = kth.masked_fill_(k == 0, float("-inf"))  # top-k off: keep every token
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        if metadata.top_p_rows is not None:
+            assert metadata.top_p is not None
+            sub = probs.index_select(0, metadata.top_p_rows)
+            # Stable descending sort: among equal probabilities the lowest id comes first, as argmax.
+            sorted_probs, order = sub.sort(dim=-1, descending=True, stable=True)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            sorted_probs = sorted_probs.masked_fill(mass_before >= metadata.top_p.unsqueeze(1), 0.0)
+            sub = torch.zeros_like(sub).scatter_(1, order, sorted_probs)
+            probs = probs.index_copy(0, metadata.top_p_rows, sub)
+        return probs

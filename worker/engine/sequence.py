@@ -1,0 +1,53 @@
+"""One request as the scheduler sees it: its tokens, how many are in the KV cache, its state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from worker.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(str, Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens or the context (max_model_len, or a KV pool too small for it)
+    ABORT = "abort"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt, then output
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int  # params.seed, or one drawn at add time so seeded and unseeded share one path
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

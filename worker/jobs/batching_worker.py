@@ -1,0 +1,401 @@
+"""The worker loop: RQ jobs in, engine steps, token streams out, one Redis round trip a step.
+
+Each iteration:
+  1. boundary: end jobs flagged canceled (engine.abort frees their blocks), then take as many
+     queued jobs as free slots and KV blocks allow (non-blocking claim);
+  2. one engine step;
+  3. one publish: tokens + lease renewals + finishes + requeues of preempted jobs + cancel
+     checks + stats + metrics (+ RQ heartbeat and recovery when due).
+Idle, it blocks on the queues (BLPOP with a timeout, so heartbeats and recovery keep running).
+SIGTERM drains: no new jobs, running ones get `drain_seconds` to finish, the rest are requeued.
+Redis unreachable (restart, failover, network): every Redis step retries with capped exponential
+backoff and jitter, logging each retry; jobs are dropped only once their leases must have lapsed.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING
+
+from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from rq.worker import WorkerStatus
+
+from protocol.keys import Keys
+from protocol.messages import FinishReason, JobSpec, JobStatus, ModelCard, WorkerStats
+from worker.jobs.backoff import Backoff
+from worker.engine.outputs import StepOutput, StepStats
+from worker.engine.config import BatchingMode
+from worker.jobs.job_queue import ClaimedJob, JobQueue
+from worker.jobs.job_scripts import JobScripts
+from worker.jobs.rq_presence import RQPresence
+from worker.jobs.running_job import RunningJob
+from worker.engine.sampling_params import SamplingParams
+from worker.jobs.stream_publisher import JobEnd, PublishReport, StreamPublisher
+from worker.jobs.settings import WorkerSettings
+
+if TYPE_CHECKING:  # the engine (torch) is handed in by worker.__main__, never imported here
+    from worker.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+_ENGINE_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
+# The engine reports an abort at the step after engine.abort(): this worker already acted on it
+# (and may hold a new claim under the same id by then), so that report is ignored.
+_ENGINE_ABORT = "abort"
+_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A job that ends without (more) engine work, published at the next flush."""
+
+    job: RunningJob
+    end: JobEnd
+
+
+class BatchingWorker:
+    def __init__(self, settings: WorkerSettings, engine: Engine, redis: Redis,
+                 presence_redis: Redis | None = None) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.redis = redis
+        self.keys = Keys(settings.keys_prefix)
+        self.name = settings.name
+        self.scripts = JobScripts()
+        self.queue = JobQueue(redis, self.scripts, self.keys, self.name, settings.lease_ms,
+                              settings.execution_ttl_seconds, settings.block_size)
+        # rq's Worker adjusts its client's socket timeout for its own BLPOPs: give it its own.
+        self.presence = RQPresence(presence_redis or Redis.from_url(settings.redis_url), self.name,
+                                   self.keys.queue_names(),
+                                   ttl_seconds=int(max(settings.heartbeat_seconds * 3, 30)))
+        self.publisher = StreamPublisher(redis, self.scripts, self.keys, self.name,
+                                         settings.lease_ms, self.presence)
+        self.jobs: dict[str, RunningJob] = {}
+        self._pending: list[_Pending] = []
+        self._stop_requested = False
+        self._last_heartbeat = 0.0
+        self._last_stats: StepStats | None = None
+        self._num_kv_blocks_total = 0
+        self.model_names = {settings.served_model_name, settings.model}
+        self._backoff = Backoff(base_s=settings.redis_backoff_base_seconds,
+                                cap_s=settings.redis_backoff_cap_seconds)
+
+    # Lifecycle.
+    def install_signal_handlers(self) -> None:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+
+    def request_stop(self, signum: int, frame: FrameType | None) -> None:
+        # Only a flag: raising here could interrupt a BLPOP whose reply holds a popped job id.
+        log.info("worker %s: signal %d, draining", self.name, signum)
+        self._stop_requested = True
+
+    def run(self) -> int:
+        self._warm_up()
+        self.scripts.load(self.redis)
+        self.presence.register_birth()
+        self._publish_model()
+        log.info("worker %s serving %s on %s", self.name, self.settings.served_model_name,
+                 ", ".join(self.keys.queue_names()))
+        try:
+            self._loop()
+        finally:
+            self.presence.register_death()
+        log.info("worker %s stopped", self.name)
+        return 0
+
+    def _warm_up(self) -> None:
+        """One tiny generation before taking jobs: the first forward pass pays one-off costs
+        (allocations, kernel selection) that must not eat into a real job's lease."""
+        started = time.monotonic()
+        self.engine.generate(["warm up"], SamplingParams(max_tokens=2, temperature=0.0))
+        log.info("warm-up generation took %.2fs", time.monotonic() - started)
+
+    def _publish_model(self) -> None:
+        tokenizer = self.engine.tokenizer
+        card = ModelCard(name=self.settings.served_model_name,
+                         max_model_len=self.engine.max_model_len,
+                         eos_token=getattr(tokenizer, "eos_token", None),
+                         bos_token=getattr(tokenizer, "bos_token", None),
+                         chat_template=getattr(tokenizer, "chat_template", None))
+        tokenizer_json = self.engine.model_dir / "tokenizer.json"
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.models(), card.name, card.to_json())
+            if tokenizer_json.is_file():
+                pipe.set(self.keys.model_tokenizer(card.name), tokenizer_json.read_text())
+            pipe.execute()
+        if not tokenizer_json.is_file():
+            log.warning("%s has no tokenizer.json: the API cannot count tokens for %s",
+                        Path(tokenizer_json).parent, card.name)
+
+    # The loop.
+    def _loop(self) -> None:
+        drain_deadline: float | None = None
+        while True:
+            if self._stop_requested and drain_deadline is None:
+                drain_deadline = time.monotonic() + self.settings.drain_seconds
+                log.info("worker %s: draining %d jobs for up to %.0fs", self.name,
+                         len(self.jobs), self.settings.drain_seconds)
+            draining = drain_deadline is not None
+            if draining and (not self.jobs or time.monotonic() >= drain_deadline):
+                self._requeue_all()
+                return
+            if not draining:
+                self._admit(self._claim_now())
+            output = self.engine.step() if self.engine.has_unfinished() else None
+            if output is not None and output.stats.step_time_s > self.settings.lease_seconds / 2:
+                log.warning("a step took %.2fs, over half the %.1fs lease: leases may lapse "
+                            "(raise --lease-seconds)", output.stats.step_time_s,
+                            self.settings.lease_seconds)
+            self._publish(output)
+            if not draining and not self.jobs and not self._pending and not self._stop_requested:
+                self._admit(self._wait_for_jobs())
+
+    def _free_slots(self) -> int:
+        free_slots = self.engine.num_free_slots()
+        if self.settings.mode is BatchingMode.SEQUENTIAL:
+            # One job at a time: holding more would only keep them from other workers.
+            return min(free_slots, 0 if self.jobs else 1)
+        return free_slots
+
+    def _claim_now(self) -> list[ClaimedJob]:
+        free_slots = self._free_slots()
+        # Jobs still waiting inside the engine mean it is full already: leave the rest queued
+        # for workers that can start them now.
+        if free_slots <= 0 or (self._last_stats is not None and self._last_stats.num_waiting):
+            return []
+        budget = self.engine.num_free_kv_blocks() if self.engine.has_unfinished() else None
+        try:
+            claims = self.queue.claim(free_slots, budget)
+        except _REDIS_DOWN as exc:
+            self._redis_unreachable("claiming jobs", exc)
+            return []
+        self._redis_reachable()
+        return claims
+
+    def _wait_for_jobs(self) -> list[ClaimedJob]:
+        try:
+            popped = self.queue.wait(self.settings.idle_block_seconds)
+        except _REDIS_DOWN as exc:
+            self._redis_unreachable("waiting for jobs", exc)
+            return []
+        self._redis_reachable()
+        if popped is None:
+            return []
+        # The id is off its queue now and only this claim records it anywhere: giving up here
+        # would lose the job, so retry until Redis answers. (A claim that ran but whose reply
+        # was lost is harmless to repeat: the job is claimed again, under a new lease.)
+        while True:
+            try:
+                claims = self.queue.claim(max(1, self._free_slots()), None, adopt=popped)
+            except _REDIS_DOWN as exc:
+                self._redis_unreachable(f"claiming popped job {popped[0]}", exc)
+                continue
+            self._redis_reachable()
+            return claims
+
+    def _redis_unreachable(self, doing: str, exc: Exception) -> None:
+        delay = self._backoff.next_delay()
+        log.warning("Redis unreachable while %s (%s: %s): retry %d in %.2fs", doing,
+                    type(exc).__name__, exc, self._backoff.attempts, delay)
+        time.sleep(delay)
+
+    def _redis_reachable(self) -> None:
+        if self._backoff.attempts:
+            log.info("Redis reachable again after %d retries", self._backoff.reset())
+
+    # Boundary: jobs in.
+    def _admit(self, claims: list[ClaimedJob]) -> None:
+        for claim in claims:
+            job = RunningJob(lease=claim.lease, spec=claim.spec, state=claim.state,
+                             result_ttl=claim.result_ttl, failure_ttl=claim.failure_ttl,
+                             num_prompt_tokens=claim.state.prompt_tokens,
+                             token_ids=[t.token_id for t in claim.tokens],
+                             texts=[t.text for t in claim.tokens], claimed_at=claim.claimed_at)
+            if claim.is_canceled:
+                self._end_later(job, JobEnd(JobStatus.CANCELED, FinishReason.CANCELED))
+            elif claim.spec is None:
+                self._fail(job, claim.error)
+            else:
+                self._start(job, claim.spec)
+
+    def _start(self, job: RunningJob, spec: JobSpec) -> None:
+        stale = self.jobs.pop(job.job_id, None)
+        if stale is not None:
+            # Our old claim lapsed (a step outlived the lease), recovery requeued the job and we
+            # took it again: the new lease is the one that counts, and the stream already holds
+            # everything the old claim published.
+            log.warning("job %s: re-claimed while still held under a lapsed lease", job.job_id)
+            self.engine.abort(job.job_id)
+        if spec.model not in self.model_names:
+            self._fail(job, f"unknown model {spec.model!r}: worker {self.name} serves "
+                            f"{self.settings.served_model_name!r}")
+            return
+        try:
+            if spec.messages is not None:
+                prompt_ids = list(self.engine.encode_chat(spec.messages))
+            else:
+                prompt_ids = list(self.engine.tokenizer.encode(spec.prompt))
+            params = SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature,
+                                    top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed,
+                                    stop=tuple(spec.stop), ignore_eos=spec.ignore_eos)
+            job.num_prompt_tokens = len(prompt_ids)
+            if job.num_tokens >= spec.max_tokens:
+                # Its last token was published but not its end (cannot happen in one publish,
+                # but a job must never run past max_tokens).
+                self._end_later(job, JobEnd(JobStatus.FINISHED, FinishReason.LENGTH))
+                return
+            self.engine.add_request(job.job_id, prompt_ids, params,
+                                    output_token_ids=tuple(job.token_ids))
+        except (ValueError, TypeError) as exc:
+            self._fail(job, str(exc))
+            return
+        except Exception as exc:  # a bad job must not take the worker (and its batch) down
+            log.exception("job %s could not start", job.job_id)
+            self._fail(job, f"internal error starting the job: {type(exc).__name__}: {exc}")
+            return
+        self.jobs[job.job_id] = job
+        if job.token_ids:
+            log.info("job %s resumed at token %d", job.job_id, job.num_tokens)
+
+    def _fail(self, job: RunningJob, message: str) -> None:
+        log.warning("job %s failed: %s", job.job_id, message)
+        self._end_later(job, JobEnd(JobStatus.FAILED, FinishReason.ERROR, message))
+
+    def _end_later(self, job: RunningJob, end: JobEnd) -> None:
+        self._pending.append(_Pending(job, end))
+
+    # Publish: jobs out.
+    def _publish(self, output: StepOutput | None) -> None:
+        now = time.time()
+        pub = self.publisher
+        finished: list[tuple[RunningJob, JobEnd]] = []
+        if output is not None:
+            self._last_stats = output.stats
+            self._num_kv_blocks_total = max(self._num_kv_blocks_total,
+                                            output.stats.num_kv_blocks_total)
+            for preempted in output.preempted:
+                job = self.jobs.pop(preempted.request_id, None)
+                if job is not None:
+                    # The stream is the record: whoever resumes it continues after its tokens.
+                    pub.requeue(job, count_as_preemption=True)
+            for request in output.outputs:
+                job = self.jobs.get(request.request_id)
+                if job is None or _text(request.finish_reason) == _ENGINE_ABORT:
+                    continue  # aborted by this worker already
+                had_tokens = bool(job.token_ids)
+                gaps = job.add_tokens([(t.index, t.token_id, t.text) for t in request.tokens], now)
+                for gap in gaps:
+                    pub.observe("inter_token_latency_seconds", gap)
+                if not had_tokens and job.token_ids and job.state.created_at:
+                    pub.observe("time_to_first_token_seconds", now - job.state.created_at)
+                if request.num_prompt_tokens:
+                    job.num_prompt_tokens = request.num_prompt_tokens
+                if request.finish_reason is not None:
+                    reason = _ENGINE_REASONS[_text(request.finish_reason)]
+                    finished.append((job, JobEnd(JobStatus.FINISHED, reason)))
+        elif not self.engine.has_unfinished():
+            self._last_stats = None
+        for job in self.jobs.values():
+            pub.append(job)
+        for job, end in finished:
+            pub.finish(job, end, now)
+            del self.jobs[job.job_id]
+        pending, self._pending = self._pending, []
+        for item in pending:
+            pub.finish(item.job, item.end, now)
+        pub.stats(self._stats(now), self.settings.stats_ttl_seconds)
+        pub.worker_state(WorkerStatus.BUSY if self.jobs else WorkerStatus.IDLE)
+        if now - self._last_heartbeat >= self.settings.heartbeat_seconds:
+            pub.heartbeat([job.lease for job in self.jobs.values()],
+                          self.settings.execution_ttl_seconds)
+            pub.recover()
+            self._last_heartbeat = now
+        elif not self.jobs:
+            pub.recover()  # idle: look for lapsed leases at every wait
+        report = self._flush()
+        for job in self.jobs.values():
+            job.unpublished.clear()
+        self._act_on(report, pending)
+
+    def _flush(self) -> PublishReport:
+        """Send the iteration; while Redis is unreachable retry with backoff, for at most a lease
+        (after that the leases have lapsed and recovery hands the jobs on: drop them; their
+        streams hold everything published so far)."""
+        pub = self.publisher
+        deadline = time.monotonic() + self.settings.lease_seconds
+        while True:
+            try:
+                report = pub.flush()
+            except _REDIS_DOWN as exc:
+                if time.monotonic() < deadline:
+                    self._redis_unreachable("publishing", exc)
+                    continue
+                if self.jobs:
+                    log.error("Redis unreachable for a whole lease (%s): dropping %d jobs",
+                              exc, len(self.jobs))
+                for job_id in list(self.jobs):
+                    self.engine.abort(job_id)
+                self.jobs.clear()
+                pub.discard()
+                return PublishReport()
+            self._redis_reachable()
+            return report
+
+    def _act_on(self, report: PublishReport, pending: list[_Pending]) -> None:
+        for job_id in report.refused:
+            if self.jobs.pop(job_id, None) is not None:
+                # Another worker holds it now (our lease lapsed): stop, write nothing more.
+                self.engine.abort(job_id)
+                self.publisher.count("fenced_writes_total")
+                log.warning("job %s: lease lost, dropped from the batch", job_id)
+        for status in report.ended.values():
+            self.publisher.count(f"jobs_{status.value}_total")
+        for job_id in report.canceled:
+            job = self.jobs.pop(job_id, None)
+            if job is not None:
+                self.engine.abort(job_id)  # frees its KV blocks at this boundary
+                self._end_later(job, JobEnd(JobStatus.CANCELED, FinishReason.CANCELED))
+        if report.recovered:
+            self.publisher.count("jobs_recovered_total", len(report.recovered))
+            log.info("recovered %d jobs with lapsed leases: %s", len(report.recovered),
+                     ", ".join(report.recovered))
+
+    def _requeue_all(self) -> None:
+        """End of a drain: unfinished jobs go back to the front of their queues."""
+        for job_id, job in list(self.jobs.items()):
+            self.engine.abort(job_id)
+            self.publisher.requeue(job, count_as_preemption=False)
+        pending, self._pending = self._pending, []
+        for item in pending:
+            self.publisher.finish(item.job, item.end)
+        self.publisher.stats(self._stats(time.time(), drained=True),
+                             self.settings.stats_ttl_seconds)
+        if self.jobs:
+            log.info("drain over: requeued %d unfinished jobs", len(self.jobs))
+        self.jobs.clear()
+        self._flush()
+
+    def _stats(self, now: float, drained: bool = False) -> WorkerStats:
+        free = self.engine.num_free_kv_blocks()
+        total = max(self._num_kv_blocks_total, free)
+        stats = self._last_stats if self.engine.has_unfinished() and not drained else None
+        return WorkerStats(
+            name=self.name, model=self.settings.served_model_name, mode=self.settings.mode.value,
+            num_running=stats.num_running if stats else 0,
+            num_waiting=stats.num_waiting if stats else 0,
+            num_kv_blocks_used=total - free, num_kv_blocks_total=total,
+            slot_utilisation=stats.slot_utilisation if stats else 0.0,
+            max_num_seqs=self.settings.max_num_seqs, updated_at=now,
+            num_jobs=0 if drained else len(self.jobs) + len(self._pending))
+
+
+def _text(value: object) -> str:
+    return value.value if hasattr(value, "value") else str(value)

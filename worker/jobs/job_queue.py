@@ -1,0 +1,167 @@
+"""Taking jobs off the RQ queues into a worker's batch (the claim), highest priority first.
+
+Non-blocking at an iteration boundary (the batch must not wait); blocking only while the worker
+is idle. Each claim is one Lua script that pops, fences, leases and records the job as started
+the way an rq worker does, so a crash can never leave a job popped but unrecorded. (rq itself
+LMOVEs into an intermediate list to cover the gap between its pop and its bookkeeping; an atomic
+script has no such gap, so Carpool never uses the intermediate lists.)
+
+The idle wait is a BLPOP over the queues in priority order followed at once by the claim of the
+popped id; a SIGKILL in the microseconds between the two is the one way to lose a queued job,
+the same window rq's own multi-queue BLPOP has. (Redis dropping in between is not: the worker
+keeps the popped id and retries its claim until Redis answers.)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from redis import Redis
+from redis.exceptions import NoScriptError
+from rq.job import Job
+from rq.serializers import JSONSerializer
+from rq.utils import now as rq_now
+from rq.utils import utcformat
+
+from protocol.job_reader import parse_entries
+from protocol.job_submission import DEFAULT_FAILURE_TTL, DEFAULT_RESULT_TTL
+from protocol.keys import Keys
+from protocol.messages import JobSpec, JobState, JobStatus, StreamEntry
+from protocol.rq_keys import KeyTemplate, RQKeys
+from worker.jobs.job_scripts import JobScripts
+from worker.jobs.lease import Lease
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ClaimedJob:
+    """A job this worker now holds, with what it needs to (re)start it."""
+
+    lease: Lease
+    spec: JobSpec | None  # None when the payload was malformed (`error` says why)
+    state: JobState
+    tokens: list[StreamEntry]  # already in its stream (a resumed job continues after them)
+    is_canceled: bool
+    result_ttl: int
+    failure_ttl: int
+    error: str = ""
+    claimed_at: float = field(default_factory=time.time)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def decode_spec(job_id: str, raw_data: bytes, redis: Redis) -> JobSpec:
+    """The JobSpec recorded as the RQ job's argument; ValueError with a clear message if not."""
+    try:
+        data = zlib.decompress(raw_data)
+    except zlib.error:
+        data = raw_data  # rq falls back to uncompressed data too
+    job = Job(job_id, connection=redis, serializer=JSONSerializer)
+    job.data = data
+    try:
+        args, kwargs = job.args, job.kwargs
+    except Exception as exc:  # rq wraps any serializer failure in DeserializationError
+        raise ValueError(f"job payload is not rq JSON: {exc.__cause__ or exc}") from exc
+    if kwargs or len(args) != 1:
+        raise ValueError("job payload must be exactly one argument, the JobSpec object")
+    spec = JobSpec.from_json(args[0]) if isinstance(args[0], str) else JobSpec.from_dict(args[0])
+    if spec.job_id != job_id:
+        raise ValueError(f"job payload names job {spec.job_id!r}, not {job_id!r}")
+    return spec
+
+
+class JobQueue:
+    def __init__(self, redis: Redis, scripts: JobScripts, keys: Keys, worker_name: str,
+                 lease_ms: int, execution_ttl_s: int, block_size: int) -> None:
+        self.redis = redis
+        self.scripts = scripts
+        self.keys = keys
+        self.worker_name = worker_name
+        self.lease_ms = lease_ms
+        self.execution_ttl_s = execution_ttl_s
+        self.block_size = block_size
+        self.queue_names = keys.queue_names()
+        self.queue_keys = [RQKeys.queue(name) for name in self.queue_names]
+        templates: list[KeyTemplate] = [
+            KeyTemplate.of(keys.state("\x00")), KeyTemplate.of(keys.stream("\x00")),
+            KeyTemplate.of(keys.lease("\x00")), KeyTemplate.of(keys.fence("\x00")),
+            RQKeys.job_template(), RQKeys.execution_template(), RQKeys.executions_template(),
+        ]
+        self._template_args = [part for t in templates for part in (t.prefix, t.suffix)]
+        self._script_keys = [keys.leases(), keys.canceled(), RQKeys.worker_executions(worker_name),
+                             RQKeys.worker(worker_name), *self.queue_keys,
+                             *(RQKeys.started(name) for name in self.queue_names)]
+
+    def claim(self, max_jobs: int, free_kv_blocks: int | None = None,
+              adopt: tuple[str, int] | None = None) -> list[ClaimedJob]:
+        """Take up to `max_jobs` jobs without blocking, stopping at the first one that needs
+        more than `free_kv_blocks` (None: no limit). `adopt` = (job_id, queue index) of a job
+        already popped by `wait`, claimed first."""
+        if max_jobs <= 0 and adopt is None:
+            return []
+        now = time.time()
+        adopt_id, adopt_index = adopt if adopt else ("", 0)
+        args: list[object] = [
+            self.worker_name, self.lease_ms, max_jobs,
+            -1 if free_kv_blocks is None else free_kv_blocks, self.block_size,
+            adopt_id, adopt_index + 1 if adopt else 0, self.execution_ttl_s,
+            utcformat(rq_now()), repr(now), uuid.uuid4().hex[:12] + "-", len(self.queue_names),
+            *self._template_args, RQKeys.composite_separator(),
+        ]
+        try:
+            reply = self.scripts.call(self.redis, "claim", self._script_keys, args)
+        except NoScriptError:
+            # Redis restarted or its script cache was flushed: load again and retry once.
+            self.scripts.load(self.redis)
+            reply = self.scripts.call(self.redis, "claim", self._script_keys, args)
+        return [self._claimed(row, now) for row in reply]
+
+    def wait(self, timeout_s: float) -> tuple[str, int] | None:
+        """Block until a job is queued (BLPOP over the queues, highest priority first); returns
+        (job_id, queue index), which must go straight to `claim(adopt=...)`."""
+        reply = self.redis.blpop(self.queue_keys, timeout=timeout_s)
+        if reply is None:
+            return None
+        queue_key, job_id = _text(reply[0]), _text(reply[1])
+        return job_id, self.queue_keys.index(queue_key)
+
+    def _claimed(self, row: list[Any], now: float) -> ClaimedJob:
+        job_id, queue_index, fence, execution_id, data, result_ttl, failure_ttl, state_flat, \
+            entries, canceled = row
+        job_id = _text(job_id)
+        lease = Lease(job_id=job_id, token=_text(fence),
+                      queue_name=self.queue_names[int(queue_index) - 1],
+                      execution_id=_text(execution_id))
+        state_fields = dict(zip(state_flat[::2], state_flat[1::2]))
+        try:
+            state = JobState.from_fields(state_fields)
+        except (KeyError, ValueError):
+            # A job enqueued without its JobState (not through submit_job): start one.
+            state = JobState(job_id=job_id, status=JobStatus.RUNNING)
+        spec: JobSpec | None = None
+        error = ""
+        try:
+            spec = decode_spec(job_id, data if isinstance(data, bytes) else _text(data).encode(),
+                               self.redis)
+        except ValueError as exc:
+            error = f"malformed job: {exc}"
+        tokens = parse_entries([(entry[0], dict(zip(entry[1][::2], entry[1][1::2])))
+                                for entry in entries]).tokens
+        return ClaimedJob(lease=lease, spec=spec, state=state, tokens=tokens,
+                          is_canceled=bool(canceled),
+                          result_ttl=_ttl(result_ttl, DEFAULT_RESULT_TTL),
+                          failure_ttl=_ttl(failure_ttl, DEFAULT_FAILURE_TTL), error=error,
+                          claimed_at=now)
+
+
+def _ttl(raw: Any, default: int) -> int:
+    text = _text(raw) if raw is not None else ""
+    return int(text) if text.lstrip("-").isdigit() else default

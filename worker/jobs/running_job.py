@@ -1,0 +1,54 @@
+"""One job in this worker's batch: its lease, its request and what it has generated so far."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.messages import JobSpec, JobState
+from worker.jobs.lease import Lease
+
+
+@dataclass(slots=True)
+class RunningJob:
+    lease: Lease
+    spec: JobSpec | None  # None only for a malformed job that is failed without running
+    state: JobState  # as read at claim time (created/started/first-token times, preemptions)
+    result_ttl: int
+    failure_ttl: int
+    num_prompt_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)  # the whole stream: resumed + new
+    texts: list[str] = field(default_factory=list)
+    # Tokens generated since the last publish: (index, token_id, text).
+    unpublished: list[tuple[int, int, str]] = field(default_factory=list)
+    claimed_at: float = 0.0
+    first_token_at: float = 0.0
+    last_token_at: float = 0.0
+
+    @property
+    def job_id(self) -> str:
+        return self.lease.job_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+    def add_tokens(self, tokens: list[tuple[int, int, str]], now: float) -> list[float]:
+        """Record new tokens; returns the inter-token latencies they close (for the histogram)."""
+        gaps: list[float] = []
+        for index, token_id, text in tokens:
+            if index != len(self.token_ids):
+                raise ValueError(f"job {self.job_id}: engine produced token index {index}, "
+                                 f"expected {len(self.token_ids)}")
+            if self.last_token_at:
+                gaps.append(now - self.last_token_at)
+            self.token_ids.append(token_id)
+            self.texts.append(text)
+            self.unpublished.append((index, token_id, text))
+            if not self.first_token_at:
+                self.first_token_at = now
+            self.last_token_at = now
+        return gaps

@@ -1,0 +1,100 @@
+"""The worker process's one settings object (environment prefix CARPOOL_), built once at start.
+
+Command-line flags (`python -m worker --max-num-seqs 8`) override the environment; everything is
+validated here, and the rest of the worker reads this object (or the EngineConfig it builds).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from worker.engine.config import BatchingMode, EngineConfig
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="CARPOOL_", extra="ignore")
+
+    model: str = Field("smollm2", description="Bundled model name or a local HF directory.")
+    served_model_name: str = Field(
+        "", description="The name jobs and the API use for it; default: the model name, or the "
+        "directory's name for a path.")
+    redis_url: str = Field("redis://127.0.0.1:6379/0")
+    keys_prefix: str = Field("carpool", description="Prefix of every Carpool key (protocol.Keys).")
+    name: str = Field("", description="Worker name in rq info and stats; default host-pid-random.")
+    mode: BatchingMode = BatchingMode.CONTINUOUS
+    max_num_seqs: int = Field(64, ge=1, le=4096)
+    max_num_batched_tokens: int = Field(512, ge=1)
+    num_kv_blocks: int | None = Field(None, ge=1)
+    block_size: int = Field(16, ge=1, le=1024)
+    max_model_len: int | None = Field(None, ge=2)
+    dtype: str = "auto"
+    device: str = "auto"
+    num_threads: int | None = Field(None, ge=1)
+    lease_seconds: float = Field(
+        30.0, gt=0, description="A job's lease: renewed every iteration; once it lapses (worker "
+        "dead or stuck) recovery requeues the job and the old owner can no longer append.")
+    drain_seconds: float = Field(
+        30.0, ge=0,
+        description="On SIGTERM: time to finish running jobs before requeueing the rest.")
+    idle_block_seconds: float = Field(
+        1.0, gt=0, le=30, description="Longest wait on the queues when idle (it also bounds how "
+        "late an idle worker notices SIGTERM).")
+    stats_ttl_seconds: float = Field(10.0, gt=0, description="TTL of the WorkerStats hash.")
+    redis_timeout_seconds: float = Field(10.0, gt=0)
+    redis_backoff_base_seconds: float = Field(
+        0.05, gt=0, description="First wait before retrying an unreachable Redis; it doubles "
+        "with every failure (jittered) up to the cap.")
+    redis_backoff_max_seconds: float = Field(
+        2.0, gt=0, description="Longest wait between Redis retries (and at most a quarter "
+        "lease, so a short outage never costs the worker its leases).")
+    log_level: str = "INFO"
+
+    @model_validator(mode="after")
+    def _check(self) -> "WorkerSettings":
+        if self.idle_block_seconds >= self.lease_seconds:
+            # An idle wait longer than the lease would let recovery and heartbeats fall behind.
+            self.idle_block_seconds = max(0.05, self.lease_seconds / 4)
+        if not self.served_model_name:
+            path = Path(self.model).expanduser()
+            self.served_model_name = path.name if path.is_dir() else self.model
+        if not self.name:
+            self.name = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        EngineConfig(**self.engine_kwargs())  # fail at start, with the engine's own message
+        return self
+
+    def engine_kwargs(self) -> dict[str, object]:
+        return dict(model=self.model, dtype=self.dtype, device=self.device,
+                    block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+                    max_num_seqs=self.max_num_seqs,
+                    max_num_batched_tokens=self.max_num_batched_tokens,
+                    max_model_len=self.max_model_len, mode=self.mode, num_threads=self.num_threads)
+
+    def engine_config(self) -> EngineConfig:
+        # The worker requeues preempted jobs on Redis, so another worker can take them.
+        return EngineConfig(**self.engine_kwargs(), requeue_preempted=False)
+
+    @property
+    def lease_ms(self) -> int:
+        return max(1, int(self.lease_seconds * 1000))
+
+    @property
+    def redis_backoff_cap_seconds(self) -> float:
+        return max(self.redis_backoff_base_seconds,
+                   min(self.redis_backoff_max_seconds, self.lease_seconds / 4))
+
+    @property
+    def heartbeat_seconds(self) -> float:
+        """How often the RQ heartbeat, execution records and recovery run."""
+        return min(self.lease_seconds / 2, 10.0)
+
+    @property
+    def execution_ttl_seconds(self) -> int:
+        """TTL of RQ's execution records. Well past the lease, so Carpool's recovery requeues an
+        abandoned job before RQ's own cleanup (any rq worker's maintenance) would fail it."""
+        return int(max(self.lease_seconds * 3, 60)) + 60

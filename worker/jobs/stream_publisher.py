@@ -1,0 +1,334 @@
+"""Everything a worker writes in one iteration, sent as ONE round trip (a MULTI/EXEC pipeline).
+
+Per job: the fenced append script (new tokens + lease renewal), or the finish/requeue script.
+For the batch: SMISMEMBER on the canceled set, the WorkerStats hash, metric counters and
+histograms, and, when due, RQ heartbeats and the recovery script. `flush()` sends it and
+reports what Redis refused or flagged, for the worker to act on at the next boundary.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import time
+import zlib
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from redis import Redis
+from redis.client import Pipeline
+from redis.exceptions import NoScriptError, ResponseError
+from rq.results import Result
+from rq.serializers import JSONSerializer
+from rq.utils import now as rq_now
+from rq.utils import utcformat
+from rq.worker import WorkerStatus
+
+from protocol.keys import Keys
+from protocol.messages import (
+    HISTOGRAM_BUCKETS,
+    FinishReason,
+    JobResult,
+    JobStatus,
+    WorkerStats,
+)
+from protocol.rq_keys import KeyTemplate, RQKeys
+from worker.jobs.job_scripts import JobScripts
+from worker.jobs.lease import Lease
+from worker.jobs.rq_presence import RQPresence
+from worker.jobs.running_job import RunningJob
+
+log = logging.getLogger(__name__)
+
+_BUCKET_NAMES = [str(bound) for bound in HISTOGRAM_BUCKETS]
+
+
+@dataclass(frozen=True, slots=True)
+class JobEnd:
+    """How a job ends; `finish` turns it into the final stream entry, JobState and RQ result."""
+
+    status: JobStatus  # FINISHED, FAILED or CANCELED
+    finish_reason: FinishReason
+    error: str = ""
+
+
+@dataclass(slots=True)
+class PublishReport:
+    refused: set[str] = field(default_factory=set)  # not our lease any more: drop, write nothing
+    canceled: set[str] = field(default_factory=set)  # cancel requested: end them next iteration
+    ended: dict[str, JobStatus] = field(default_factory=dict)  # status each finish wrote
+    requeued: set[str] = field(default_factory=set)
+    recovered: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _ScriptCall:
+    kind: str  # append | finish | requeue | recover
+    job_id: str
+    name: str
+    keys: list[str]
+    args: list[object]
+
+
+class StreamPublisher:
+    def __init__(self, redis: Redis, scripts: JobScripts, keys: Keys, worker_name: str,
+                 lease_ms: int, presence: RQPresence | None = None) -> None:
+        self.redis = redis
+        self.presence = presence
+        self.scripts = scripts
+        self.keys = keys
+        self.worker_name = worker_name
+        self.lease_ms = lease_ms
+        self._recover_templates = self._templates()
+        self._reset()
+
+    def _templates(self) -> list[object]:
+        k = self.keys
+        templates = [KeyTemplate.of(k.state("\x00")), KeyTemplate.of(k.stream("\x00")),
+                     KeyTemplate.of(k.lease("\x00")), RQKeys.job_template(),
+                     RQKeys.execution_template(), RQKeys.executions_template(),
+                     KeyTemplate.of(RQKeys.queue("\x00")), KeyTemplate.of(RQKeys.started("\x00")),
+                     KeyTemplate.of(RQKeys.failed("\x00")),
+                     KeyTemplate.of(RQKeys.worker_executions("\x00"))]
+        return [part for t in templates for part in (t.prefix, t.suffix)] + [
+            RQKeys.composite_separator()]
+
+    def _reset(self) -> None:
+        self._calls: list[_ScriptCall] = []
+        self._append_ids: list[str] = []
+        self._append_keys: list[str] = []
+        self._append_args: list[object] = []
+        self._extra: list[tuple[str, tuple, dict]] = []  # plain commands (stats, heartbeats)
+        self._heartbeat = False
+        self._worker_state: WorkerStatus | None = None
+        self._counters: Counter[str] = Counter()
+        self._observations: dict[str, list[float]] = defaultdict(list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self._calls or self._append_ids or self._extra or self._counters
+                    or self._observations or self._heartbeat)
+
+    # Per job.
+    def append(self, job: RunningJob) -> None:
+        """New tokens (maybe none), the lease renewal and the cancel check, fenced by the job's
+        token. All the batch's appends go to Redis as one script call."""
+        lease = job.lease
+        self._append_keys += [self.keys.lease(lease.job_id), self.keys.stream(lease.job_id),
+                              self.keys.state(lease.job_id)]
+        self._append_args += [lease.job_id, lease.token, job.num_prompt_tokens,
+                              repr(job.first_token_at), len(job.unpublished)]
+        for index, token_id, text in job.unpublished:
+            self._append_args += [index, token_id, text]
+        self._append_ids.append(lease.job_id)
+        self._counters["generated_tokens_total"] += len(job.unpublished)
+
+    def finish(self, job: RunningJob, end: JobEnd, now: float | None = None) -> None:
+        """The final entry, JobState and RQ status/result; refused if the lease is not ours, and
+        turned into `canceled` if a cancel was requested meanwhile (the finish guard)."""
+        now = time.time() if now is None else now
+        lease = job.lease
+        state = job.state
+        result = JobResult(
+            job_id=lease.job_id, status=end.status, text=job.text, token_ids=list(job.token_ids),
+            finish_reason=end.finish_reason, error=end.error,
+            prompt_tokens=job.num_prompt_tokens, completion_tokens=job.num_tokens,
+            created_at=state.created_at, started_at=state.started_at or job.claimed_at,
+            first_token_at=state.first_token_at or job.first_token_at, finished_at=now,
+            num_preemptions=state.num_preemptions, worker=self.worker_name)
+        ended_at = rq_now()
+        started_at = datetime.fromtimestamp(job.claimed_at or now, tz=timezone.utc)
+        rq_result = Result(
+            lease.job_id,
+            Result.Type.FAILED if end.status == JobStatus.FAILED else Result.Type.SUCCESSFUL,
+            connection=self.redis, serializer=JSONSerializer,
+            return_value=None if end.status == JobStatus.FAILED else result.to_dict(),
+            exc_string=end.error if end.status == JobStatus.FAILED else None,
+            worker_name=self.worker_name, execution_id=lease.execution_id,
+            execution_started_at=started_at, execution_ended_at=ended_at)
+        queue = lease.queue_name
+        keys = [self.keys.lease(lease.job_id), self.keys.stream(lease.job_id), self.keys.leases(),
+                self.keys.state(lease.job_id), self.keys.canceled(), RQKeys.job(lease.job_id),
+                RQKeys.results(lease.job_id), RQKeys.execution(lease.job_id, lease.execution_id),
+                RQKeys.executions(lease.job_id), RQKeys.started(queue), RQKeys.finished(queue),
+                RQKeys.failed(queue), RQKeys.canceled(queue),
+                RQKeys.worker_executions(self.worker_name), RQKeys.worker(self.worker_name),
+                self.keys.fence(lease.job_id)]
+        args: list[object] = [
+            lease.token, lease.job_id, end.status.value, end.finish_reason.value, end.error,
+            job.num_prompt_tokens, job.num_tokens, job.text,
+            json.dumps(job.token_ids, separators=(",", ":")), job.result_ttl, job.failure_ttl,
+            lease.composite, lease.execution_id, utcformat(ended_at), repr(now),
+            repr(max(0.0, now - (job.claimed_at or now))),
+            zlib.compress(end.error.encode()) if end.status == JobStatus.FAILED else b""]
+        for name, value in rq_result.serialize().items():
+            args += [name, value]
+        self._calls.append(_ScriptCall("finish", lease.job_id, "finish", keys, args))
+        self._counters["prompt_tokens_total"] += job.num_prompt_tokens
+        if end.status == JobStatus.FINISHED and state.created_at:
+            self.observe("e2e_latency_seconds", now - state.created_at)
+
+    def requeue(self, job: RunningJob, count_as_preemption: bool) -> None:
+        """Back to the FRONT of its queue (preempted, or unfinished at the end of a drain)."""
+        lease = job.lease
+        keys = [self.keys.lease(lease.job_id), self.keys.leases(), self.keys.state(lease.job_id),
+                RQKeys.job(lease.job_id), RQKeys.queue(lease.queue_name),
+                RQKeys.started(lease.queue_name),
+                RQKeys.execution(lease.job_id, lease.execution_id),
+                RQKeys.executions(lease.job_id), RQKeys.worker_executions(self.worker_name),
+                self.keys.stream(lease.job_id)]
+        args: list[object] = [lease.token, lease.job_id, lease.composite, lease.execution_id,
+                              job.num_prompt_tokens, 1 if count_as_preemption else 0]
+        self._calls.append(_ScriptCall("requeue", lease.job_id, "requeue", keys, args))
+        self._counters["jobs_preempted_total"] += 1
+
+    # For the batch.
+    def stats(self, stats: WorkerStats, ttl_seconds: float) -> None:
+        key = self.keys.worker_stats(stats.name)
+        self._extra.append(("hset", (key,), {"mapping": stats.to_fields()}))
+        self._extra.append(("pexpire", (key, int(ttl_seconds * 1000)), {}))
+
+    def heartbeat(self, leases: list[Lease], execution_ttl_s: int) -> None:
+        """RQ's worker heartbeat and its execution records' TTLs (as rq's maintain_heartbeats)."""
+        self._heartbeat = self.presence is not None
+        deadline = int(time.time()) + execution_ttl_s
+        for lease in leases:
+            self._extra.append(("expire", (RQKeys.execution(lease.job_id, lease.execution_id),
+                                           execution_ttl_s), {}))
+            self._extra.append(("zadd", (RQKeys.started(lease.queue_name),
+                                         {lease.composite: deadline}), {"xx": True}))
+            self._extra.append(("zadd", (RQKeys.executions(lease.job_id),
+                                         {lease.execution_id: deadline + 60}), {"xx": True}))
+
+    def worker_state(self, state: WorkerStatus) -> None:
+        """RQ's view of the worker: busy while it has jobs, idle otherwise."""
+        self._worker_state = state
+
+    def recover(self, max_jobs: int = 100) -> None:
+        self._calls.append(_ScriptCall("recover", "", "recover", [self.keys.leases()],
+                                       [max_jobs, *self._recover_templates]))
+
+    # Metrics.
+    def count(self, name: str, amount: int = 1) -> None:
+        self._counters[name] += amount
+
+    def observe(self, histogram: str, value: float) -> None:
+        self._observations[histogram].append(value)
+
+    def _queue_metrics(self, pipe: Pipeline) -> None:
+        counters = {name: amount for name, amount in self._counters.items() if amount}
+        for name, amount in counters.items():
+            pipe.hincrby(self.keys.counters(), name, amount)
+        for histogram, values in self._observations.items():
+            # Cumulative buckets: each observation counts in every bucket whose bound >= it.
+            increments = [0] * len(HISTOGRAM_BUCKETS)
+            for value in values:
+                first = bisect.bisect_left(HISTOGRAM_BUCKETS, value)
+                if first < len(increments):
+                    increments[first] += 1
+            key = self.keys.histogram(histogram)
+            running = 0
+            for name, increment in zip(_BUCKET_NAMES, increments):
+                running += increment
+                if running:
+                    pipe.hincrby(key, name, running)
+            pipe.hincrby(key, "+Inf", len(values))
+            pipe.hincrby(key, "count", len(values))
+            pipe.hincrbyfloat(key, "sum", sum(values))
+
+    # The round trip.
+    def flush(self) -> PublishReport:
+        """Send everything queued since the last flush in one MULTI/EXEC and report.
+
+        On a connection error the queued work is kept, so calling flush again resends it: a
+        resent append skips the tokens already there, a resent finish or requeue is refused
+        (the job already ended or left), so a retry after an ambiguous failure is harmless
+        (metric counters aside, which may count that iteration twice).
+        """
+        calls = self._calls
+        if self._append_ids:
+            # Appends first: a job's last tokens precede its finish in the same transaction.
+            calls = [_ScriptCall("append", "", "append",
+                                 [self.keys.leases(), self.keys.canceled(), *self._append_keys],
+                                 [self.lease_ms, *self._append_args]),
+                     *calls]
+        append_ids = self._append_ids
+        pipe = self.redis.pipeline(transaction=True)
+        for call in calls:
+            self.scripts.call(pipe, call.name, call.keys, call.args)
+        for command, args, kwargs in self._extra:
+            getattr(pipe, command)(*args, **kwargs)
+        if self.presence is not None:
+            if self._heartbeat:
+                self.presence.heartbeat(pipe)
+            if self._worker_state is not None:
+                self.presence.set_state(self._worker_state, pipe)
+        self._queue_metrics(pipe)
+        replies = pipe.execute(raise_on_error=False)
+        # Reset only once the scripts have run too: if Redis drops while they are reloaded, the
+        # next flush resends the whole iteration (its appends are idempotent; its finishes and
+        # requeues are refused if they ran; only metric counters may count twice).
+        replies = self._retry_missing_scripts(calls, replies)
+        self._reset()
+        report = PublishReport()
+        for call, reply in zip(calls, replies):
+            if call.kind == "append":
+                self._read_appends(append_ids, reply, report)
+            else:
+                self._read(call, reply, report)
+        return report
+
+    def _read_appends(self, job_ids: list[str], reply: object, report: PublishReport) -> None:
+        if isinstance(reply, ResponseError):
+            log.error("append script failed: %s", reply)
+            report.refused.update(job_ids)
+            return
+        results, canceled = reply
+        for job_id, result, flag in zip(job_ids, results, canceled):
+            if result != 1:
+                report.refused.add(job_id)
+                if result == -1:
+                    log.error("job %s: token gap refused by the stream", job_id)
+            elif flag:
+                report.canceled.add(job_id)
+
+    def discard(self) -> None:
+        """Forget what is queued (the worker gave up on Redis and dropped its jobs)."""
+        self._reset()
+
+    def _retry_missing_scripts(self, calls: list[_ScriptCall], replies: list) -> list:
+        """After a Redis restart or SCRIPT FLUSH no script ran: load them and rerun just those."""
+        missing = [i for i, reply in enumerate(replies[:len(calls)])
+                   if isinstance(reply, NoScriptError)]
+        if not missing:
+            return replies
+        self.scripts.load(self.redis)
+        pipe = self.redis.pipeline(transaction=True)
+        for i in missing:
+            self.scripts.call(pipe, calls[i].name, calls[i].keys, calls[i].args)
+        for i, reply in zip(missing, pipe.execute(raise_on_error=False)):
+            replies[i] = reply
+        return replies
+
+    def _read(self, call: _ScriptCall, reply: object, report: PublishReport) -> None:
+        if isinstance(reply, ResponseError):
+            # A script error is a bug (ours), not a refusal: say so loudly, treat as refused so
+            # the job leaves this worker and recovery hands it on.
+            log.error("%s script failed for job %s: %s", call.kind, call.job_id, reply)
+            report.refused.add(call.job_id)
+            return
+        if call.kind == "finish":
+            if reply is None:
+                report.refused.add(call.job_id)
+            else:
+                report.ended[call.job_id] = JobStatus(
+                    reply.decode() if isinstance(reply, bytes) else reply)
+        elif call.kind == "requeue":
+            if reply == 1:
+                report.requeued.add(call.job_id)
+            else:
+                report.refused.add(call.job_id)
+        elif call.kind == "recover":
+            report.recovered = [r.decode() if isinstance(r, bytes) else r for r in reply or []]

@@ -1,0 +1,209 @@
+"""Routes a Hugging Face model's RMSNorm, gated-MLP and attention modules through kernels' fused ops.
+
+A decode step of a small model is dominated by op count, not arithmetic: Llama's RMSNorm is seven
+torch ops, its MLP five (three projections, silu, multiply) and its attention block some twenty
+around the attention itself (three projections, views, fourteen for the rotary embedding).
+Routed, an RMSNorm is one kernel call; an MLP three: one projection onto gate and up together,
+one silu-and-multiply, the down projection; an attention block one projection onto q, k and v
+together, one in-place rotary kernel, then the attention function transformers' AttentionInterface
+names (Carpool's paged attention in the engine) and the output projection. Concatenated weights
+are made once, and the modules' own parameters become views into them, so memory does not grow.
+As in linear_layers, only the modules' classes change, to subclasses whose forward calls kernels'
+dispatchers; those fall back to torch twins off the CPU fast path.
+
+Only the classes named below are routed: their forward is exactly the computation the fused ops
+make. Other models (Gemma's 1 + weight norm, MLPs with biases or other activations, Qwen3's q/k
+norms) keep theirs.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.activations import SiLUActivation
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kernels import linear, rms_norm, rotary_embedding, silu_and_mul
+from worker.model.linear_layers import packed_copy
+
+RMS_NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
+GATED_MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
+# Attention blocks with separate q/k/v projections and Llama's rotate-half rotary embedding, and
+# where each passes a sliding window to the attention function (as their own forward does).
+ATTENTION_CLASSES = {
+    "LlamaAttention": lambda module: None,
+    "MistralAttention": lambda module: getattr(module.config, "sliding_window", None),
+    "Qwen2Attention": lambda module: module.sliding_window,
+}
+
+
+class _FusedRMSNorm(nn.Module):
+    weight: torch.Tensor
+    variance_epsilon: float
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+class _FusedGatedMLP(nn.Module):
+    down_proj: nn.Linear
+    carpool_gate_up_weight: torch.Tensor  # [2 * intermediate, hidden]: gate rows, then up rows
+    carpool_packed_gate_up_weight: torch.Tensor | None = None  # its oneDNN copy (bf16, packed=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = linear(x, self.carpool_gate_up_weight, None, self.carpool_packed_gate_up_weight)
+        return self.down_proj(silu_and_mul(gate_up))
+
+
+class _FusedAttention(nn.Module):
+    config: Any
+    head_dim: int
+    scaling: float
+    o_proj: nn.Linear
+    carpool_qkv_weight: torch.Tensor  # [(H + 2 * KV) * head_dim, hidden]: q rows, then k, then v
+    carpool_qkv_bias: torch.Tensor | None
+    carpool_packed_qkv_weight: torch.Tensor | None = None  # its oneDNN copy (bf16, packed=True)
+    carpool_num_heads: int
+    carpool_num_kv_heads: int
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor],
+        attention_mask: torch.Tensor | None = None,
+        cache: Any = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        original = type(self).carpool_original_class  # type: ignore[attr-defined]
+        cos, sin = position_embeddings
+        # Transformers' own KV cache (a plain generate), or a rotary embedding over part of each
+        # head (partial_rotary_factor): the module's own forward.
+        if cache is not None or cos.shape[-1] != self.head_dim:
+            return original.forward(self, hidden_states, position_embeddings, attention_mask, cache=cache, **kwargs)
+        input_shape = hidden_states.shape[:-1]
+        num_heads, num_kv_heads, head_dim = self.carpool_num_heads, self.carpool_num_kv_heads, self.head_dim
+        # qkv: [..., (H + 2 * KV) * head_dim]; the q and k heads are rotated in place.
+        qkv = linear(hidden_states, self.carpool_qkv_weight, self.carpool_qkv_bias, self.carpool_packed_qkv_weight)
+        rotary_embedding(qkv.view(-1, qkv.shape[-1]), cos.reshape(-1, head_dim), sin.reshape(-1, head_dim),
+                         num_heads + num_kv_heads)
+        query, key, value = (
+            part.unflatten(-1, (-1, head_dim)).transpose(-3, -2)  # [..., heads, tokens, head_dim] views
+            for part in qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+        )
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, _eager_attention(original))
+        sliding_window = ATTENTION_CLASSES[original.__name__](self)
+        output, weights = attention(
+            self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
+            sliding_window=sliding_window, **kwargs,
+        )
+        return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
+
+
+@functools.cache
+def _eager_attention(original: type) -> Any:
+    """The architecture's own eager attention, which its forward falls back to by the same rule."""
+    return sys.modules[original.__module__].eager_attention_forward
+
+
+@functools.cache
+def _fused_class(original: type, mixin: type) -> type:
+    fused = type(f"Fused{original.__name__}", (mixin, original), {})
+    fused.carpool_original_class = original  # type: ignore[attr-defined]
+    return fused
+
+
+def _is_plain_gated_silu_mlp(module: nn.Module) -> bool:
+    projections = [getattr(module, name, None) for name in ("gate_proj", "up_proj", "down_proj")]
+    return (all(isinstance(p, nn.Linear) and p.bias is None for p in projections)
+            and isinstance(getattr(module, "act_fn", None), SiLUActivation | nn.SiLU))
+
+
+def _is_plain_rotary_attention(module: nn.Module) -> bool:
+    projections = [getattr(module, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    return (all(isinstance(p, nn.Linear) for p in projections)
+            and len({p.bias is None for p in projections[:3]}) == 1  # q, k, v: all with bias or none
+            and not hasattr(module, "q_norm") and not hasattr(module, "k_norm")
+            and isinstance(getattr(module, "head_dim", None), int))
+
+
+def _concatenate(module: nn.Module, names: tuple[str, ...], attribute: str) -> torch.Tensor:
+    """One tensor holding the named parameters' rows in order; each parameter becomes a view of it.
+    Stored under `attribute` on module; done once."""
+    if attribute in vars(module):
+        return vars(module)[attribute]
+    parameters = [module.get_parameter(name) for name in names]
+    fused = torch.cat([p.detach() for p in parameters])
+    start = 0
+    for name, parameter in zip(names, parameters):
+        owner_name, _, leaf = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        setattr(owner, leaf, nn.Parameter(fused[start:start + parameter.shape[0]], requires_grad=parameter.requires_grad))
+        start += parameter.shape[0]
+    setattr(module, attribute, fused)
+    return fused
+
+
+def _share_gate_up_weight(module: nn.Module) -> None:
+    """One [2I, H] tensor holding gate's rows then up's."""
+    _concatenate(module, ("gate_proj.weight", "up_proj.weight"), "carpool_gate_up_weight")
+
+
+def _share_qkv_weight(module: nn.Module) -> None:
+    """One [(H + 2 * KV) * head_dim, hidden] tensor holding q's rows, then k's, then v's (and their
+    biases likewise, where they have them)."""
+    names = ("q_proj", "k_proj", "v_proj")
+    _concatenate(module, tuple(f"{n}.weight" for n in names), "carpool_qkv_weight")
+    if module.q_proj.bias is not None:
+        _concatenate(module, tuple(f"{n}.bias" for n in names), "carpool_qkv_bias")
+    else:
+        module.carpool_qkv_bias = None
+    module.carpool_num_heads = module.q_proj.out_features // module.head_dim
+    module.carpool_num_kv_heads = module.k_proj.out_features // module.head_dim
+
+
+def route_fused_layers(model: nn.Module, fused: bool = True, packed: bool = False) -> int:
+    """Make the model's known RMSNorm, gated-MLP and attention modules use the fused ops (or back);
+    returns how many modules changed class. packed: the MLPs and attention blocks also keep a
+    oneDNN-reordered copy of their concatenated bf16 weight (as linear_layers does). Call after the
+    model has its final device and dtype."""
+    count = 0
+    for module in model.modules():
+        cls = type(module)
+        original = getattr(cls, "carpool_original_class", None)
+        if not fused:
+            if original is not None:
+                module.__class__ = original
+                vars(module).pop("carpool_packed_gate_up_weight", None)
+                vars(module).pop("carpool_packed_qkv_weight", None)
+                count += 1
+            continue
+        if original is None and cls.__name__ in RMS_NORM_CLASSES and hasattr(module, "variance_epsilon"):
+            module.__class__ = _fused_class(cls, _FusedRMSNorm)
+            count += 1
+        elif original is None and cls.__name__ in GATED_MLP_CLASSES and _is_plain_gated_silu_mlp(module):
+            _share_gate_up_weight(module)
+            module.__class__ = _fused_class(cls, _FusedGatedMLP)
+            count += 1
+        elif original is None and cls.__name__ in ATTENTION_CLASSES and _is_plain_rotary_attention(module):
+            _share_qkv_weight(module)
+            module.__class__ = _fused_class(cls, _FusedAttention)
+            count += 1
+        if isinstance(module, _FusedGatedMLP):
+            module.carpool_packed_gate_up_weight = packed_copy(module.carpool_gate_up_weight, packed)
+            _drop_packed_copies(module.gate_proj, module.up_proj)
+        elif isinstance(module, _FusedAttention):
+            module.carpool_packed_qkv_weight = packed_copy(module.carpool_qkv_weight, packed)
+            _drop_packed_copies(module.q_proj, module.k_proj, module.v_proj)
+    return count
+
+
+def _drop_packed_copies(*projections: nn.Module) -> None:
+    """The fused module multiplies by its concatenated weight: its projections' own oneDNN copies
+    (made by linear_layers.route_linear_layers) would only take memory."""
+    for projection in projections:
+        if "carpool_packed_weight" in vars(projection):
+            projection.carpool_packed_weight = None
