@@ -6,6 +6,7 @@ answer the same limits with the same messages (only their error shapes differ).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from functools import partial
@@ -14,13 +15,14 @@ from dataclasses import dataclass, field
 import anyio.to_thread
 import redis
 import redis.asyncio as aioredis
+from pydantic import BaseModel
 
 from api.chat_template import ChatTemplateError, render_chat
 from api.errors import InvalidRequestError, NotFoundError
 from api.model_registry import ModelRegistry
 from api.queue_admission import QueueAdmission
 from api.tokenizer_cache import TokenizerCache
-from protocol import JobSpec, JobState, JobStatus, Keys, ModelCard, Priority
+from protocol import JobSpec, JobState, JobStatus, Keys, ModelCard, Priority, SamplingParams
 from protocol.job_submission import cancel_job, submit_job
 from protocol.rq_keys import RQKeys
 
@@ -37,12 +39,8 @@ class GenerationRequest:
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
     max_tokens: int | None = None  # None: as many as the context leaves
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
+    # Everything else the sampler honours; its max_tokens is set once the context is known.
+    sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: Priority = Priority.NORMAL
     # The names the client used, so errors name its fields.
     input_param: str = "prompt"
@@ -53,6 +51,13 @@ class GenerationRequest:
 class AcceptedJob:
     spec: JobSpec
     prompt_tokens: int | None  # None when no tokenizer is published for the model
+
+
+def sampling_of(body: BaseModel) -> SamplingParams:
+    """The sampling spec of a validated request body: every field named as one of SamplingParams'
+    (max_tokens aside, which the job service resolves against the model's context)."""
+    names = SamplingParams.field_names() - {"max_tokens"}
+    return SamplingParams.from_fields(body.model_dump(include=set(names)))
 
 
 def new_job_id() -> str:
@@ -86,9 +91,8 @@ class JobService:
         async with self._admission.admit():
             spec = JobSpec(
                 job_id=new_job_id(), model=card.name, prompt=request.prompt,
-                messages=request.messages, max_tokens=max_tokens, temperature=request.temperature,
-                top_p=request.top_p, top_k=request.top_k, seed=request.seed,
-                stop=list(request.stop), ignore_eos=request.ignore_eos,
+                messages=request.messages,
+                sampling=dataclasses.replace(request.sampling, max_tokens=max_tokens),
                 priority=request.priority, owner=request.owner, created_at=time.time(),
             )
             # RQ is sync: run it in a worker thread rather than block the event loop.

@@ -6,25 +6,13 @@ a reconnecting client or a late subscriber sees the same entries as the first on
 
 from __future__ import annotations
 
-import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
 from protocol import FinishReason, JobState, JobStatus, Keys, StreamEntry
-
-STREAM_START = "0-0"
-# ASCII digits only: \d would also take "１-２", which Python's int() reads and Redis refuses.
-_ENTRY_ID = re.compile(r"([0-9]{1,20})-([0-9]{1,20})", re.ASCII)
-_MAX_ID_PART = 2**64 - 1  # each half of a Redis stream id is an unsigned 64-bit integer
-
-
-def is_entry_id(value: str) -> bool:
-    """Whether Redis takes `value` as a stream id (XREAD refuses '0-99999999999999999999')."""
-    match = _ENTRY_ID.fullmatch(value)
-    return match is not None and all(int(part) <= _MAX_ID_PART for part in match.groups())
-
+from protocol.stream_ids import STREAM_START, next_entry_id
 
 @dataclass(frozen=True, slots=True)
 class StreamEvent:
@@ -34,11 +22,6 @@ class StreamEvent:
     @property
     def is_done(self) -> bool:
         return self.entry.kind == StreamEntry.DONE
-
-
-def _next_id(entry_id: str) -> str:
-    ms, seq = entry_id.split("-")
-    return f"{ms}-{int(seq) + 1}"
 
 
 def done_from_state(state: JobState) -> StreamEntry:
@@ -96,7 +79,7 @@ class JobStream:
                 tail = await self._redis.xread({key: last_id}, count=256)
                 if tail:
                     continue
-                yield StreamEvent(_next_id(last_id), done_from_state(state))
+                yield StreamEvent(next_entry_id(last_id), done_from_state(state))
                 return
             yield None
 

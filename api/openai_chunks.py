@@ -7,13 +7,8 @@ from typing import Any
 
 from protocol import FinishReason
 
-# OpenAI has no word for a canceled request; vLLM's "abort" is what its users already parse.
-_FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
-                   FinishReason.CANCELED: "abort", FinishReason.ERROR: "error"}
-
-
 def openai_finish_reason(reason: FinishReason | None) -> str | None:
-    return _FINISH_REASONS.get(reason) if reason else None
+    return reason.openai_name if reason else None
 
 
 def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -16,10 +16,11 @@ from api.auth import caller_owner
 from api.context import AppContext, get_context
 from api.errors import InvalidRequestError
 from api.job_schemas import ErrorDetail, JobAccepted, JobCanceled, JobCreate, JobTimings, JobView, Usage
-from api.job_service import GenerationRequest
-from api.job_stream import STREAM_START, JobStream, StreamEvent, is_entry_id
+from api.job_service import GenerationRequest, sampling_of
+from api.job_stream import JobStream, StreamEvent
 from api.sse import EventStreamResponse, sse_comment, sse_event
 from protocol import JobState, JobStatus, StreamEntry
+from protocol.stream_ids import STREAM_START, entry_id_key, is_entry_id
 
 log = logging.getLogger(__name__)
 
@@ -52,16 +53,14 @@ async def create_job(body: JobCreate, request: Request, response: Response, owne
     accepted = await ctx.jobs.submit(GenerationRequest(
         owner=owner, model=body.model, prompt=body.prompt,
         messages=[m.model_dump() for m in body.messages] if body.messages else None,
-        max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
-        top_k=body.top_k, seed=body.seed, stop=body.stop, ignore_eos=body.ignore_eos,
-        priority=body.priority, input_param="prompt" if body.prompt is not None else "messages",
+        max_tokens=body.max_tokens, sampling=sampling_of(body), priority=body.priority, input_param="prompt" if body.prompt is not None else "messages",
     ))
     spec = accepted.spec
     status_url = str(request.url_for("get_job", job_id=spec.job_id))
     response.headers["Location"] = status_url
     return JobAccepted(job_id=spec.job_id, status=JobStatus.QUEUED, model=spec.model,
                        priority=spec.priority, prompt_tokens=accepted.prompt_tokens,
-                       max_tokens=spec.max_tokens, status_url=status_url,
+                       max_tokens=spec.sampling.max_tokens, status_url=status_url,
                        stream_url=str(request.url_for("stream_job", job_id=spec.job_id)))
 
 
@@ -104,7 +103,7 @@ async def stream_job(
             param="last-event-id" if last_event_id else "after", location=location)
     stream = ctx.stream(job_id)
     last = await stream.last_event()
-    if last is not None and last.is_done and _id_key(last.entry_id) <= _id_key(resume_from):
+    if last is not None and last.is_done and entry_id_key(last.entry_id) <= entry_id_key(resume_from):
         return Response(status_code=204)  # tells EventSource to stop reconnecting
     return EventStreamResponse(_job_events(stream, resume_from, ctx.settings.sse_keepalive_s),
                                headers={"X-Carpool-Job-Id": job_id})
@@ -151,11 +150,6 @@ def _sse_for(event: StreamEvent) -> bytes:
         }
     return sse_event(json.dumps(data, ensure_ascii=False), event=entry.kind,
                      event_id=event.entry_id)
-
-
-def _id_key(entry_id: str) -> tuple[int, int]:
-    ms, seq = entry_id.split("-")
-    return int(ms), int(seq)
 
 
 def _job_view(state: JobState, text: str, num_tokens: int, stream_url: str) -> JobView:

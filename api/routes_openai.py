@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from api.auth import caller_owner
 from api.context import AppContext, get_context
 from api.errors import OPENAI_TAG, JobFailedError, NotFoundError, openai_error_body
-from api.job_service import AcceptedJob, GenerationRequest
+from api.job_service import AcceptedJob, GenerationRequest, sampling_of
 from api.openai_chunks import ChunkWriter, openai_finish_reason, usage_dict
 from api.openai_schemas import (
     ChatCompletion,
@@ -93,9 +93,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
 
 
 def _sampling(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
-    return {"temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k,
-            "seed": body.seed, "stop": body.stop, "ignore_eos": body.ignore_eos,
-            "priority": body.priority}
+    return {"sampling": sampling_of(body), "priority": body.priority}
 
 
 def _model_object(card: ModelCard) -> ModelObject:

@@ -14,6 +14,7 @@ from redis import Redis
 
 from protocol.keys import Keys
 from protocol.messages import JobResult, JobState, StreamEntry
+from protocol.stream_ids import STREAM_START
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,15 +41,10 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def parse_entries(raw: Sequence[tuple[Any, dict[Any, Any]]], last_id: str = "0-0") -> StreamRead:
+def parse_entries(raw: Sequence[tuple[Any, dict[Any, Any]]], last_id: str = STREAM_START) -> StreamRead:
     """Turn XRANGE's reply (or one stream's part of XREAD's) into StreamEntry objects."""
     entries = [StreamEntry.from_fields(fields) for _, fields in raw]
     return StreamRead(entries, _text(raw[-1][0]) if raw else last_id)
-
-
-def entry_index(entry_id: str | bytes) -> int:
-    """The position an entry id stands for: `0-(i+1)` is token i (the final entry follows)."""
-    return int(_text(entry_id).split("-", 1)[1]) - 1
 
 
 class JobReader:
@@ -70,7 +66,7 @@ class JobReader:
             return None
         return state.result()
 
-    def read(self, job_id: str, after: str = "0-0", count: int | None = None,
+    def read(self, job_id: str, after: str = STREAM_START, count: int | None = None,
              block_ms: int | None = None) -> StreamRead:
         """Entries after entry id `after` ("0-0": from the start). With `block_ms`, waits up to
         that long for new entries (XREAD BLOCK) when none are there yet."""

@@ -79,7 +79,7 @@ def submit_jobs(
                 result_ttl=result_ttl,
                 failure_ttl=failure_ttl,
                 timeout=timeout,
-                description=f"generate {spec.max_tokens} tokens with {spec.model}",
+                description=f"generate {spec.sampling.max_tokens} tokens with {spec.model}",
                 pipeline=pipe,
             ))
             pipe.hset(keys.state(spec.job_id), mapping=state.to_fields())

@@ -8,6 +8,9 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
+from protocol import stream_ids
+from protocol.generation import FinishReason, SamplingParams
+
 
 class Priority(str, Enum):
     HIGH = "high"
@@ -32,13 +35,6 @@ class JobStatus(str, Enum):
         return self in (JobStatus.FINISHED, JobStatus.FAILED, JobStatus.CANCELED)
 
 
-class FinishReason(str, Enum):
-    STOP = "stop"  # EOS or a stop string
-    LENGTH = "length"  # max_tokens or the model's context
-    CANCELED = "canceled"
-    ERROR = "error"  # the job failed; the final entry carries the message
-
-
 @dataclass(frozen=True, slots=True)
 class JobSpec:
     """What a client asked for. Exactly one of `prompt` and `messages` is set."""
@@ -47,20 +43,15 @@ class JobSpec:
     model: str
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # travels whole to the sampler
     priority: Priority = Priority.NORMAL
     owner: str = ""  # the API key's id that submitted it ("" when the API runs open)
     created_at: float = field(default_factory=time.time)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data: the single argument recorded on the RQ job."""
-        data = asdict(self)
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        data["sampling"] = self.sampling.to_dict()
         data["priority"] = self.priority.value
         return data
 
@@ -70,7 +61,10 @@ class JobSpec:
         if not isinstance(data, dict):
             raise ValueError(f"job spec must be a JSON object, got {type(data).__name__}")
         known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(data) - known)
+        sampling_names = SamplingParams.field_names()
+        # Jobs queued by an API that still wrote the sampling fields flat: fold them in.
+        flat = {name: data[name] for name in sampling_names & set(data)}
+        unknown = sorted(set(data) - known - sampling_names)
         if unknown:
             raise ValueError(f"job spec has unknown fields: {', '.join(unknown)}")
         for name in ("job_id", "model"):
@@ -82,9 +76,15 @@ class JobSpec:
         except ValueError as exc:
             raise ValueError(
                 f"job spec has an unknown priority {fields.get('priority')!r}") from exc
-        if "stop" in fields:
-            stop = fields["stop"]
-            fields["stop"] = [stop] if isinstance(stop, str) else list(stop or [])
+        for name in flat:
+            del fields[name]
+        sampling = fields.get("sampling", {})
+        if not isinstance(sampling, dict):
+            raise ValueError(f"job spec's sampling must be a JSON object, got {type(sampling).__name__}")
+        merged = {**flat, **sampling}
+        if isinstance(merged.get("stop"), str):
+            merged["stop"] = [merged["stop"]]
+        fields["sampling"] = SamplingParams.from_dict(merged)
         if (fields.get("prompt") is None) == (fields.get("messages") is None):
             raise ValueError("job spec needs exactly one of 'prompt' and 'messages'")
         return cls(**fields)
@@ -99,6 +99,15 @@ class JobSpec:
         except json.JSONDecodeError as exc:
             raise ValueError(f"job spec is not valid JSON: {exc}") from exc
         return cls.from_dict(data)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEntry:
+    """One generated token as a job's stream records it."""
+
+    index: int  # position in the job's output, 0-based
+    token_id: int
+    text: str  # the text this token releases ("" while held back)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,13 +134,8 @@ class StreamEntry:
     TOKEN = "token"
     DONE = "done"
 
-    @staticmethod
-    def token_entry_id(index: int) -> str:
-        return f"0-{index + 1}"
-
-    @staticmethod
-    def done_entry_id(num_tokens: int) -> str:
-        return f"0-{num_tokens + 1}"
+    token_entry_id = staticmethod(stream_ids.token_entry_id)
+    done_entry_id = staticmethod(stream_ids.done_entry_id)
 
     def to_fields(self) -> dict[str, str]:
         if self.kind == StreamEntry.TOKEN:

@@ -46,7 +46,7 @@ from worker.engine.engine import Engine
 from worker.engine.config import BatchingMode, EngineConfig
 from worker.model.loader import load_model, resolve_model_dir
 from worker.model.routing import resolve_device, resolve_dtype, route_cpu_kernels
-from worker.engine.sampling_params import SamplingParams
+from protocol.generation import SamplingParams
 
 @dataclass(slots=True)
 class Workload:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from redis import Redis  # noqa: E402
 from redis.exceptions import ConnectionError as RedisConnectionError  # noqa: E402
 
-from protocol import JobSpec, Keys, submit_jobs  # noqa: E402
+from protocol import JobSpec, Keys, SamplingParams, submit_jobs  # noqa: E402
 
 
 @dataclass(slots=True)
@@ -131,8 +131,9 @@ def _run(args: argparse.Namespace, url: str, redis: Redis) -> int:
     engine.step = step
     model = settings.served_model_name
     max_tokens = args.iterations + 64  # enough to stay in decode for the whole measurement
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     specs = [JobSpec(job_id=uuid.uuid4().hex, model=model, prompt=f"Tell me story number {i}.",
-                     max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+                     sampling=sampling)
              for i in range(args.num_jobs)]
     submit_jobs(redis, specs, Keys())
     worker.run()

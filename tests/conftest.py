@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from protocol import JobSpec, JobState, JobStatus, Keys, Priority
+from protocol.keys import RQ_JOB_FUNCTION
+
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -113,3 +116,20 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     from kernels import cpu_extension
 
     cpu_extension.load()
+
+
+def spec_of(**fields: object) -> JobSpec:
+    """A JobSpec from flat fields, the sampling ones (max_tokens, temperature...) included."""
+    return JobSpec.from_dict(fields)
+
+
+def enqueue_raw(redis: object, payload: object, job_id: str, keys: Keys = Keys(),
+                priority: Priority = Priority.NORMAL) -> None:
+    """Queue a job whose payload no API would write (bad values, not a JobSpec at all), with its
+    JobState, the way submit_job does: for the worker's own checks."""
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    Queue(keys.queue_name(priority), connection=redis, serializer=JSONSerializer).enqueue_call(
+        RQ_JOB_FUNCTION, args=[payload], job_id=job_id)
+    redis.hset(keys.state(job_id), mapping=JobState(job_id=job_id, status=JobStatus.QUEUED).to_fields())

@@ -47,12 +47,11 @@ async def test_submit_enqueues_the_spec_on_its_priority_queue(harness: Harness,
     assert harness.sync.lrange(queue_key, 0, -1) == [job["job_id"]]
     rq_job = Job.fetch(str(job["job_id"]), connection=harness.context.sync, serializer=JSONSerializer)
     spec = rq_job.args[0]
-    assert {k: spec[k] for k in ("model", "prompt", "messages", "max_tokens", "temperature",
-                                 "top_p", "top_k", "seed", "stop", "priority", "owner")} == {
-        "model": MODEL, "prompt": "hello world", "messages": None, "max_tokens": 4,
-        "temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 3, "stop": ["world"],
-        "priority": "high", "owner": "",
+    assert {k: spec[k] for k in ("model", "prompt", "messages", "priority", "owner")} == {
+        "model": MODEL, "prompt": "hello world", "messages": None, "priority": "high", "owner": "",
     }
+    assert spec["sampling"] == {"max_tokens": 4, "temperature": 0.5, "top_p": 0.9, "top_k": 7,
+                                "seed": 3, "stop": ["world"], "ignore_eos": False}
 
 
 async def test_chat_job_keeps_its_messages(harness: Harness, client: httpx.AsyncClient) -> None:

@@ -91,7 +91,7 @@ async def test_chat_without_max_tokens_may_fill_the_context(harness: Harness,
     from rq.serializers import JSONSerializer
 
     spec = Job.fetch(job_id, connection=harness.context.sync, serializer=JSONSerializer).args[0]
-    assert spec["max_tokens"] == CONTEXT - 6  # the rendered chat takes 6 tokens
+    assert spec["sampling"]["max_tokens"] == CONTEXT - 6  # the rendered chat takes 6 tokens
     assert spec["messages"] == CHAT
 
 

@@ -180,18 +180,13 @@ def make_specs(model: str, count: int, max_tokens: int = 24, seeded_every: int =
         fields = dict(job_id=new_id(), model=model, prompt=PROMPTS[i % len(PROMPTS)],
                       max_tokens=max_tokens, **sampling)
         fields.update(overrides)
-        specs.append(JobSpec(**fields))
+        specs.append(JobSpec.from_dict(fields))
     return specs
 
 
 def expected_tokens(engine: Any, specs: list[JobSpec]) -> dict[str, list[int]]:
     """What an undisturbed run produces for each job."""
-    from worker.engine.sampling_params import SamplingParams
-
-    params = [SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                             top_k=s.top_k, seed=s.seed, stop=tuple(s.stop),
-                             ignore_eos=s.ignore_eos) for s in specs]
-    completions = engine.generate([s.prompt for s in specs], params)
+    completions = engine.generate([s.prompt for s in specs], [s.sampling for s in specs])
     return {spec.job_id: list(c.token_ids) for spec, c in zip(specs, completions)}
 
 

@@ -66,6 +66,6 @@ def test_preempted_jobs_resume_on_the_other_worker_token_for_token(
         assert_stream_exact(fleet.redis, spec.job_id, expected[spec.job_id], FinishReason.LENGTH)
         job = Job.fetch(spec.job_id, fleet.redis)
         assert job.get_status() == RQJobStatus.FINISHED
-    assert {s.temperature for s in specs} == {0.0, 0.8}  # greedy and seeded both covered
+    assert {s.sampling.temperature for s in specs} == {0.0, 0.8}  # greedy and seeded both covered
     assert sum(states[s.job_id].num_preemptions for s in specs) >= 1
     assert int(fleet.redis.hget("carpool:metrics:counters", "jobs_preempted_total")) >= 1

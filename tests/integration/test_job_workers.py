@@ -15,6 +15,7 @@ from rq.serializers import JSONSerializer
 
 from protocol import FinishReason, JobReader, JobSpec, JobStatus, ModelCard, submit_jobs
 from protocol.keys import RQ_JOB_FUNCTION
+from tests.conftest import enqueue_raw
 from tests.integration.conftest import (
     KEYS,
     Fleet,
@@ -86,19 +87,23 @@ def test_bad_jobs_fail_with_a_clear_message_and_the_worker_keeps_serving(
         "too-long": (JobSpec(job_id=new_id(), model=model, prompt=long_prompt),
                      f"prompt ({num_long} tokens) leaves no room to generate within "
                      "max_model_len=1024; at most 1023 tokens fit"),
-        "bad-temperature": (JobSpec(job_id=new_id(), model=model, prompt="hi", temperature=-1.0),
-                            "temperature must be at least 0.0, got -1.0"),
-        "bad-max-tokens": (JobSpec(job_id=new_id(), model=model, prompt="hi", max_tokens=0),
-                           "max_tokens must be at least 1, got 0"),
     }
+    # Payloads no API would write (JobSpec refuses these values): the worker checks them again.
+    raw = {"bad-temperature": ({"temperature": -1.0}, "temperature must be at least 0.0, got -1.0"),
+           "bad-max-tokens": ({"max_tokens": 0}, "max_tokens must be at least 1, got 0")}
+    raw_ids = {name: new_id() for name in raw}
     good = make_specs(model, 2, max_tokens=8)
     submit_jobs(pair.redis, [spec for spec, _ in bad.values()])
+    for name, (sampling, _) in raw.items():
+        enqueue_raw(pair.redis, {"job_id": raw_ids[name], "model": model, "prompt": "hi",
+                                 "sampling": sampling}, raw_ids[name])
     # A payload no API would write: an RQ job whose argument is not a JobSpec.
     malformed_id = new_id()
     Queue("carpool-normal", connection=pair.redis, serializer=JSONSerializer).enqueue_call(
         RQ_JOB_FUNCTION, args=[42], job_id=malformed_id)
     submit_jobs(pair.redis, good)
-    ids = [spec.job_id for spec, _ in bad.values()] + [malformed_id] + [s.job_id for s in good]
+    ids = [spec.job_id for spec, _ in bad.values()] + list(raw_ids.values()) + [malformed_id] + \
+        [s.job_id for s in good]
     states = wait_final(pair, ids)
     reader = JobReader(pair.redis)
     for spec, message in bad.values():
@@ -110,6 +115,9 @@ def test_bad_jobs_fail_with_a_clear_message_and_the_worker_keeps_serving(
         job = Job.fetch(spec.job_id, pair.redis, serializer=JSONSerializer)
         assert job.get_status() == RQJobStatus.FAILED
         assert job.latest_result().exc_string == state.error
+    for name, (_, message) in raw.items():
+        assert states[raw_ids[name]].status is JobStatus.FAILED
+        assert states[raw_ids[name]].error == f"malformed job: {message}"
     assert states[malformed_id].error == "malformed job: job spec must be a JSON object, got int"
     assert Job.fetch(malformed_id, pair.redis).get_status() == RQJobStatus.FAILED
     assert FailedJobRegistry("carpool-normal", connection=pair.redis).count == 5

@@ -22,4 +22,4 @@ def make_spec(job_id: str = "job-1", priority: Priority = Priority.NORMAL, **ove
     fields = dict(job_id=job_id, model="tiny", prompt="Hello", max_tokens=8, temperature=0.0,
                   priority=priority, owner="key-1", created_at=1000.0)
     fields.update(overrides)
-    return JobSpec(**fields)
+    return JobSpec.from_dict(fields)

@@ -3,7 +3,8 @@ from __future__ import annotations
 import fakeredis
 
 from protocol import FinishReason, JobReader, Keys, StreamEntry, submit_job
-from protocol.job_reader import entry_index, parse_entries
+from protocol.job_reader import parse_entries
+from protocol.stream_ids import entry_index
 from tests.protocol.conftest import make_spec
 
 KEYS = Keys()

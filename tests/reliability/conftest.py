@@ -150,7 +150,7 @@ def assert_finished_exact(redis: Redis, spec: JobSpec, state: JobState | None,
     then the final entry. Returns the number of tokens compared."""
     assert state is not None and state.status is JobStatus.FINISHED, (spec.job_id, state)
     assert list(state.token_ids) == expected, spec.job_id
-    reason = FinishReason.LENGTH if len(expected) == spec.max_tokens else FinishReason.STOP
+    reason = FinishReason.LENGTH if len(expected) == spec.sampling.max_tokens else FinishReason.STOP
     assert_stream_exact(redis, spec.job_id, expected, reason)
     return len(expected)
 

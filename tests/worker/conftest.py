@@ -13,7 +13,7 @@ import pytest
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import BatchingMode
-from worker.engine.sampling_params import SamplingParams
+from protocol.generation import SamplingParams
 from worker.engine.outputs import SchedulerOutput
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, SequenceStatus

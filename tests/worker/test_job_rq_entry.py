@@ -9,17 +9,17 @@ from rq.job import Job
 from rq.job import JobStatus as RQJobStatus
 from rq.serializers import JSONSerializer
 
-from protocol import FinishReason, JobReader, JobSpec, JobStatus, Keys, submit_job
+from protocol import FinishReason, JobReader, JobSpec, JobStatus, Keys, SamplingParams, submit_job
+from tests.conftest import enqueue_raw
 from tests.worker.jobs.job_support import fake_redis
 
 
 def test_a_plain_rq_worker_runs_a_job_and_streams_it(tiny_llama_dir: Path) -> None:
     from worker import rq_entry
-    from worker.engine.sampling_params import SamplingParams
 
     redis = fake_redis()
     spec = JobSpec(job_id="plain-1", model=str(tiny_llama_dir), prompt="Hello there",
-                   max_tokens=6, temperature=0.0)
+                   sampling=SamplingParams(max_tokens=6, temperature=0.0))
     submit_job(redis, spec)
     worker = SimpleWorker(Keys().queue_names(), connection=redis, serializer=JSONSerializer)
     assert worker.work(burst=True)
@@ -39,13 +39,13 @@ def test_a_plain_rq_worker_runs_a_job_and_streams_it(tiny_llama_dir: Path) -> No
 
 def test_a_bad_job_fails_on_a_plain_rq_worker_with_the_message(tiny_llama_dir: Path) -> None:
     redis = fake_redis()
-    submit_job(redis, JobSpec(job_id="plain-2", model=str(tiny_llama_dir), prompt="x",
-                              temperature=-2.0))
+    enqueue_raw(redis, {"job_id": "plain-2", "model": str(tiny_llama_dir), "prompt": "x",
+                        "sampling": {"temperature": -2.0}}, "plain-2")
     SimpleWorker(Keys().queue_names(), connection=redis, serializer=JSONSerializer).work(burst=True)
     job = Job.fetch("plain-2", redis, serializer=JSONSerializer)
     assert job.get_status() == RQJobStatus.FAILED
-    assert "temperature must be at least 0.0, got -2.0" in job.latest_result().exc_string
+    assert "malformed job: temperature must be at least 0.0, got -2.0" in job.latest_result().exc_string
     state = JobReader(redis).state("plain-2")
     assert (state.status, state.error) == (JobStatus.FAILED,
-                                           "temperature must be at least 0.0, got -2.0")
+                                           "malformed job: temperature must be at least 0.0, got -2.0")
     assert JobReader(redis).read("plain-2").done.finish_reason is FinishReason.ERROR

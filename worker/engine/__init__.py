@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from worker.engine.config import BatchingMode, EngineConfig
-from worker.engine.sampling_params import SamplingParams
+from protocol.generation import SamplingParams
 
 if TYPE_CHECKING:
     from worker.engine.engine import Engine

@@ -23,9 +23,9 @@ from worker.engine.config import BatchingMode, EngineConfig
 from worker.model.loader import LoadedModel, load_model
 from worker.model.routing import resolve_device, resolve_dtype
 from worker.engine.model_runner import ModelRunner
-from worker.engine.sampling_params import MAX_SEED, SamplingParams
+from protocol.generation import MAX_SEED, FinishReason, SamplingParams
 from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import FinishReason, Sequence
+from worker.engine.sequence import Sequence
 from worker.engine.outputs import (
     Completion,
     PreemptedRequest,
@@ -159,10 +159,11 @@ class Engine:
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
         sampled = self.runner.execute(scheduled) if scheduled.seqs else []
-        self.scheduler.update(scheduled, sampled)
+        texts, stop_hits = self._detokenize(scheduled, sampled)
+        self.scheduler.update(scheduled, sampled, stop_hits)
         for seq, is_sampling in zip(scheduled.seqs, scheduled.is_sampling):
             if is_sampling:
-                outputs.append(self._emit_token(seq))
+                outputs.append(self._emit_token(seq, texts[seq.request_id], seq.request_id in stop_hits))
         for seq in scheduled.finished:  # retired while scheduling, without a new token
             if self._requests.pop(seq.request_id, None) is not None:
                 outputs.append(self._request_output(seq, []))
@@ -173,17 +174,25 @@ class Engine:
                 preempted.append(PreemptedRequest(seq.request_id, seq.output_token_ids))
         return StepOutput(outputs, preempted, self._stats(scheduled, started))
 
-    def _emit_token(self, seq: Sequence) -> RequestOutput:
-        request = self._requests[seq.request_id]
-        token_id = seq.token_ids[-1]
-        text, hit_stop = request.detokenizer.step(token_id)
-        if hit_stop:
-            self.scheduler.finish(seq, FinishReason.STOP)
-            seq.finish_reason = FinishReason.STOP  # a stop string beats max_tokens on the same token
-        elif seq.is_finished:
-            text += request.detokenizer.flush()
+    def _detokenize(self, scheduled: SchedulerOutput, sampled: list[int]) -> tuple[dict[str, str], set[str]]:
+        """Each sampled token's released text, and the requests whose text reached a stop string
+        (the scheduler decides what that ends, with EOS and the length limits)."""
+        texts: dict[str, str] = {}
+        stop_hits: set[str] = set()
+        sampling = (seq for seq, is_sampling in zip(scheduled.seqs, scheduled.is_sampling) if is_sampling)
+        for seq, token_id in zip(sampling, sampled):
+            text, hit_stop = self._requests[seq.request_id].detokenizer.step(token_id)
+            texts[seq.request_id] = text
+            if hit_stop:
+                stop_hits.add(seq.request_id)
+        return texts, stop_hits
+
+    def _emit_token(self, seq: Sequence, text: str, hit_stop: bool) -> RequestOutput:
         if seq.is_finished:
-            del self._requests[seq.request_id]
+            request = self._requests.pop(seq.request_id)
+            if not hit_stop:  # text held back for a possible stop string is released at the end
+                text += request.detokenizer.flush()
+        token_id = seq.token_ids[-1]
         return self._request_output(seq, [TokenDelta(seq.num_output_tokens - 1, token_id, text)])
 
     def _request_output(self, seq: Sequence, tokens: list[TokenDelta]) -> RequestOutput:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker.engine.sequence import FinishReason, Sequence
+from protocol.generation import FinishReason
+from worker.engine.sequence import Sequence
 
 
 @dataclass(slots=True)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.sampling_params import SamplingParams
+from protocol.generation import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

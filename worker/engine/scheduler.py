@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import BatchingMode
 from worker.engine.outputs import SchedulerOutput
-from worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+from protocol.generation import FinishReason
+from worker.engine.sequence import Sequence, SequenceStatus
 
 
 class Scheduler:
@@ -67,16 +69,8 @@ class Scheduler:
             return None
         if seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self._finish(seq, FinishReason.ABORT)
+        self._finish(seq, FinishReason.CANCELED)
         return seq
-
-    def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Retire a sequence for a reason found outside the scheduler (a stop string)."""
-        if seq.status is SequenceStatus.FINISHED:
-            return
-        if seq.status is SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-        self._finish(seq, reason)
 
     # -- the two calls -----------------------------------------------------------------------
 
@@ -132,8 +126,12 @@ class Scheduler:
                 budget -= num_new
         return out
 
-    def update(self, output: SchedulerOutput, sampled: list[int]) -> list[Sequence]:
-        """Record one step's results; `sampled` holds a token per sampling sequence, in order."""
+    def update(
+        self, output: SchedulerOutput, sampled: list[int], stop_hits: AbstractSet[str] = frozenset(),
+    ) -> list[Sequence]:
+        """Record one step's results; `sampled` holds a token per sampling sequence, in order, and
+        `stop_hits` the requests whose text reached one of their stop strings with that token.
+        The one place that decides a sequence finished (EOS, stop string, max_tokens, context)."""
         finished = list(output.finished)
         if len(sampled) != output.num_sampling:
             raise ValueError(f"expected {output.num_sampling} sampled tokens, got {len(sampled)}")
@@ -151,7 +149,7 @@ class Scheduler:
             if not is_sampling:
                 continue
             seq.token_ids.append(token_id)
-            reason = self._stop_reason(seq, token_id)
+            reason = self._stop_reason(seq, token_id, seq.request_id in stop_hits)
             if reason is not None:
                 self._finish(seq, reason)
                 finished.append(seq)
@@ -272,8 +270,9 @@ class Scheduler:
             out.num_prefill_tokens += num_new
         scheduled.add(seq.request_id)
 
-    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
-        if not seq.params.ignore_eos and token_id in self.eos_token_ids:
+    def _stop_reason(self, seq: Sequence, token_id: int, hit_stop_string: bool) -> FinishReason | None:
+        # A stop string beats max_tokens on the same token, as EOS does.
+        if hit_stop_string or (not seq.params.ignore_eos and token_id in self.eos_token_ids):
             return FinishReason.STOP
         if seq.num_output_tokens >= seq.params.max_tokens:
             return FinishReason.LENGTH

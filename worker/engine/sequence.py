@@ -5,19 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from worker.engine.sampling_params import SamplingParams
+from protocol.generation import FinishReason, SamplingParams
 
 
 class SequenceStatus(str, Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FinishReason(str, Enum):
-    STOP = "stop"  # EOS or a stop string
-    LENGTH = "length"  # max_tokens or the context (max_model_len, or a KV pool too small for it)
-    ABORT = "abort"
 
 
 @dataclass(slots=True, eq=False)

@@ -28,7 +28,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.worker import WorkerStatus
 
 from protocol.keys import Keys
-from protocol.messages import FinishReason, JobSpec, JobStatus, ModelCard, WorkerStats
+from protocol.messages import FinishReason, JobSpec, JobStatus, ModelCard, TokenEntry, WorkerStats
 from worker.jobs.backoff import Backoff
 from worker.engine.outputs import StepOutput, StepStats
 from worker.engine.config import BatchingMode
@@ -36,7 +36,7 @@ from worker.jobs.job_queue import ClaimedJob, JobQueue
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.rq_presence import RQPresence
 from worker.jobs.running_job import RunningJob
-from worker.engine.sampling_params import SamplingParams
+from protocol.generation import SamplingParams
 from worker.jobs.stream_publisher import JobEnd, PublishReport, StreamPublisher
 from worker.jobs.settings import WorkerSettings
 
@@ -45,10 +45,6 @@ if TYPE_CHECKING:  # the engine (torch) is handed in by worker.__main__, never i
 
 log = logging.getLogger(__name__)
 
-_ENGINE_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH}
-# The engine reports an abort at the step after engine.abort(): this worker already acted on it
-# (and may hold a new claim under the same id by then), so that report is ignored.
-_ENGINE_ABORT = "abort"
 _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
 
 
@@ -62,7 +58,7 @@ class _Pending:
 
 class BatchingWorker:
     def __init__(self, settings: WorkerSettings, engine: Engine, redis: Redis,
-                 presence_redis: Redis | None = None) -> None:
+                 presence_redis: Redis | None = None, register_presence: bool = True) -> None:
         self.settings = settings
         self.engine = engine
         self.redis = redis
@@ -72,9 +68,11 @@ class BatchingWorker:
         self.queue = JobQueue(redis, self.scripts, self.keys, self.name, settings.lease_ms,
                               settings.execution_ttl_seconds, settings.block_size)
         # rq's Worker adjusts its client's socket timeout for its own BLPOPs: give it its own.
+        # rq_entry runs inside an rq worker, which keeps its own presence: no second one.
         self.presence = RQPresence(presence_redis or Redis.from_url(settings.redis_url), self.name,
                                    self.keys.queue_names(),
-                                   ttl_seconds=int(max(settings.heartbeat_seconds * 3, 30)))
+                                   ttl_seconds=int(max(settings.heartbeat_seconds * 3, 30))
+                                   ) if register_presence else None
         self.publisher = StreamPublisher(redis, self.scripts, self.keys, self.name,
                                          settings.lease_ms, self.presence)
         self.jobs: dict[str, RunningJob] = {}
@@ -100,16 +98,27 @@ class BatchingWorker:
     def run(self) -> int:
         self._warm_up()
         self.scripts.load(self.redis)
-        self.presence.register_birth()
+        if self.presence is not None:
+            self.presence.register_birth()
         self._publish_model()
         log.info("worker %s serving %s on %s", self.name, self.settings.served_model_name,
                  ", ".join(self.keys.queue_names()))
         try:
             self._loop()
         finally:
-            self.presence.register_death()
+            if self.presence is not None:
+                self.presence.register_death()
         log.info("worker %s stopped", self.name)
         return 0
+
+    def run_adopted(self, job_id: str, queue_name: str) -> None:
+        """Run one job that an rq worker already took off `queue_name`, to its end, through the
+        batch's own claim, publish and finish (worker.rq_entry; no other job is taken)."""
+        self.scripts.load(self.redis)
+        adopt = (job_id, self.keys.queue_names().index(queue_name))
+        self._admit(self.queue.claim(0, None, adopt=adopt))
+        while self.jobs or self._pending:
+            self._publish(self.engine.step() if self.engine.has_unfinished() else None)
 
     def _warm_up(self) -> None:
         """One tiny generation before taking jobs: the first forward pass pays one-off costs
@@ -243,16 +252,13 @@ class BatchingWorker:
                 prompt_ids = list(self.engine.encode_chat(spec.messages))
             else:
                 prompt_ids = list(self.engine.tokenizer.encode(spec.prompt))
-            params = SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature,
-                                    top_p=spec.top_p, top_k=spec.top_k, seed=spec.seed,
-                                    stop=tuple(spec.stop), ignore_eos=spec.ignore_eos)
             job.num_prompt_tokens = len(prompt_ids)
-            if job.num_tokens >= spec.max_tokens:
+            if job.num_tokens >= spec.sampling.max_tokens:
                 # Its last token was published but not its end (cannot happen in one publish,
                 # but a job must never run past max_tokens).
                 self._end_later(job, JobEnd(JobStatus.FINISHED, FinishReason.LENGTH))
                 return
-            self.engine.add_request(job.job_id, prompt_ids, params,
+            self.engine.add_request(job.job_id, prompt_ids, spec.sampling,
                                     output_token_ids=tuple(job.token_ids))
         except (ValueError, TypeError) as exc:
             self._fail(job, str(exc))
@@ -288,10 +294,12 @@ class BatchingWorker:
                     pub.requeue(job, count_as_preemption=True)
             for request in output.outputs:
                 job = self.jobs.get(request.request_id)
-                if job is None or _text(request.finish_reason) == _ENGINE_ABORT:
-                    continue  # aborted by this worker already
+                if job is None or request.finish_reason is FinishReason.CANCELED:
+                    # The engine reports an abort at the step after engine.abort(): this worker
+                    # already acted on it (and may hold a new claim under the same id by then).
+                    continue
                 had_tokens = bool(job.token_ids)
-                gaps = job.add_tokens([(t.index, t.token_id, t.text) for t in request.tokens], now)
+                gaps = job.add_tokens([TokenEntry(t.index, t.token_id, t.text) for t in request.tokens], now)
                 for gap in gaps:
                     pub.observe("inter_token_latency_seconds", gap)
                 if not had_tokens and job.token_ids and job.state.created_at:
@@ -299,8 +307,7 @@ class BatchingWorker:
                 if request.num_prompt_tokens:
                     job.num_prompt_tokens = request.num_prompt_tokens
                 if request.finish_reason is not None:
-                    reason = _ENGINE_REASONS[_text(request.finish_reason)]
-                    finished.append((job, JobEnd(JobStatus.FINISHED, reason)))
+                    finished.append((job, JobEnd(JobStatus.FINISHED, request.finish_reason)))
         elif not self.engine.has_unfinished():
             self._last_stats = None
         for job in self.jobs.values():
@@ -396,6 +403,3 @@ class BatchingWorker:
             max_num_seqs=self.settings.max_num_seqs, updated_at=now,
             num_jobs=0 if drained else len(self.jobs) + len(self._pending))
 
-
-def _text(value: object) -> str:
-    return value.value if hasattr(value, "value") else str(value)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol.messages import JobSpec, JobState
+from protocol.messages import JobSpec, JobState, TokenEntry
 from worker.jobs.lease import Lease
 
 
@@ -18,8 +18,7 @@ class RunningJob:
     num_prompt_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)  # the whole stream: resumed + new
     texts: list[str] = field(default_factory=list)
-    # Tokens generated since the last publish: (index, token_id, text).
-    unpublished: list[tuple[int, int, str]] = field(default_factory=list)
+    unpublished: list[TokenEntry] = field(default_factory=list)  # generated since the last publish
     claimed_at: float = 0.0
     first_token_at: float = 0.0
     last_token_at: float = 0.0
@@ -36,18 +35,18 @@ class RunningJob:
     def text(self) -> str:
         return "".join(self.texts)
 
-    def add_tokens(self, tokens: list[tuple[int, int, str]], now: float) -> list[float]:
+    def add_tokens(self, tokens: list[TokenEntry], now: float) -> list[float]:
         """Record new tokens; returns the inter-token latencies they close (for the histogram)."""
         gaps: list[float] = []
-        for index, token_id, text in tokens:
-            if index != len(self.token_ids):
-                raise ValueError(f"job {self.job_id}: engine produced token index {index}, "
+        for token in tokens:
+            if token.index != len(self.token_ids):
+                raise ValueError(f"job {self.job_id}: engine produced token index {token.index}, "
                                  f"expected {len(self.token_ids)}")
             if self.last_token_at:
                 gaps.append(now - self.last_token_at)
-            self.token_ids.append(token_id)
-            self.texts.append(text)
-            self.unpublished.append((index, token_id, text))
+            self.token_ids.append(token.token_id)
+            self.texts.append(token.text)
+            self.unpublished.append(token)
             if not self.first_token_at:
                 self.first_token_at = now
             self.last_token_at = now

@@ -120,8 +120,8 @@ class StreamPublisher:
                               self.keys.state(lease.job_id)]
         self._append_args += [lease.job_id, lease.token, job.num_prompt_tokens,
                               repr(job.first_token_at), len(job.unpublished)]
-        for index, token_id, text in job.unpublished:
-            self._append_args += [index, token_id, text]
+        for token in job.unpublished:
+            self._append_args += [token.index, token.token_id, token.text]
         self._append_ids.append(lease.job_id)
         self._counters["generated_tokens_total"] += len(job.unpublished)
 

@@ -229,7 +229,7 @@ def test_abort_frees_blocks_now_and_reports_at_the_next_step(tiny_llama: Any) ->
     assert engine.abort("drop") is False and engine.abort("never-added") is False
     out = engine.step()
     aborted = [o for o in out.outputs if o.request_id == "drop"]
-    assert len(aborted) == 1 and aborted[0].finish_reason is FinishReason.ABORT and aborted[0].tokens == []
+    assert len(aborted) == 1 and aborted[0].finish_reason is FinishReason.CANCELED and aborted[0].tokens == []
     run = run_engine(engine, [])
     assert set(run.reasons) == {"keep"}
     assert engine.num_free_kv_blocks() == 64

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from worker.engine.sampler import Sampler, SamplingMetadata, uniform_from_seed
-from worker.engine.sampling_params import SamplingParams
+from protocol.generation import SamplingParams
 
 VOCAB = 64
 

@@ -11,13 +11,14 @@ from hypothesis import strategies as st
 from tests.worker.conftest import EOS, check_block_accounting, fake_step, make_scheduler, make_seq
 from worker.engine.config import BatchingMode
 from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import FinishReason, Sequence, SequenceStatus
+from protocol.generation import FinishReason
+from worker.engine.sequence import Sequence, SequenceStatus
 
 
 def test_scheduler_and_block_manager_do_not_import_torch() -> None:
     code = (
         "import sys, worker.engine.scheduler, worker.engine.block_manager, worker.engine.sequence, worker.engine.detokenizer;"
-        "import worker.engine.config, worker.engine.sampling_params;"
+        "import worker.engine.config, protocol.generation;"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -180,7 +181,7 @@ def test_abort_frees_blocks_at_once() -> None:
     assert scheduler.abort("running") is running
     assert scheduler.abort("waiting") is waiting
     assert scheduler.abort("waiting") is None
-    assert running.finish_reason is FinishReason.ABORT and waiting.finish_reason is FinishReason.ABORT
+    assert running.finish_reason is FinishReason.CANCELED and waiting.finish_reason is FinishReason.CANCELED
     assert scheduler.block_manager.num_free_blocks == 4
     assert not scheduler.has_unfinished()
 
@@ -299,7 +300,7 @@ def test_block_accounting_is_exact_after_every_step(
     assert scheduler.block_manager.num_free_blocks == num_blocks
     check_block_accounting(scheduler)
     for seq in seqs:
-        if seq.status is SequenceStatus.FINISHED and seq.finish_reason is not FinishReason.ABORT:
+        if seq.status is SequenceStatus.FINISHED and seq.finish_reason is not FinishReason.CANCELED:
             assert seq.num_output_tokens <= seq.params.max_tokens
             assert seq.num_tokens <= max_model_len
 

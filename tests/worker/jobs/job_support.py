@@ -5,7 +5,7 @@ from __future__ import annotations
 import fakeredis
 from redis import Redis
 
-from protocol import JobSpec, Keys, Priority, submit_job
+from protocol import JobSpec, Keys, Priority, SamplingParams, TokenEntry, submit_job
 from worker.jobs.job_queue import ClaimedJob, JobQueue
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.running_job import RunningJob
@@ -23,7 +23,7 @@ def make_spec(job_id: str, priority: Priority = Priority.NORMAL, **overrides) ->
     fields = dict(job_id=job_id, model="tiny", prompt="Hello", max_tokens=8, temperature=0.0,
                   priority=priority, created_at=1000.0)
     fields.update(overrides)
-    return JobSpec(**fields)
+    return JobSpec.from_dict(fields)
 
 
 def submit(redis: Redis, *job_ids: str, priority: Priority = Priority.NORMAL, **overrides) -> None:
@@ -54,7 +54,7 @@ def running(claim: ClaimedJob, num_prompt_tokens: int = 3) -> RunningJob:
 def generate(job: RunningJob, *token_ids: int) -> None:
     """Pretend the engine produced these tokens (text: the id in brackets)."""
     start = job.num_tokens
-    job.add_tokens([(start + i, t, f"<{t}>") for i, t in enumerate(token_ids)], now=2000.0)
+    job.add_tokens([TokenEntry(start + i, t, f"<{t}>") for i, t in enumerate(token_ids)], now=2000.0)
 
 
 def expire_lease(redis: Redis, job_id: str) -> None:

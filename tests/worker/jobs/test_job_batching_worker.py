@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -10,7 +11,7 @@ from pathlib import Path
 import fakeredis
 import pytest
 
-from protocol import JobReader, JobSpec, JobStatus, WorkerStats, cancel_job, submit_jobs
+from protocol import JobReader, JobSpec, JobStatus, SamplingParams, WorkerStats, cancel_job, submit_jobs
 from tests.worker.jobs.job_support import KEYS
 
 
@@ -62,8 +63,8 @@ def _wait(condition, timeout: float = 30.0):
 
 
 def _specs(model: str, count: int, max_tokens: int = 6) -> list[JobSpec]:
-    return [JobSpec(job_id=f"job-{i}", model=model, prompt=f"Say {i}", max_tokens=max_tokens,
-                    temperature=0.0) for i in range(count)]
+    return [JobSpec(job_id=f"job-{i}", model=model, prompt=f"Say {i}",
+                    sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0)) for i in range(count)]
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +78,7 @@ def reference(tiny_llama_dir: Path) -> object:
 
 @pytest.mark.parametrize("running", ["continuous", "static", "sequential"], indirect=True)
 def test_every_mode_runs_jobs_to_the_engines_own_output(running: Running, reference) -> None:
-    from worker.engine.sampling_params import SamplingParams
+    from protocol.generation import SamplingParams
 
     specs = _specs(running.worker.settings.served_model_name, 5)
     submit_jobs(running.redis, specs)
@@ -93,7 +94,7 @@ def test_every_mode_runs_jobs_to_the_engines_own_output(running: Running, refere
 @pytest.mark.parametrize("running", ["continuous"], indirect=True)
 def test_cancel_a_running_job_frees_its_blocks(running: Running) -> None:
     (spec,) = _specs(running.worker.settings.served_model_name, 1, max_tokens=900)
-    spec = JobSpec(**{**spec.to_dict(), "ignore_eos": True, "priority": spec.priority})
+    spec = dataclasses.replace(spec, sampling=dataclasses.replace(spec.sampling, ignore_eos=True))
     submit_jobs(running.redis, [spec])
     _wait(lambda: running.redis.xlen(KEYS.stream(spec.job_id)) >= 3)
     assert cancel_job(running.redis, spec.job_id) is JobStatus.RUNNING

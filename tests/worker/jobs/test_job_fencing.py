@@ -14,7 +14,7 @@ from rq.registry import (
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from protocol import FinishReason, JobReader, JobStatus, StreamEntry, cancel_job
+from protocol import FinishReason, JobReader, JobStatus, StreamEntry, TokenEntry, cancel_job
 from protocol.rq_keys import RQKeys
 from tests.worker.jobs.job_support import (
     KEYS,
@@ -62,11 +62,11 @@ def test_a_resent_append_skips_tokens_already_there_and_a_gap_is_refused() -> No
     generate(job, 11, 12)
     pub.append(job)
     pub.flush()
-    job.unpublished = [(1, 12, "<12>"), (2, 13, "<13>")]  # a retry overlapping the last write
+    job.unpublished = [TokenEntry(1, 12, "<12>"), TokenEntry(2, 13, "<13>")]  # a retry overlapping the last write
     pub.append(job)
     assert pub.flush().refused == set()
     assert [e.token_id for _, e in _stream(redis, "job-1")] == [11, 12, 13]
-    job.unpublished = [(2, 13, "<13>"), (5, 99, "x")]
+    job.unpublished = [TokenEntry(2, 13, "<13>"), TokenEntry(5, 99, "x")]
     pub.append(job)
     assert pub.flush().refused == {"job-1"}
     assert [e.token_id for _, e in _stream(redis, "job-1")] == [11, 12, 13]
@@ -225,4 +225,4 @@ def test_running_job_insists_on_consecutive_token_indices() -> None:
     job = running(make_queue(redis).claim(1)[0])
     generate(job, 11)
     with pytest.raises(ValueError, match="engine produced token index 3, expected 1"):
-        job.add_tokens([(3, 12, "x")], now=1.0)
+        job.add_tokens([TokenEntry(3, 12, "x")], now=1.0)

@@ -1,13 +1,36 @@
-"""What a request asks of the sampler and the stop conditions; validated once, when built."""
+"""What a generation asks for (SamplingParams) and how it ends (FinishReason).
+
+The one sampling spec: the HTTP schemas build it, it travels inside the JobSpec through Redis,
+and the engine's scheduler and sampler read it as is. A new knob is a field here, a field in the
+schemas, and the code that honours it (the sampler): nothing copies fields by hand in between.
+Pure standard library, so the engine may import it (the only protocol module it may).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from enum import Enum
+from typing import Any
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_SEED = 2**63 - 1
+
+
+class FinishReason(str, Enum):
+    """How a job (and its sequence) ended; the one vocabulary of engine, Redis and API."""
+
+    STOP = "stop"  # EOS or a stop string
+    LENGTH = "length"  # max_tokens, or the context (max_model_len, or a KV pool too small for it)
+    CANCELED = "canceled"  # canceled by its client, or aborted in the engine
+    ERROR = "error"  # the job failed; the final stream entry carries the message
+
+    @property
+    def openai_name(self) -> str:
+        """The name OpenAI-compatible servers give it (vLLM says "abort" for a canceled request)."""
+        return "abort" if self is FinishReason.CANCELED else self.value
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +80,33 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data (tuples as lists)."""
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+                for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        """Inverse of to_dict; unknown or bad fields raise ValueError naming them."""
+        if not isinstance(data, dict):
+            raise ValueError(f"sampling params must be a JSON object, got {type(data).__name__}")
+        return cls.from_fields(data, strict=True)
+
+    @classmethod
+    def from_fields(cls, source: dict[str, Any], strict: bool = False) -> SamplingParams:
+        """Build from the sampling fields of a larger mapping (a request body's fields, say); the
+        others are left alone unless `strict`. Lists become tuples."""
+        names = cls.field_names()
+        if strict and (unknown := sorted(set(source) - names)):
+            raise ValueError(f"sampling params have unknown fields: {', '.join(unknown)}")
+        values = {name: tuple(v) if isinstance(v := source[name], list) else v
+                  for name in names if name in source}
+        return cls(**values)
+
+    @classmethod
+    def field_names(cls) -> frozenset[str]:
+        return frozenset(f.name for f in dataclasses.fields(cls))
 
 
 def _is_real(value: object) -> bool:
