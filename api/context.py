@@ -39,7 +39,7 @@ class AppContext:
 
     @classmethod
     def build(cls, settings: ApiSettings, aio: aioredis.Redis | None = None,
-              sync: redis.Redis | None = None) -> "AppContext":
+              sync: redis.Redis | None = None) -> AppContext:
         timeout = settings.redis_timeout_s
         # A socket timeout must outlast the XREAD BLOCK of a waiting stream.
         socket_timeout = timeout + settings.stream_block_ms / 1000

@@ -52,7 +52,7 @@ class JobCreate(BaseModel):
     priority: Priority = Field(Priority.NORMAL, description="Queue to wait in: high, normal or low.")
 
     @model_validator(mode="after")
-    def _one_input(self) -> "JobCreate":
+    def _one_input(self) -> JobCreate:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' and 'messages'")
         return self

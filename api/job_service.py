@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from functools import partial
 from dataclasses import dataclass, field
+from functools import partial
 
 import anyio.to_thread
 import redis

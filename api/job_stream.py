@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from protocol import FinishReason, JobState, JobStatus, Keys, StreamEntry
 from protocol.stream_ids import STREAM_START, next_entry_id
 
+
 @dataclass(frozen=True, slots=True)
 class StreamEvent:
     entry_id: str

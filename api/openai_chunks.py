@@ -7,6 +7,7 @@ from typing import Any
 
 from protocol import FinishReason
 
+
 def openai_finish_reason(reason: FinishReason | None) -> str | None:
     return reason.openai_name if reason else None
 

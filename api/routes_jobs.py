@@ -53,7 +53,8 @@ async def create_job(body: JobCreate, request: Request, response: Response, owne
     accepted = await ctx.jobs.submit(GenerationRequest(
         owner=owner, model=body.model, prompt=body.prompt,
         messages=[m.model_dump() for m in body.messages] if body.messages else None,
-        max_tokens=body.max_tokens, sampling=sampling_of(body), priority=body.priority, input_param="prompt" if body.prompt is not None else "messages",
+        max_tokens=body.max_tokens, sampling=sampling_of(body), priority=body.priority,
+        input_param="prompt" if body.prompt is not None else "messages",
     ))
     spec = accepted.spec
     status_url = str(request.url_for("get_job", job_id=spec.job_id))

@@ -28,7 +28,9 @@ DEFAULT_API_URL = "http://127.0.0.1:8000"
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # `up` talks to a newcomer in plain lines; the pieces' logs appear with --log-level info.
+    level = "WARNING" if args.command == "up" and args.log_level == "warning" else "INFO"
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command in ("api", "worker"):
         # Hand everything after the subcommand to the piece's own parser (`--help` included).
         return subprocess.call([sys.executable, "-m", args.command, *rest])
@@ -51,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--workers", type=int, default=1, help="worker processes to start")
     up.add_argument("--mode", default="continuous", choices=["continuous", "static", "sequential"])
+    up.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                    help="the pieces' log level (default warning: progress lines and the URLs only)")
     up.set_defaults(handler=_up)
 
     submit = sub.add_parser("submit", help="submit a job to a running API and print its id")
@@ -97,6 +101,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_api_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--verbose", action="store_true",
+                        help="also print the job id, finish reason and usage (to stderr)")
     parser.add_argument("--api-url", default=os.environ.get("CARPOOL_API_URL", DEFAULT_API_URL))
     parser.add_argument("--api-key", default=os.environ.get("CARPOOL_API_KEY"))
 
@@ -106,6 +112,10 @@ def _up(args: argparse.Namespace) -> int:
         redis = LocalRedis.ensure(args.redis_url)
     except RedisUnavailableError as exc:
         log.error("%s", exc)
+        return 1
+    _say(f"Redis: {redis.describe()}")
+    if _prepare_model(args.model) != 0:
+        redis.stop()
         return 1
     children: list[subprocess.Popen] = []
     stopping = False
@@ -118,12 +128,13 @@ def _up(args: argparse.Namespace) -> int:
     try:
         children.append(subprocess.Popen([
             sys.executable, "-m", "api", "--host", args.host, "--port", str(args.port),
-            "--redis-url", args.redis_url,
+            "--redis-url", args.redis_url, "--log-level", args.log_level,
         ]))
         for index in range(args.workers):
             children.append(subprocess.Popen([
                 sys.executable, "-m", "worker", "--model", args.model, "--redis-url",
                 args.redis_url, "--mode", args.mode, "--name", f"local-{os.getpid()}-{index}",
+                "--log-level", args.log_level,
             ]))
         api_url = f"http://{args.host}:{args.port}"
         if _wait_until_ready(api_url, children, lambda: stopping):
@@ -144,29 +155,73 @@ def _up(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 child.kill()
         redis.stop()
-        log.info("stopped")
+        _say("stopped")
 
 
 def _wait_until_ready(api_url: str, children: list[subprocess.Popen], is_stopping) -> bool:
     import httpx
 
-    log.info("waiting for the API and a worker (the first start converts the model: ~1 min)")
-    last_note = 0.0
+    started = time.monotonic()
     while not is_stopping():
         if any(child.poll() is not None for child in children):
-            log.error("a child process exited during start-up; see its log above")
+            _end_progress()
+            log.error("a child process exited during start-up; see its log above (--log-level info "
+                      "shows more)")
             return False
         try:
             health = httpx.get(f"{api_url}/healthz", timeout=1.0).json()
             if health.get("workers", 0) > 0:
+                _end_progress()
                 return True
         except (httpx.HTTPError, ValueError):
             pass
-        if time.monotonic() - last_note > 10:
-            log.info("still starting ...")
-            last_note = time.monotonic()
+        _progress("starting the API and the worker (load, CPU kernels, warm-up)", started)
         time.sleep(0.5)
+    _end_progress()
     return False
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _progress(what: str, started: float, expected_s: float | None = None) -> None:
+    """One self-rewriting status line on a terminal (nothing when the output is a file or pipe)."""
+    if not sys.stdout.isatty():
+        return
+    elapsed = time.monotonic() - started
+    if expected_s:
+        done = min(1.0, elapsed / expected_s)
+        bar = "#" * int(done * 24)
+        sys.stdout.write(f"\r{what} [{bar:<24}] {elapsed:4.0f} s ")
+    else:
+        sys.stdout.write(f"\r{what} ... {elapsed:4.0f} s ")
+    sys.stdout.flush()
+
+
+def _end_progress() -> None:
+    if sys.stdout.isatty():
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+
+
+def _prepare_model(model: str) -> int:
+    """Convert a bundled model once (about a minute) with a progress bar, before the worker starts."""
+    started = time.monotonic()
+    child = subprocess.Popen([sys.executable, "-m", "worker.model", model],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while child.poll() is None:
+        if time.monotonic() - started > 1.0:  # a cached model is ready at once: no bar
+            _progress(f"preparing model {model} (converted once, then cached)", started, 60.0)
+        time.sleep(0.25)
+    out, err = child.communicate()
+    if time.monotonic() - started > 1.0:
+        _end_progress()
+    if child.returncode != 0:
+        log.error("model %s is not usable: %s", model, err.strip() or f"exit {child.returncode}")
+        return 1
+    _say(f"Model: {model} at {out.strip()}")
+    return 0
 
 
 def _print_examples(api_url: str, model: str) -> None:
@@ -232,8 +287,9 @@ def _submit(args: argparse.Namespace) -> int:
         print(f"error {response.status_code}: {response.text}", file=sys.stderr)
         return 1
     job = response.json()
-    print(job["job_id"] if not args.watch else f"job {job['job_id']}", flush=True)
-    if args.watch:
+    if not args.watch:
+        print(job["job_id"], flush=True)
+    else:
         args.job_id = job["job_id"]
         return _watch(args)
     return 0
@@ -255,8 +311,14 @@ def _watch(args: argparse.Namespace) -> int:
             elif line.startswith("data:"):
                 data = json.loads(line[5:])
                 if event == "done":
-                    print(f"\n[{data.get('finish_reason')}] {json.dumps(data.get('usage', {}))}")
-                    return 0 if data.get("finish_reason") not in ("error",) else 1
+                    print(flush=True)  # the answer ends its line; the rest is for --verbose
+                    if args.verbose:
+                        print(f"[{data.get('finish_reason')}] {json.dumps(data.get('usage', {}))}",
+                              file=sys.stderr)
+                    if data.get("finish_reason") == "error":
+                        print(f"error: {data.get('error')}", file=sys.stderr)
+                        return 1
+                    return 0
                 print(data.get("text", ""), end="", flush=True)
             elif not line:
                 event = "message"

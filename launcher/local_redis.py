@@ -43,7 +43,7 @@ class LocalRedis:
     _fake_server: object | None = field(default=None, repr=False)
 
     @classmethod
-    def ensure(cls, url: str) -> "LocalRedis":
+    def ensure(cls, url: str) -> LocalRedis:
         if redis_answers(url):
             return cls(url=url, kind="existing")
         parsed = urlparse(url)
@@ -65,7 +65,7 @@ class LocalRedis:
         return cls._start_fakeredis(url, port)
 
     @classmethod
-    def _start_fakeredis(cls, url: str, port: int) -> "LocalRedis":
+    def _start_fakeredis(cls, url: str, port: int) -> LocalRedis:
         try:
             from fakeredis import TcpFakeServer
         except ImportError as exc:
@@ -83,6 +83,12 @@ class LocalRedis:
             "!" * 72, port, "!" * 72,
         )
         return cls(url=url, kind="fakeredis", _fake_server=server)
+
+    def describe(self) -> str:
+        """One line for the person who ran `carpool up`."""
+        return {"existing": f"found at {self.url}",
+                "redis-server": f"started redis-server for {self.url} (stopped again on exit)",
+                "fakeredis": f"IN-MEMORY fakeredis at {self.url}: it keeps nothing"}[self.kind]
 
     def stop(self) -> None:
         if self._process is not None:

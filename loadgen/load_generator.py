@@ -12,7 +12,6 @@ import numpy as np
 
 from loadgen.workload import WorkloadItem
 
-
 ITL_METRIC = "carpool_inter_token_latency_seconds"
 
 
@@ -98,7 +97,7 @@ class LoadReport:
                 "records": [r.to_dict(origin) for r in self.records]}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "LoadReport":
+    def from_dict(cls, data: dict) -> LoadReport:
         return cls(label=data["label"], rate=float(data["rate"]),
                    records=[RequestRecord(**record) for record in data["records"]],
                    elapsed_s=data["elapsed_s"], slot_utilisation=data["slot_utilisation"],

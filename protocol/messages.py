@@ -18,7 +18,7 @@ class Priority(str, Enum):
     LOW = "low"
 
     @classmethod
-    def ordered(cls) -> list["Priority"]:
+    def ordered(cls) -> list[Priority]:
         return [cls.HIGH, cls.NORMAL, cls.LOW]
 
 
@@ -56,7 +56,7 @@ class JobSpec:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "JobSpec":
+    def from_dict(cls, data: dict[str, Any]) -> JobSpec:
         """Inverse of to_dict; a malformed payload raises ValueError (never KeyError/TypeError)."""
         if not isinstance(data, dict):
             raise ValueError(f"job spec must be a JSON object, got {type(data).__name__}")
@@ -93,7 +93,7 @@ class JobSpec:
         return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, payload: str | bytes) -> "JobSpec":
+    def from_json(cls, payload: str | bytes) -> JobSpec:
         try:
             data = json.loads(payload)
         except json.JSONDecodeError as exc:
@@ -150,7 +150,7 @@ class StreamEntry:
         }
 
     @classmethod
-    def from_fields(cls, fields: dict[Any, Any]) -> "StreamEntry":
+    def from_fields(cls, fields: dict[Any, Any]) -> StreamEntry:
         f = {_text(k): _text(v) for k, v in fields.items()}
         if f["kind"] == cls.TOKEN:
             return cls(kind=cls.TOKEN, index=int(f["index"]), token_id=int(f["token_id"]),
@@ -209,7 +209,7 @@ class JobState:
                 out[name] = "" if value is None else str(value)
         return out
 
-    def result(self) -> "JobResult":
+    def result(self) -> JobResult:
         """The job's result as stored on the RQ job (meaningful once the status is final)."""
         return JobResult(
             job_id=self.job_id, status=self.status, text=self.text, token_ids=list(self.token_ids),
@@ -220,7 +220,7 @@ class JobState:
         )
 
     @classmethod
-    def from_fields(cls, fields: dict[Any, Any]) -> "JobState":
+    def from_fields(cls, fields: dict[Any, Any]) -> JobState:
         f = {_text(k): _text(v) for k, v in fields.items()}
         kwargs: dict[str, Any] = {}
         for name, spec in cls.__dataclass_fields__.items():
@@ -274,7 +274,7 @@ class JobResult:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "JobResult":
+    def from_dict(cls, data: dict[str, Any]) -> JobResult:
         fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         fields["status"] = JobStatus(fields["status"])
         reason = fields.get("finish_reason")
@@ -297,7 +297,7 @@ class ModelCard:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
-    def from_json(cls, payload: str | bytes) -> "ModelCard":
+    def from_json(cls, payload: str | bytes) -> ModelCard:
         return cls(**json.loads(payload))
 
 
@@ -323,7 +323,7 @@ class WorkerStats:
         return {k: str(v) for k, v in asdict(self).items()}
 
     @classmethod
-    def from_fields(cls, fields: dict[Any, Any]) -> "WorkerStats":
+    def from_fields(cls, fields: dict[Any, Any]) -> WorkerStats:
         f = {_text(k): _text(v) for k, v in fields.items()}
         types = {"name": str, "model": str, "mode": str, "slot_utilisation": float,
                  "updated_at": float}

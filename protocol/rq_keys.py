@@ -36,7 +36,7 @@ class KeyTemplate:
     suffix: str
 
     @classmethod
-    def of(cls, key: str) -> "KeyTemplate":
+    def of(cls, key: str) -> KeyTemplate:
         prefix, _, suffix = key.partition(_ID)
         return cls(prefix, suffix)
 

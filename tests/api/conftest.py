@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
-
 from api_support import KEY_A, KEY_B, Harness, make_harness
 
 

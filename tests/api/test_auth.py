@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 
 import pytest
+from api_support import KEY_A, KEY_B, Harness
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from api.app import create_app
 from api.auth import owner_id
 from api.settings import ApiSettings
-from api_support import KEY_A, KEY_B, Harness
 
 pytestmark = pytest.mark.anyio
 

@@ -6,7 +6,6 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
-
 from api_support import make_harness
 
 pytestmark = pytest.mark.anyio

@@ -9,11 +9,11 @@ import httpx
 import pytest
 import redis
 import redis.asyncio as aioredis
+from api_support import Harness
 
 from api.app import create_app
 from api.context import REDIS_RETRIES, AppContext
 from api.settings import ApiSettings
-from api_support import Harness
 from protocol.rq_keys import RQKeys
 
 pytestmark = pytest.mark.anyio

@@ -7,10 +7,10 @@ import json
 
 import httpx
 import pytest
+from api_support import CONTEXT, MODEL, Harness
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from api_support import CONTEXT, MODEL, Harness
 from protocol import FinishReason, JobStatus, Priority
 from protocol.rq_keys import RQKeys
 

@@ -7,8 +7,8 @@ import json
 
 import httpx
 import pytest
-
 from api_support import Harness, parse_sse
+
 from protocol import FinishReason
 
 pytestmark = pytest.mark.anyio

@@ -7,7 +7,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from api_support import CONTEXT, Harness
 
 pytestmark = pytest.mark.anyio

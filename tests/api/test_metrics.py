@@ -6,9 +6,9 @@ import re
 
 import httpx
 import pytest
+from api_support import Harness
 
 from api.metrics import _cumulative
-from api_support import Harness
 from protocol.messages import HISTOGRAM_BUCKETS
 
 pytestmark = pytest.mark.anyio

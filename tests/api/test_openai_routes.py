@@ -11,8 +11,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-
 from api_support import CONTEXT, MODEL, Harness, parse_sse
+
 from protocol import FinishReason, JobStatus
 
 pytestmark = pytest.mark.anyio

@@ -6,7 +6,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from api_support import CONTEXT
 
 pytestmark = pytest.mark.anyio

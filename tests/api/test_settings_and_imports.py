@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from api_support import CHAT_TEMPLATE
 
 from api.__main__ import main
 from api.chat_template import render_chat
 from api.settings import ApiSettings
-from api_support import CHAT_TEMPLATE
 from protocol import ModelCard
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -153,8 +153,8 @@ def fleet(redis_server: Any, tiny_llama_dir: Path, tmp_path_factory: pytest.Temp
 
 @pytest.fixture(scope="session")
 def reference_engine(tiny_llama_dir: Path) -> Any:
-    from worker.engine.engine import Engine
     from worker.engine.config import EngineConfig
+    from worker.engine.engine import Engine
 
     # One thread, like the workers under test: on a 2-core box more threads only contend.
     return Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_num_seqs=64, num_threads=1))

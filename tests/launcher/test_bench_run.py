@@ -4,8 +4,7 @@ import math
 
 import pytest
 
-from launcher.bench_run import (BenchConfig, _jsonable, format_markdown, format_table,
-                               parse_mode_rates, parse_rates)
+from launcher.bench_run import BenchConfig, _jsonable, format_markdown, format_table, parse_mode_rates, parse_rates
 from launcher.cli import main
 
 ROW = {"label": "continuous", "rate": math.inf, "jobs": 32, "failed": 0, "elapsed_s": 8.0,

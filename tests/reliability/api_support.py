@@ -23,8 +23,14 @@ from redis import Redis
 
 from protocol import Keys, ModelCard
 from tests.conftest import RedisServer, _free_port
-from tests.integration.conftest import FP32, READY_TIMEOUT_S, REPO, WorkerProcess, wait_until
-from tests.integration.conftest import sse_events  # noqa: F401  (re-exported for the api tests here)
+from tests.integration.conftest import (
+    FP32,
+    READY_TIMEOUT_S,
+    REPO,
+    WorkerProcess,
+    sse_events,  # noqa: F401  (re-exported for the api tests here)
+    wait_until,
+)
 
 KEYS = Keys()
 

@@ -440,7 +440,8 @@ def test_fuzzed_api_never_fails_and_the_worker_survives_what_it_accepted(stack: 
 def test_the_api_refuses_what_the_worker_would() -> None:
     # api/fields.py mirrors these limits (api/ may not import worker/): a job the API accepts
     # past them could only fail on the worker, after its 202.
-    from protocol.generation import MAX_SEED, MAX_STOP_STRING_CHARS as WORKER_STOP_CHARS
+    from protocol.generation import MAX_SEED
+    from protocol.generation import MAX_STOP_STRING_CHARS as WORKER_STOP_CHARS
 
     assert (SEED_MIN, SEED_MAX) == (0, MAX_SEED)
     assert MAX_STOP_STRING_CHARS == WORKER_STOP_CHARS

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from protocol.generation import SamplingParams
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import BatchingMode
-from protocol.generation import SamplingParams
 from worker.engine.outputs import SchedulerOutput
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence, SequenceStatus
@@ -241,8 +241,8 @@ def greedy_reference(
 
 
 def make_engine(loaded: Any, **overrides: Any) -> Any:
-    from worker.engine.engine import Engine
     from worker.engine.config import EngineConfig
+    from worker.engine.engine import Engine
 
     # fp32 whatever the CPU: the references are fp32 (auto picks bf16 on AVX512-BF16/AMX CPUs).
     settings = {"model": str(loaded.path), "dtype": "float32", "block_size": 4, "num_kv_blocks": 512,

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from worker.engine.config import BatchingMode, EngineConfig
 from protocol.generation import SamplingParams
+from worker.engine.config import BatchingMode, EngineConfig
 
 if TYPE_CHECKING:
     from worker.engine.engine import Engine

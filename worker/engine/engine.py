@@ -17,15 +17,11 @@ from typing import Any
 
 import torch
 
-from worker.engine.block_manager import BlockManager
-from worker.engine.detokenizer import Detokenizer, make_decode
-from worker.engine.config import BatchingMode, EngineConfig
-from worker.model.loader import LoadedModel, load_model
-from worker.model.routing import resolve_device, resolve_dtype
-from worker.engine.model_runner import ModelRunner
 from protocol.generation import MAX_SEED, FinishReason, SamplingParams
-from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Sequence
+from worker.engine.block_manager import BlockManager
+from worker.engine.config import BatchingMode, EngineConfig
+from worker.engine.detokenizer import Detokenizer, make_decode
+from worker.engine.model_runner import ModelRunner
 from worker.engine.outputs import (
     Completion,
     PreemptedRequest,
@@ -35,6 +31,10 @@ from worker.engine.outputs import (
     StepStats,
     TokenDelta,
 )
+from worker.engine.scheduler import Scheduler
+from worker.engine.sequence import Sequence
+from worker.model.loader import LoadedModel, load_model
+from worker.model.routing import resolve_device, resolve_dtype
 
 __all__ = [
     "BatchingMode", "Completion", "Engine", "EngineConfig", "FinishReason", "PreemptedRequest",

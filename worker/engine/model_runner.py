@@ -12,12 +12,13 @@ from typing import Any
 
 import torch
 
-from worker.model.linear_layers import warm_up_packed_layers
-from worker.model.routing import route_cpu_kernels
-from worker.model.loader import LoadedModel, ModelLoadError
-from worker.model.attention_backend import AttentionMetadata, PagedAttentionBackend
-from worker.engine.sampler import Sampler, SamplingMetadata
 from worker.engine.outputs import SchedulerOutput
+from worker.engine.sampler import Sampler, SamplingMetadata
+from worker.model.attention_backend import AttentionMetadata, PagedAttentionBackend
+from worker.model.linear_layers import warm_up_packed_layers
+from worker.model.loader import LoadedModel, ModelLoadError
+from worker.model.routing import route_cpu_kernels
+
 
 @dataclass(slots=True)
 class ModelInputs:

@@ -10,10 +10,10 @@ from collections import deque
 from collections.abc import Iterable
 from collections.abc import Set as AbstractSet
 
+from protocol.generation import FinishReason
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import BatchingMode
 from worker.engine.outputs import SchedulerOutput
-from protocol.generation import FinishReason
 from worker.engine.sequence import Sequence, SequenceStatus
 
 

@@ -27,18 +27,18 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.worker import WorkerStatus
 
+from protocol.generation import SamplingParams
 from protocol.keys import Keys
 from protocol.messages import FinishReason, JobSpec, JobStatus, ModelCard, TokenEntry, WorkerStats
-from worker.jobs.backoff import Backoff
-from worker.engine.outputs import StepOutput, StepStats
 from worker.engine.config import BatchingMode
+from worker.engine.outputs import StepOutput, StepStats
+from worker.jobs.backoff import Backoff
 from worker.jobs.job_queue import ClaimedJob, JobQueue
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.rq_presence import RQPresence
 from worker.jobs.running_job import RunningJob
-from protocol.generation import SamplingParams
-from worker.jobs.stream_publisher import JobEnd, PublishReport, StreamPublisher
 from worker.jobs.settings import WorkerSettings
+from worker.jobs.stream_publisher import JobEnd, PublishReport, StreamPublisher
 
 if TYPE_CHECKING:  # the engine (torch) is handed in by worker.__main__, never imported here
     from worker.engine.engine import Engine

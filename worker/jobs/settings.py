@@ -56,7 +56,7 @@ class WorkerSettings(BaseSettings):
     log_level: str = "INFO"
 
     @model_validator(mode="after")
-    def _check(self) -> "WorkerSettings":
+    def _check(self) -> WorkerSettings:
         if self.idle_block_seconds >= self.lease_seconds:
             # An idle wait longer than the lease would let recovery and heartbeats fall behind.
             self.idle_block_seconds = max(0.05, self.lease_seconds / 4)

@@ -15,7 +15,7 @@ import time
 import zlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from redis import Redis
 from redis.client import Pipeline
@@ -139,7 +139,7 @@ class StreamPublisher:
             first_token_at=state.first_token_at or job.first_token_at, finished_at=now,
             num_preemptions=state.num_preemptions, worker=self.worker_name)
         ended_at = rq_now()
-        started_at = datetime.fromtimestamp(job.claimed_at or now, tz=timezone.utc)
+        started_at = datetime.fromtimestamp(job.claimed_at or now, tz=UTC)
         rq_result = Result(
             lease.job_id,
             Result.Type.FAILED if end.status == JobStatus.FAILED else Result.Type.SUCCESSFUL,

@@ -141,7 +141,8 @@ def _concatenate(module: nn.Module, names: tuple[str, ...], attribute: str) -> t
     for name, parameter in zip(names, parameters):
         owner_name, _, leaf = name.rpartition(".")
         owner = module.get_submodule(owner_name)
-        setattr(owner, leaf, nn.Parameter(fused[start:start + parameter.shape[0]], requires_grad=parameter.requires_grad))
+        view = fused[start:start + parameter.shape[0]]
+        setattr(owner, leaf, nn.Parameter(view, requires_grad=parameter.requires_grad))
         start += parameter.shape[0]
     setattr(module, attribute, fused)
     return fused

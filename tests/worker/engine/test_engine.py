@@ -17,8 +17,8 @@ from tests.worker.conftest import (
     random_prompts,
     run_engine,
 )
-from worker.engine.engine import Engine, FinishReason, SamplingParams
 from worker.engine.config import BatchingMode, EngineConfig
+from worker.engine.engine import Engine, FinishReason, SamplingParams
 from worker.model.attention_backend import PagedAttentionBackend
 
 
@@ -69,7 +69,9 @@ def test_greedy_equals_hf_generate_with_staggered_arrivals(tiny: TinyCase) -> No
     assert_matches_reference(run, tiny)
 
 
-def test_greedy_equals_hf_generate_with_a_cached_shared_prefix(tiny: TinyCase, tiny_llama_dir: Any, tiny_qwen2_dir: Any) -> None:
+def test_greedy_equals_hf_generate_with_a_cached_shared_prefix(
+    tiny: TinyCase, tiny_llama_dir: Any, tiny_qwen2_dir: Any,
+) -> None:
     directory = tiny_llama_dir if tiny.architecture == "llama" else tiny_qwen2_dir
     shared = GREEDY_PROMPTS[8][:21]
     prompts = [shared + suffix[:n] for n, suffix in zip((1, 3, 6, 11, 2, 7), GREEDY_PROMPTS[9:15])]
@@ -175,7 +177,8 @@ SEEDED = SamplingParams(max_tokens=20, temperature=0.9, top_k=50, top_p=0.95, se
 def test_seeded_tokens_do_not_depend_on_batch_companions(tiny_llama: Any) -> None:
     prompt = GREEDY_PROMPTS[4]
     alone = run_engine(make_engine(tiny_llama), [("seeded", prompt, SEEDED)])
-    companions = [(f"c{i}", p, SamplingParams(max_tokens=12, temperature=1.0)) for i, p in enumerate(GREEDY_PROMPTS[6:14])]
+    companions = [(f"c{i}", p, SamplingParams(max_tokens=12, temperature=1.0))
+                  for i, p in enumerate(GREEDY_PROMPTS[6:14])]
     crowded = run_engine(make_engine(tiny_llama), [*companions[:4], ("seeded", prompt, SEEDED), *companions[4:]])
     assert crowded.token_ids["seeded"] == alone.token_ids["seeded"]
     assert len(set(map(tuple, crowded.token_ids.values()))) == len(crowded.token_ids)

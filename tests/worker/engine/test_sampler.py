@@ -3,8 +3,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.engine.sampler import Sampler, SamplingMetadata, uniform_from_seed
 from protocol.generation import SamplingParams
+from worker.engine.sampler import Sampler, SamplingMetadata, uniform_from_seed
 
 VOCAB = 64
 

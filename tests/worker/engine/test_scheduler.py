@@ -8,16 +8,17 @@ import sys
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from protocol.generation import FinishReason
 from tests.worker.conftest import EOS, check_block_accounting, fake_step, make_scheduler, make_seq
 from worker.engine.config import BatchingMode
 from worker.engine.scheduler import Scheduler
-from protocol.generation import FinishReason
 from worker.engine.sequence import Sequence, SequenceStatus
 
 
 def test_scheduler_and_block_manager_do_not_import_torch() -> None:
     code = (
-        "import sys, worker.engine.scheduler, worker.engine.block_manager, worker.engine.sequence, worker.engine.detokenizer;"
+        "import sys, worker.engine.scheduler, worker.engine.block_manager, worker.engine.sequence;"
+        "import worker.engine.detokenizer, worker.engine.outputs;"
         "import worker.engine.config, protocol.generation;"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import fakeredis
 from redis import Redis
 
-from protocol import JobSpec, Keys, Priority, SamplingParams, TokenEntry, submit_job
+from protocol import JobSpec, Keys, Priority, TokenEntry, submit_job
 from worker.jobs.job_queue import ClaimedJob, JobQueue
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.running_job import RunningJob

@@ -70,8 +70,8 @@ def _specs(model: str, count: int, max_tokens: int = 6) -> list[JobSpec]:
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir: Path) -> object:
     """An engine of its own (the workers' engines are busy in their threads)."""
-    from worker.engine.engine import Engine
     from worker.engine.config import EngineConfig
+    from worker.engine.engine import Engine
 
     return Engine(EngineConfig(model=str(tiny_llama_dir), dtype="float32", num_threads=1))
 

@@ -132,7 +132,8 @@ def test_routed_bf16_model_stays_within_bf16_rounding_of_transformers(model: tor
     expected = _logits(model, ids).float()
     route_linear_layers(model, packed=True)
     route_fused_layers(model, packed=True)
-    assert all(m.carpool_packed_gate_up_weight is not None for m in model.modules() if hasattr(m, "carpool_gate_up_weight"))
+    assert all(m.carpool_packed_gate_up_weight is not None
+               for m in model.modules() if hasattr(m, "carpool_gate_up_weight"))
     actual = _logits(model, ids).float()
     # RMSNorm's fp32 sum in another order may tip a bf16 rounding by one step; nothing more.
     torch.testing.assert_close(actual, expected, rtol=0.02, atol=0.02 * expected.abs().max().item())
