@@ -28,8 +28,11 @@ DEFAULT_API_URL = "http://127.0.0.1:8000"
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args, rest = parser.parse_known_args(argv)
-    # `up` talks to a newcomer in plain lines; the pieces' logs appear with --log-level info.
-    level = "WARNING" if args.command == "up" and args.log_level == "warning" else "INFO"
+    # Plain lines for a newcomer (`up` progress, `submit` answers); the pieces' logs appear with
+    # `up --log-level info`, the HTTP requests of `submit`/`watch` with --verbose; bench logs all.
+    verbose = args.command == "bench" or getattr(args, "verbose", False) or \
+        getattr(args, "log_level", "warning") != "warning"
+    level = "INFO" if verbose else "WARNING"
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.command in ("api", "worker"):
         # Hand everything after the subcommand to the piece's own parser (`--help` included).
@@ -232,7 +235,8 @@ Carpool is up at {api_url}   (API docs: {api_url}/docs, playground: {api_url}/)
     -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "What is 2+2?"}}]}}'
 
   python -c "from openai import OpenAI; c = OpenAI(base_url='{api_url}/v1', api_key='none'); \\
-print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'What is 2+2?'}}]).choices[0].message.content)"
+print(c.chat.completions.create(model='{model}', \\
+messages=[{{'role': 'user', 'content': 'What is 2+2?'}}]).choices[0].message.content)"
 
 Ctrl-C stops everything.
 """, flush=True)
@@ -282,11 +286,18 @@ def _submit(args: argparse.Namespace) -> int:
         body["messages"] = [{"role": "user", "content": args.prompt}]
     else:
         body["prompt"] = args.prompt
-    response = httpx.post(f"{args.api_url}/v1/jobs", json=body, headers=_headers(args), timeout=30)
+    try:
+        response = httpx.post(f"{args.api_url}/v1/jobs", json=body, headers=_headers(args), timeout=30)
+    except httpx.HTTPError as exc:
+        print(f"error: cannot reach the API at {args.api_url} ({exc}); is `carpool up` running?",
+              file=sys.stderr)
+        return 1
     if response.status_code >= 400:
         print(f"error {response.status_code}: {response.text}", file=sys.stderr)
         return 1
     job = response.json()
+    if args.verbose:
+        print(f"job {job['job_id']}", file=sys.stderr)
     if not args.watch:
         print(job["job_id"], flush=True)
     else:

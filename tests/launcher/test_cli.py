@@ -1,0 +1,67 @@
+"""The `carpool` command as a newcomer meets it: submit --watch prints only the answer."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from launcher import cli
+
+JOB_ID = "0123abcd"
+
+
+def _sse(events: list[tuple[str, dict[str, object]]]) -> bytes:
+    return "".join(f"event: {kind}\nid: 0-{i + 1}\ndata: {json.dumps(data)}\n\n"
+                   for i, (kind, data) in enumerate(events)).encode()
+
+
+@pytest.fixture
+def fake_api(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[httpx.Request]]:
+    """Routes the module's httpx calls to an in-process handler that plays the jobs API."""
+    seen: list[httpx.Request] = []
+    stream = _sse([("token", {"index": 0, "token_id": 5, "text": "The answer"}),
+                   ("token", {"index": 1, "token_id": 6, "text": " is 4."}),
+                   ("done", {"finish_reason": "stop", "usage": {"completion_tokens": 2}})])
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.method == "POST":
+            return httpx.Response(202, json={"job_id": JOB_ID})
+        return httpx.Response(200, content=stream, headers={"content-type": "text/event-stream"})
+
+    client = httpx.Client(transport=httpx.MockTransport(handler))
+    monkeypatch.setattr(httpx, "post", lambda url, **kw: client.post(url, **kw))
+    monkeypatch.setattr(httpx, "stream", lambda method, url, **kw: client.stream(method, url, **kw))
+    yield seen
+
+
+def test_submit_watch_prints_only_the_answer(fake_api: list[httpx.Request],
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["submit", "--chat", "What is 2+2?", "--watch", "--api-url", "http://x"]) == 0
+    out, err = capsys.readouterr()
+    assert (out, err) == ("The answer is 4.\n", "")
+    assert json.loads(fake_api[0].content)["messages"] == [{"role": "user", "content": "What is 2+2?"}]
+    assert str(fake_api[1].url) == f"http://x/v1/jobs/{JOB_ID}/stream"
+
+
+def test_submit_verbose_adds_the_job_and_usage_on_stderr(fake_api: list[httpx.Request],
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["submit", "hi", "--watch", "--verbose", "--api-url", "http://x"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "The answer is 4.\n"
+    assert f"job {JOB_ID}\n" in err and '[stop] {"completion_tokens": 2}' in err
+
+
+def test_submit_without_watch_prints_the_job_id(fake_api: list[httpx.Request],
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["submit", "hi", "--api-url", "http://x"]) == 0
+    assert capsys.readouterr().out == f"{JOB_ID}\n"
+
+
+def test_an_unreachable_api_is_one_clear_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["submit", "hi", "--api-url", "http://127.0.0.1:9"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: cannot reach the API at http://127.0.0.1:9 (")
