@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast bench clean
+.PHONY: install run test test-fast lint bench clean
 
 install: $(STAMP)
 
@@ -23,6 +23,12 @@ run: install
 
 test: install
 	$(PY) -m pytest -q
+
+# ruff, mypy (strict on protocol, api, worker.engine, worker.jobs) and the import contracts.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow and not triton_interpret"
