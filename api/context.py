@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import redis
 import redis.asyncio as aioredis
@@ -69,4 +70,4 @@ class AppContext:
 
 
 def get_context(request: Request) -> AppContext:
-    return request.app.state.context
+    return cast(AppContext, request.app.state.context)  # set at startup; Starlette's state is untyped

@@ -60,7 +60,7 @@ class JobCreate(BaseModel):
 
 class JobAccepted(BaseModel):
     job_id: str = Field(description="The job's id, for /v1/jobs/{job_id}.")
-    object: Literal["job"] = Field("job", description="Always 'job'.")
+    object: Literal["job"] = Field(default="job", description="Always 'job'.")
     status: JobStatus = Field(description="'queued': it waits for a worker.")
     model: str = Field(description="The model that will run it.")
     priority: Priority = Field(description="The queue it waits in.")
@@ -91,7 +91,7 @@ class JobTimings(BaseModel):
 
 class JobView(BaseModel):
     job_id: str = Field(description="The job's id.")
-    object: Literal["job"] = Field("job", description="Always 'job'.")
+    object: Literal["job"] = Field(default="job", description="Always 'job'.")
     status: JobStatus = Field(description="queued, running, preempted, finished, failed or canceled.")
     model: str = Field(description="The model running it.")
     text: str = Field(description="The text generated so far (all of it once the job ended).")
@@ -108,7 +108,7 @@ class JobView(BaseModel):
 
 class JobCanceled(BaseModel):
     job_id: str = Field(description="The job's id.")
-    object: Literal["job"] = Field("job", description="Always 'job'.")
+    object: Literal["job"] = Field(default="job", description="Always 'job'.")
     status: JobStatus = Field(description="The job's status after the request: canceled, or the "
                                           "final status it had already reached.")
     canceled: bool = Field(description="Whether this request canceled it.")

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import cast
 
 import redis.asyncio as aioredis
 
 from protocol import FinishReason, JobState, JobStatus, Keys, StreamEntry
+from protocol.job_reader import RawEntry, XReadReply
 from protocol.stream_ids import STREAM_START, next_entry_id
 
 
@@ -45,11 +47,11 @@ class JobStream:
         self._block_ms = block_ms
 
     async def last_event(self) -> StreamEvent | None:
-        entries = await self._redis.xrevrange(self._keys.stream(self.job_id), count=1)
+        entries = cast("list[RawEntry]", await self._redis.xrevrange(self._keys.stream(self.job_id), count=1))
         return _event(*entries[0]) if entries else None
 
     async def read_all(self) -> list[StreamEvent]:
-        entries = await self._redis.xrange(self._keys.stream(self.job_id))
+        entries = cast("list[RawEntry]", await self._redis.xrange(self._keys.stream(self.job_id)))
         return [_event(entry_id, fields) for entry_id, fields in entries]
 
     async def follow(self, after_id: str = STREAM_START) -> AsyncIterator[StreamEvent | None]:
@@ -62,7 +64,7 @@ class JobStream:
         key = self._keys.stream(self.job_id)
         last_id = after_id
         while True:
-            reply = await self._redis.xread({key: last_id}, block=self._block_ms, count=256)
+            reply = cast(XReadReply, await self._redis.xread({key: last_id}, block=self._block_ms, count=256))
             if reply:
                 for entry_id, fields in reply[0][1]:
                     event = _event(entry_id, fields)

@@ -88,11 +88,11 @@ def render(snapshot: FleetSnapshot) -> str:
     for hist_name, fields in snapshot.histograms.items():
         name = PREFIX + hist_name
         out.family(name, "histogram", _HISTOGRAM_HELP.get(hist_name, hist_name))
-        buckets, total, count = _cumulative(fields)
+        buckets, total, observations = _cumulative(fields)
         for bound, cumulative in buckets:
             out.sample(name + "_bucket", cumulative, {"le": _le(bound)})
         out.sample(name + "_sum", total)
-        out.sample(name + "_count", count)
+        out.sample(name + "_count", observations)
     return out.text()
 
 

@@ -280,14 +280,14 @@ class ChatCompletion(BaseModel):
 
 class ModelObject(BaseModel):
     id: str = Field(description="The name to pass as `model`.")
-    object: Literal["model"] = Field("model", description="The kind of object.")
+    object: Literal["model"] = Field(default="model", description="The kind of object.")
     created: int = Field(description="When a worker registered it, seconds since the epoch.")
-    owned_by: str = Field("carpool", description="Always carpool.")
+    owned_by: str = Field(default="carpool", description="Always carpool.")
     max_model_len: int = Field(description="Context length in tokens (as vLLM reports it).")
 
 
 class ModelList(BaseModel):
-    object: Literal["list"] = Field("list", description="The kind of object.")
+    object: Literal["list"] = Field(default="list", description="The kind of object.")
     data: list[ModelObject] = Field(description="Models the workers serve, the default first.")
 
 

@@ -100,7 +100,7 @@ class SamplingParams:
         names = cls.field_names()
         if strict and (unknown := sorted(set(source) - names)):
             raise ValueError(f"sampling params have unknown fields: {', '.join(unknown)}")
-        values = {name: tuple(v) if isinstance(v := source[name], list) else v
+        values: dict[str, Any] = {name: tuple(v) if isinstance(v := source[name], list) else v
                   for name in names if name in source}
         return cls(**values)
 

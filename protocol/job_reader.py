@@ -8,13 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from redis import Redis
 
 from protocol.keys import Keys
 from protocol.messages import JobResult, JobState, StreamEntry
 from protocol.stream_ids import STREAM_START
+
+# One stream entry as XRANGE/XREAD return it on Carpool's (RESP2) connections: (entry id, fields).
+# redis-py's own reply types also cover RESP3 and pipelined replies, which these calls never get.
+RawEntry = tuple[Any, dict[Any, Any]]
+XReadReply = list[tuple[Any, list[RawEntry]]]  # [(stream key, entries)] per stream read
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +46,7 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def parse_entries(raw: Sequence[tuple[Any, dict[Any, Any]]], last_id: str = STREAM_START) -> StreamRead:
+def parse_entries(raw: Sequence[RawEntry], last_id: str = STREAM_START) -> StreamRead:
     """Turn XRANGE's reply (or one stream's part of XREAD's) into StreamEntry objects."""
     entries = [StreamEntry.from_fields(fields) for _, fields in raw]
     return StreamRead(entries, _text(raw[-1][0]) if raw else last_id)
@@ -73,8 +78,9 @@ class JobReader:
         key = self.keys.stream(job_id)
         if block_ms is None:
             start = "-" if after == "0-0" else f"({after}"
-            return parse_entries(self.redis.xrange(key, start, "+", count=count), after)
-        reply = self.redis.xread({key: after}, count=count, block=block_ms)
+            return parse_entries(cast("list[RawEntry]", self.redis.xrange(key, start, "+", count=count)),
+                                 after)
+        reply = cast(XReadReply, self.redis.xread({key: after}, count=count, block=block_ms))
         raw = reply[0][1] if reply else []
         return parse_entries(raw, after)
 

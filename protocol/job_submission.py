@@ -8,7 +8,11 @@ script, so a worker taking the job at the same moment sees either the job or the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import cast
+
 from redis import Redis
+from redis.typing import EncodableT, FieldT
 from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
@@ -82,7 +86,9 @@ def submit_jobs(
                 description=f"generate {spec.sampling.max_tokens} tokens with {spec.model}",
                 pipeline=pipe,
             ))
-            pipe.hset(keys.state(spec.job_id), mapping=state.to_fields())
+            # A dict[str, str] is a valid mapping; redis-py's Mapping key type is invariant.
+            pipe.hset(keys.state(spec.job_id),
+                      mapping=cast("Mapping[FieldT, EncodableT]", state.to_fields()))
             if spec.owner:
                 pipe.zadd(keys.jobs_by_owner(spec.owner), {spec.job_id: spec.created_at})
         pipe.execute()
@@ -181,7 +187,7 @@ def cancel_job(redis: Redis, job_id: str, keys: Keys = Keys()) -> JobStatus | No
     for priority in priorities:
         name = keys.queue_name(priority)
         script_keys += [RQKeys.queue(name), RQKeys.canceled(name)]
-    args = [job_id, DEFAULT_RESULT_TTL] + [keys.queue_name(p) for p in priorities]
+    args: list[EncodableT] = [job_id, DEFAULT_RESULT_TTL, *(keys.queue_name(p) for p in priorities)]
     status = script(keys=script_keys, args=args, client=redis)
     if status is None:
         return None

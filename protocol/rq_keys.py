@@ -9,6 +9,7 @@ Checked against rq 3.0.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 from rq.executions import WORKER_EXECUTIONS_KEY_TEMPLATE, Execution, ExecutionRegistry
 from rq.job import Job
@@ -63,7 +64,8 @@ class RQKeys:
 
     @staticmethod
     def results(job_id: str) -> str:
-        return Result.get_key(job_id)
+        # rq's Result.get_key is unannotated (it returns an f-string).
+        return cast(str, Result.get_key(job_id))  # type: ignore[no-untyped-call]
 
     @staticmethod
     def started(queue_name: str) -> str:
@@ -101,7 +103,8 @@ class RQKeys:
 
     @staticmethod
     def execution_composite(job_id: str, execution_id: str) -> str:
-        return Execution(id=execution_id, job_id=job_id, connection=None).composite_key  # type: ignore[arg-type]
+        execution = Execution(id=execution_id, job_id=job_id, connection=None)  # type: ignore[arg-type]
+        return cast(str, execution.composite_key)  # rq: composite_key is unannotated
 
     @staticmethod
     def executions(job_id: str) -> str:

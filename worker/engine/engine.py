@@ -262,7 +262,8 @@ class Engine:
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """Token ids of a chat through the tokenizer's template, ready for the assistant's turn."""
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
+        return ids
 
     # -- sizing ----------------------------------------------------------------------------------
 

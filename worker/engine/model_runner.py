@@ -152,7 +152,8 @@ class ModelRunner:
             logits_to_keep=inputs.logits_indices,
             **kwargs,
         )
-        return output.logits[0].float()
+        logits: torch.Tensor = output.logits[0]
+        return logits.float()
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> list[int]:
         if logits.shape[0] == 0:

@@ -77,6 +77,7 @@ class Sampler:
         if metadata.all_greedy:
             return greedy
         probs = self.probabilities(logits, metadata)
+        assert metadata.uniforms is not None  # build() sets them whenever a row samples
         cdf = probs.double().cumsum(dim=-1)
         # The first index whose cdf passes u * total: zero-probability tokens never match.
         target = (metadata.uniforms * cdf[:, -1]).unsqueeze(1)

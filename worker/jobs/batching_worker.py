@@ -27,9 +27,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.worker import WorkerStatus
 
-from protocol.generation import SamplingParams
+from protocol.generation import FinishReason, SamplingParams
 from protocol.keys import Keys
-from protocol.messages import FinishReason, JobSpec, JobStatus, ModelCard, TokenEntry, WorkerStats
+from protocol.messages import JobSpec, JobStatus, ModelCard, TokenEntry, WorkerStats
 from worker.engine.config import BatchingMode
 from worker.engine.outputs import StepOutput, StepStats
 from worker.jobs.backoff import Backoff
@@ -153,7 +153,7 @@ class BatchingWorker:
                 log.info("worker %s: draining %d jobs for up to %.0fs", self.name,
                          len(self.jobs), self.settings.drain_seconds)
             draining = drain_deadline is not None
-            if draining and (not self.jobs or time.monotonic() >= drain_deadline):
+            if drain_deadline is not None and (not self.jobs or time.monotonic() >= drain_deadline):
                 self._requeue_all()
                 return
             if not draining:

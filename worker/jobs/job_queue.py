@@ -23,6 +23,7 @@ from typing import Any
 
 from redis import Redis
 from redis.exceptions import NoScriptError
+from redis.typing import EncodableT
 from rq.job import Job
 from rq.serializers import JSONSerializer
 from rq.utils import now as rq_now
@@ -109,7 +110,7 @@ class JobQueue:
             return []
         now = time.time()
         adopt_id, adopt_index = adopt if adopt else ("", 0)
-        args: list[object] = [
+        args: list[EncodableT] = [
             self.worker_name, self.lease_ms, max_jobs,
             -1 if free_kv_blocks is None else free_kv_blocks, self.block_size,
             adopt_id, adopt_index + 1 if adopt else 0, self.execution_ttl_s,

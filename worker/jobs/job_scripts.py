@@ -22,10 +22,13 @@ workers share.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 from redis import Redis
 from redis.client import Pipeline
+from redis.typing import EncodableT
 
 _COMMON = """
 local function is_final(status)
@@ -347,7 +350,8 @@ class JobScripts:
     def _sha(self, name: str) -> str:
         if self.shas is None:
             raise RuntimeError("JobScripts.load(redis) must run before scripts are called")
-        return getattr(self.shas, name)
+        return cast(str, getattr(self.shas, name))
 
-    def call(self, target: Redis | Pipeline, name: str, keys: list[str], args: list[object]):
+    def call(self, target: Redis | Pipeline, name: str, keys: Sequence[str],
+             args: Sequence[EncodableT]) -> Any:
         return target.evalsha(self._sha(name), len(keys), *keys, *args)

@@ -42,7 +42,7 @@ class RQPresence:
                                  f"{age.total_seconds():.0f}s ago); pick another --name")
             log.warning("taking over the name of dead worker %s", self.name)
             self.redis.delete(key)
-        self.worker.register_birth()
+        self.worker.register_birth()  # type: ignore[no-untyped-call]  # rq: unannotated method
         self.set_state(WorkerStatus.IDLE)
 
     def _was_this_host_and_died(self) -> bool:
@@ -52,11 +52,11 @@ class RQPresence:
         hostname, pid = self.redis.hmget(self.worker.key, "hostname", "pid")
         if hostname is None or as_text(hostname) != socket.gethostname() or not pid:
             return False
-        pid = int(pid)
-        if pid == os.getpid():
+        pid_number = int(pid)
+        if pid_number == os.getpid():
             return True  # a restarted container: same host name, same pid, so not alive
         try:
-            os.kill(pid, 0)
+            os.kill(pid_number, 0)
         except ProcessLookupError:
             return True
         except PermissionError:
@@ -72,4 +72,4 @@ class RQPresence:
             self.state = state
 
     def register_death(self) -> None:
-        self.worker.register_death()
+        self.worker.register_death()  # type: ignore[no-untyped-call]  # rq: unannotated method

@@ -10,11 +10,27 @@ import os
 import socket
 import uuid
 from pathlib import Path
+from typing import TypedDict
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from worker.engine.config import BatchingMode, EngineConfig
+
+
+class EngineKwargs(TypedDict):
+    """The EngineConfig fields WorkerSettings.engine_kwargs fills in."""
+
+    model: str
+    dtype: str
+    device: str
+    block_size: int
+    num_kv_blocks: int | None
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int | None
+    mode: BatchingMode
+    num_threads: int | None
 
 
 class WorkerSettings(BaseSettings):
@@ -68,12 +84,13 @@ class WorkerSettings(BaseSettings):
         EngineConfig(**self.engine_kwargs())  # fail at start, with the engine's own message
         return self
 
-    def engine_kwargs(self) -> dict[str, object]:
-        return dict(model=self.model, dtype=self.dtype, device=self.device,
-                    block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
-                    max_num_seqs=self.max_num_seqs,
-                    max_num_batched_tokens=self.max_num_batched_tokens,
-                    max_model_len=self.max_model_len, mode=self.mode, num_threads=self.num_threads)
+    def engine_kwargs(self) -> EngineKwargs:
+        return EngineKwargs(model=self.model, dtype=self.dtype, device=self.device,
+                            block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+                            max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens,
+                            max_model_len=self.max_model_len, mode=self.mode,
+                            num_threads=self.num_threads)
 
     def engine_config(self) -> EngineConfig:
         # The worker requeues preempted jobs on Redis, so another worker can take them.

@@ -16,20 +16,22 @@ import zlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import Any, cast
 
 from redis import Redis
 from redis.client import Pipeline
 from redis.exceptions import NoScriptError, ResponseError
+from redis.typing import EncodableT
 from rq.results import Result
 from rq.serializers import JSONSerializer
 from rq.utils import now as rq_now
 from rq.utils import utcformat
 from rq.worker import WorkerStatus
 
+from protocol.generation import FinishReason
 from protocol.keys import Keys
 from protocol.messages import (
     HISTOGRAM_BUCKETS,
-    FinishReason,
     JobResult,
     JobStatus,
     WorkerStats,
@@ -69,7 +71,7 @@ class _ScriptCall:
     job_id: str
     name: str
     keys: list[str]
-    args: list[object]
+    args: list[EncodableT]
 
 
 class StreamPublisher:
@@ -84,7 +86,7 @@ class StreamPublisher:
         self._recover_templates = self._templates()
         self._reset()
 
-    def _templates(self) -> list[object]:
+    def _templates(self) -> list[str]:
         k = self.keys
         templates = [KeyTemplate.of(k.state("\x00")), KeyTemplate.of(k.stream("\x00")),
                      KeyTemplate.of(k.lease("\x00")), RQKeys.job_template(),
@@ -99,8 +101,8 @@ class StreamPublisher:
         self._calls: list[_ScriptCall] = []
         self._append_ids: list[str] = []
         self._append_keys: list[str] = []
-        self._append_args: list[object] = []
-        self._extra: list[tuple[str, tuple, dict]] = []  # plain commands (stats, heartbeats)
+        self._append_args: list[EncodableT] = []
+        self._extra: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []  # plain commands (stats, heartbeats)
         self._heartbeat = False
         self._worker_state: WorkerStatus | None = None
         self._counters: Counter[str] = Counter()
@@ -156,7 +158,7 @@ class StreamPublisher:
                 RQKeys.failed(queue), RQKeys.canceled(queue),
                 RQKeys.worker_executions(self.worker_name), RQKeys.worker(self.worker_name),
                 self.keys.fence(lease.job_id)]
-        args: list[object] = [
+        args: list[EncodableT] = [
             lease.token, lease.job_id, end.status.value, end.finish_reason.value, end.error,
             job.num_prompt_tokens, job.num_tokens, job.text,
             json.dumps(job.token_ids, separators=(",", ":")), job.result_ttl, job.failure_ttl,
@@ -179,8 +181,8 @@ class StreamPublisher:
                 RQKeys.execution(lease.job_id, lease.execution_id),
                 RQKeys.executions(lease.job_id), RQKeys.worker_executions(self.worker_name),
                 self.keys.stream(lease.job_id)]
-        args: list[object] = [lease.token, lease.job_id, lease.composite, lease.execution_id,
-                              job.num_prompt_tokens, 1 if count_as_preemption else 0]
+        args: list[EncodableT] = [lease.token, lease.job_id, lease.composite, lease.execution_id,
+                                  job.num_prompt_tokens, 1 if count_as_preemption else 0]
         self._calls.append(_ScriptCall("requeue", lease.job_id, "requeue", keys, args))
         self._counters["jobs_preempted_total"] += 1
 
@@ -285,7 +287,7 @@ class StreamPublisher:
             log.error("append script failed: %s", reply)
             report.refused.update(job_ids)
             return
-        results, canceled = reply
+        results, canceled = cast("list[list[int]]", reply)  # [append results, cancel flags]
         for job_id, result, flag in zip(job_ids, results, canceled):
             if result != 1:
                 report.refused.add(job_id)
@@ -298,7 +300,7 @@ class StreamPublisher:
         """Forget what is queued (the worker gave up on Redis and dropped its jobs)."""
         self._reset()
 
-    def _retry_missing_scripts(self, calls: list[_ScriptCall], replies: list) -> list:
+    def _retry_missing_scripts(self, calls: list[_ScriptCall], replies: list[Any]) -> list[Any]:
         """After a Redis restart or SCRIPT FLUSH no script ran: load them and rerun just those."""
         missing = [i for i, reply in enumerate(replies[:len(calls)])
                    if isinstance(reply, NoScriptError)]
@@ -331,4 +333,5 @@ class StreamPublisher:
             else:
                 report.refused.add(call.job_id)
         elif call.kind == "recover":
-            report.recovered = [r.decode() if isinstance(r, bytes) else r for r in reply or []]
+            recovered = cast("list[bytes | str] | None", reply)  # the job ids the script requeued
+            report.recovered = [r.decode() if isinstance(r, bytes) else r for r in recovered or []]
