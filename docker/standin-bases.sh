@@ -77,6 +77,10 @@ if ! have_or_pull redis:7-alpine; then
     chroot "$dir" sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends redis-server' \
         >"$CACHE/redis-apt.log" 2>&1 || { tail -20 "$CACHE/redis-apt.log"; exit 1; }
     mkdir -p "$dir/data"
+    # The official image builds Redis with protected mode off (it listens on a container network);
+    # Debian's binary has it on, which refuses every client from another container.
+    printf '#!/bin/sh\nexec /usr/bin/redis-server "$@" --protected-mode no\n' >"$dir/usr/local/bin/redis-server"
+    chmod +x "$dir/usr/local/bin/redis-server"
     slim "$dir"
     import "$dir" redis:7-alpine 'WORKDIR /data' 'EXPOSE 6379' 'CMD ["redis-server"]'
     rm -rf "$dir"
