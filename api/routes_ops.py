@@ -36,8 +36,10 @@ async def healthz(ctx: Context) -> JSONResponse:
     try:
         # One round trip (which also shows Redis answers): probes must stay cheap under load.
         workers = await fleet.live_workers(ctx.aio, ctx.keys)
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-        log.warning("healthz: Redis unreachable: %s", exc)
+    except redis.exceptions.RedisError as exc:
+        # Unreachable, or answering with an error (protected mode's DENIED, LOADING, NOAUTH):
+        # either way not ready, and a probe must say so rather than fail with a 500.
+        log.warning("healthz: Redis unusable: %s: %s", type(exc).__name__, exc)
         body = Health(status="redis_unreachable", redis=False, workers=0, models=[])
         return JSONResponse(body.model_dump(), status_code=503,
                             headers={"Retry-After": str(ctx.settings.retry_after_s)})

@@ -137,3 +137,16 @@ def test_redis_clients_time_out_past_the_stream_block() -> None:
     ctx = AppContext.build(settings)
     assert isinstance(ctx.aio, aioredis.Redis) and isinstance(ctx.sync, redis.Redis)
     assert ctx.aio.connection_pool.connection_kwargs["socket_timeout"] == 3.0
+
+
+async def test_healthz_answers_503_when_redis_answers_with_an_error(
+        harness: Harness, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    from api import fleet
+
+    async def refused(*args: object) -> list[object]:
+        raise redis.exceptions.ResponseError("DENIED Redis is running in protected mode")
+
+    monkeypatch.setattr(fleet, "live_workers", refused)
+    health = await client.get("/healthz")
+    assert health.status_code == 503
+    assert health.json() == {"status": "redis_unreachable", "redis": False, "workers": 0, "models": []}
