@@ -14,6 +14,7 @@ None after one warning, and callers keep using the pure-torch twins.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -47,7 +48,8 @@ def load() -> ModuleType | None:
     from torch.utils import cpp_extension  # slow to import; only needed here
 
     _put_ninja_on_path()
-    build_dir = BUILD_ROOT / f"{EXTENSION_NAME}-torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+    build_dir = BUILD_ROOT / (f"{EXTENSION_NAME}-torch{torch.__version__}-py{sys.version_info[0]}{sys.version_info[1]}"
+                              f"-{_source_tree_tag()}")
     started = time.perf_counter()
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -76,6 +78,13 @@ def _apply_isa_override(module: ModuleType) -> None:
         module.set_active_isa(wanted)
     except ValueError as exc:
         log.warning("%s=%s ignored (%s): running %s", ISA_ENV_VAR, wanted, exc, module.active_isa())
+
+
+def _source_tree_tag() -> str:
+    """A short tag of the csrc folder's path. Two checkouts (git worktrees) share ~/.cache: with one
+    build folder, each would rebuild over the other's module, and a process could load the other
+    checkout's kernels (seen: a module without a function its Python side called)."""
+    return hashlib.sha1(str(SOURCES[0].parent.resolve()).encode()).hexdigest()[:8]
 
 
 def _remove_stale_build_lock(build_dir: Path) -> None:
