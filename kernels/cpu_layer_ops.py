@@ -56,6 +56,9 @@ def fused_add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torc
     same shape and dtype (fp32 or bf16); weight: [D]. residual is updated in place."""
     if x.shape != residual.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} must equal x's {tuple(x.shape)}")
+    if not runs_here(x, residual, weight):  # the kernel reads raw rows of one dtype
+        raise ValueError(f"need contiguous CPU tensors of one dtype in {KERNEL_DTYPES}, got x {x.dtype}, "
+                         f"residual {residual.dtype}, weight {weight.dtype}")
     if weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
         raise ValueError(f"weight must be [{x.shape[-1]}] to match x's last dim, got {tuple(weight.shape)}")
     out = torch.empty_like(x)

@@ -106,6 +106,10 @@ def test_fused_add_rms_norm_twin_is_the_decoder_layers_add_then_norm() -> None:
 def test_fused_add_rms_norm_refuses_a_residual_of_another_shape() -> None:
     with pytest.raises(ValueError, match="residual shape"):
         cpu_layer_ops.fused_add_rms_norm_cpu(torch.zeros(2, 8), torch.zeros(3, 8), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="one dtype"):
+        cpu_layer_ops.fused_add_rms_norm_cpu(torch.zeros(2, 8), torch.zeros(2, 8).bfloat16(), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_layer_ops.fused_add_rms_norm_cpu(torch.zeros(2, 8), torch.zeros(8, 2).t(), torch.ones(8), 1e-6)
 
 
 @needs_kernel
