@@ -1,18 +1,20 @@
 """Paged attention and KV-cache writes (Triton kernels on CUDA, C++ kernels on AVX2 CPUs, pure-torch
 twins elsewhere), few-row linear layers (a C++ kernel on AVX2 CPUs, `F.linear` elsewhere), and the
-small per-layer ops RMSNorm, SiLU-and-multiply and the rotary embedding (C++ on CPUs, torch
-elsewhere).
+small per-layer ops RMSNorm (alone or after the residual add), SiLU-and-multiply and the rotary
+embedding (C++ on CPUs, torch elsewhere). kernels.cpu_isa says which CPU paths run (AVX2 or AVX-512).
 
 The engine calls only these dispatchers; the twins are exported by name
 for tests and benchmarks. Importing this package never imports triton or compiles anything.
 """
 
-from kernels.dispatch import linear, paged_attention, rms_norm, rotary_embedding, silu_and_mul, write_kv_cache
+from kernels.dispatch import (
+    fused_add_rms_norm, linear, paged_attention, rms_norm, rotary_embedding, silu_and_mul, write_kv_cache,
+)
 from kernels.torch_kv_cache_write import write_kv_cache_torch
 from kernels.torch_paged_attention import paged_attention_torch
 
 __all__ = [
-    "linear", "paged_attention", "paged_attention_torch", "rms_norm", "rotary_embedding", "silu_and_mul",
-    "write_kv_cache",
+    "fused_add_rms_norm", "linear", "paged_attention", "paged_attention_torch", "rms_norm", "rotary_embedding",
+    "silu_and_mul", "write_kv_cache",
     "write_kv_cache_torch",
 ]

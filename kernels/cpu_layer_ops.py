@@ -1,4 +1,4 @@
-"""rms_norm, silu_and_mul, rotary_embedding and write_kv_cache through the C++ CPU kernels
+"""rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding and write_kv_cache through the C++ CPU kernels
 (csrc/layer_ops_cpu.cpp).
 
 Each has a torch twin here (or in torch_kv_cache_write.py) that is its specification; the kernels
@@ -41,6 +41,28 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
         raise ValueError(f"weight must be [{x.shape[-1]}] to match x's last dim, got {tuple(weight.shape)}")
     out = torch.empty_like(x)
     cpu_extension.load().rms_norm_cpu(x, weight, float(eps), out)
+    return out
+
+
+def fused_add_rms_norm_torch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A Llama decoder layer's residual add and the next RMSNorm: residual <- residual + x (in place,
+    rounded to their dtype as torch's add rounds), then rms_norm_torch(residual)."""
+    residual.add_(x)
+    return rms_norm_torch(residual, weight, eps)
+
+
+def fused_add_rms_norm_cpu(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As fused_add_rms_norm_torch, in one pass over each row. x, residual: [..., D] contiguous,
+    same shape and dtype (fp32 or bf16); weight: [D]. residual is updated in place."""
+    if x.shape != residual.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} must equal x's {tuple(x.shape)}")
+    if not runs_here(x, residual, weight):  # the kernel reads raw rows of one dtype
+        raise ValueError(f"need contiguous CPU tensors of one dtype in {KERNEL_DTYPES}, got x {x.dtype}, "
+                         f"residual {residual.dtype}, weight {weight.dtype}")
+    if weight.dim() != 1 or x.shape[-1] != weight.shape[0]:
+        raise ValueError(f"weight must be [{x.shape[-1]}] to match x's last dim, got {tuple(weight.shape)}")
+    out = torch.empty_like(x)
+    cpu_extension.load().fused_add_rms_norm_cpu(x, residual, weight, float(eps), out)
     return out
 
 

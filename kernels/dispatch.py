@@ -117,6 +117,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return cpu_layer_ops.rms_norm_torch(x, weight, eps)
 
 
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual <- residual + x (in place), then Llama-style RMSNorm of it: a decoder layer's
+    `residual + hidden_states` and the next norm in one pass; the C++ kernel for fp32 and bf16 CPU tensors."""
+    if cpu_layer_ops.runs_here(x, residual, weight):
+        return cpu_layer_ops.fused_add_rms_norm_cpu(x, residual, weight, eps)
+    return cpu_layer_ops.fused_add_rms_norm_torch(x, residual, weight, eps)
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[..., 2I] gate then up -> silu(gate) * up; the C++ kernel for fp32 and bf16 CPU tensors."""
     if cpu_layer_ops.runs_here(gate_up):

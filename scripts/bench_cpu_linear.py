@@ -5,6 +5,13 @@
     python scripts/bench_cpu_linear.py --weights lm_head --rows 16,32,64,96   # the 49152-wide head
     python scripts/bench_cpu_linear.py --bf16             # also F.linear in bf16 (oneDNN)
     python scripts/bench_cpu_linear.py --bf16 --packed    # ... and on weights reordered once
+    python scripts/bench_cpu_linear.py --bf16 --packed --rows 1,8,32,64,128,512 --threads 1
+
+Every implementation of a row count is timed interleaved (one pass of each per round; the median
+of --repeats rounds), so load from other processes falls on all of them alike. The header names
+the CPU model, the C++ kernels' ISA and whether oneDNN may use AMX (ONEDNN_MAX_CPU_ISA caps it:
+`ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16` runs the same bf16 GEMMs without AMX; ONEDNN_VERBOSE=1
+names the kernel oneDNN picked, `brg_matmul:avx10_1_512_amx` where AMX runs).
 
 For each row count, the time of one pass over all 30 layers' 7 projections (q, k, v, o, gate, up,
 down), as a decode step makes it (or of the lm_head, with --weights lm_head), and the ratio.
@@ -17,13 +24,21 @@ times the same bf16 GEMMs on weights oneDNN reordered once (kernels/cpu_packed_l
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_extension, cpu_packed_linear, cpu_skinny_linear
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import bench_kernels  # noqa: E402  (its cpu_model)
+from kernels import cpu_extension, cpu_isa, cpu_packed_linear, cpu_skinny_linear  # noqa: E402
 
 NUM_LAYERS = 30
 SHAPES = {  # [out_features, in_features] of SmolLM2-135M
@@ -34,9 +49,12 @@ SHAPES = {  # [out_features, in_features] of SmolLM2-135M
 WEIGHT_SETS = {"layers": (SHAPES, NUM_LAYERS), "lm_head": ({"lm_head": (49152, 576)}, 1)}
 
 
-def time_pass(rows: int, weights: dict[str, list[torch.Tensor]],
-              linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], repeats: int,
-              dtype: torch.dtype | None = None) -> float:
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def make_pass(rows: int, weights: dict[str, list[torch.Tensor]], linear: Linear,
+              dtype: torch.dtype | None = None) -> Callable[[], None]:
+    """One pass over every weight of the set, as a step makes it."""
     # A packed weight's dtype is oneDNN's business: the caller names the input's.
     inputs = {name: torch.randn(rows, copies[0].shape[1], dtype=dtype or copies[0].dtype)
               for name, copies in weights.items()}
@@ -46,18 +64,34 @@ def time_pass(rows: int, weights: dict[str, list[torch.Tensor]],
             for weight in copies:
                 linear(inputs[name], weight)
 
-    one_pass()
-    started = time.perf_counter()
-    for _ in range(repeats):
+    return one_pass
+
+
+def time_interleaved(passes: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    """Median seconds per pass of each, one pass of each per round."""
+    for one_pass in passes.values():
         one_pass()
-    return (time.perf_counter() - started) / repeats
+    samples: dict[str, list[float]] = {name: [] for name in passes}
+    for _ in range(repeats):
+        for name, one_pass in passes.items():
+            started = time.perf_counter()
+            one_pass()
+            samples[name].append(time.perf_counter() - started)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def describe_machine() -> str:
+    amx = torch.cpu._is_amx_tile_supported()
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "unset")
+    return (f"{bench_kernels.cpu_model()}; torch {torch.__version__}; C++ kernels: {cpu_isa.active_isa()}; "
+            f"AMX tiles: {amx}; ONEDNN_MAX_CPU_ISA={cap}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", default="1,2,4,8,16,24,32,48,64")
     parser.add_argument("--threads", default="1,2")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="rounds; the median pass is reported")
     parser.add_argument("--weights", choices=sorted(WEIGHT_SETS), default="layers")
     parser.add_argument("--bf16", action="store_true", help="also time F.linear with bf16 weights and inputs")
     parser.add_argument("--packed", action="store_true", help="with --bf16: also on weights reordered once")
@@ -72,18 +106,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.bf16 and args.packed:
         packed_weights = {name: [cpu_packed_linear.pack_weight(w) for w in ws] for name, ws in bf16_weights.items()}
         bf16_header += f"{'bf16 packed ms':>16}{'packed vs F.linear':>20}"
+    print(describe_machine())
     print(f"{'threads':>7}{'rows':>6}{'F.linear ms':>13}{'skinny ms':>11}{'speed-up':>10}{bf16_header}")
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
         for rows in (int(r) for r in args.rows.split(",")):
-            reference = time_pass(rows, weights, F.linear, args.repeats)
-            skinny = time_pass(rows, weights, cpu_skinny_linear.skinny_linear, args.repeats)
+            passes = {"fp32": make_pass(rows, weights, F.linear),
+                      "skinny": make_pass(rows, weights, cpu_skinny_linear.skinny_linear)}
+            if args.bf16:
+                passes["bf16"] = make_pass(rows, bf16_weights, F.linear)
+            if packed_weights:
+                passes["packed"] = make_pass(rows, packed_weights, cpu_packed_linear.packed_linear, torch.bfloat16)
+            times = time_interleaved(passes, args.repeats)
+            reference, skinny = times["fp32"], times["skinny"]
             line = f"{threads:>7}{rows:>6}{reference * 1e3:>13.1f}{skinny * 1e3:>11.1f}{reference / skinny:>9.2f}x"
             if args.bf16:
-                bf16 = time_pass(rows, bf16_weights, F.linear, args.repeats)
+                bf16 = times["bf16"]
                 line += f"{bf16 * 1e3:>18.1f}{skinny / bf16:>15.2f}x"
             if packed_weights:
-                packed = time_pass(rows, packed_weights, cpu_packed_linear.packed_linear, args.repeats, torch.bfloat16)
+                packed = times["packed"]
                 line += f"{packed * 1e3:>16.1f}{bf16 / packed:>19.2f}x"
             print(line, flush=True)
     return 0

@@ -1,26 +1,36 @@
-"""Benchmark paged attention and KV-cache writes at SmolLM2-135M engine shapes.
+"""Benchmark paged attention, KV-cache writes and the layer ops at SmolLM2-135M engine shapes.
 
     python scripts/bench_kernels.py                  # CPU: the torch twin against naive baselines
     python scripts/bench_kernels.py --device cuda    # GPU: adds the Triton kernels and flex attention
+    python scripts/bench_kernels.py --threads 1 --clock cpu --dtypes bf16 --ops attention,layer
 
 Shapes (num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, shuffled block tables):
   decode-64: 64 sequences, one new token each, contexts uniform in 50..600
   mixed-256: one 256-token prefill chunk after a 256-token cached prefix, plus 63 decodes as above
 Implementations:
   twin         kernels.paged_attention_torch (the specification, and the CPU path without C++)
-  cpp          kernels.paged_attention on CPU tensors: the C++ kernel (the CPU product path; cpu only)
+  cpp          kernels.paged_attention on CPU tensors: the C++ kernel (the CPU product path; cpu only), on
+               the ISA the kernels picked at run time
+  cpp-avx2     the same, pinned to its AVX2 path (kernels.cpu_isa.forced_isa), where another ISA is active
+Layer ops (--ops layer; CPU, 64 decode rows of hidden 576 / intermediate 1536, 9 + 3 heads of 64):
+  rms_norm, add+rms_norm (torch's residual add then the kernel; `fused` is fused_add_rms_norm),
+  silu_and_mul, rotary: twin (torch), cpp-avx2, cpp (the active ISA)
   triton       kernels.paged_attention on CUDA tensors (cuda only)
   naive-loop   per sequence: gather K/V through the block table, then one SDPA call
   sdpa-dense   SDPA on K/V already un-paged and padded (one call for the decodes, one per prefill
                chunk): what attention costs with no paging at all
   flex         flex_attention (compiled) on the packed, un-paged K/V with a document mask (cuda only)
-Prints one table, ms per call (median). On a shared CPU box use --threads 1 --clock cpu: with two
-OpenMP threads, a descheduled thread stalls every op and wall times swing by 3-5x.
+Prints one table, ms per call (median); on the CPU every row of a table is timed interleaved (one
+call of each implementation per round), so load from other processes falls on all of them alike.
+On a shared CPU box use --threads 1 --clock cpu: with two OpenMP threads, a descheduled thread
+stalls every op and wall times swing by 3-5x. The header names the CPU model and the active ISA.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import platform
 import statistics
 import sys
 import time
@@ -33,7 +43,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels import paged_attention, paged_attention_torch, write_kv_cache, write_kv_cache_torch  # noqa: E402
+from kernels import (  # noqa: E402
+    cpu_isa, cpu_layer_ops, fused_add_rms_norm, paged_attention, paged_attention_torch, rms_norm, rotary_embedding,
+    silu_and_mul, write_kv_cache, write_kv_cache_torch,
+)
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -192,12 +205,44 @@ def time_ms(fn: Callable[[], object], device: str, reps: int, clock: Callable[[]
     return statistics.median(runs)
 
 
+def cpu_model() -> str:
+    """The CPU's marketing name (Linux /proc/cpuinfo; platform's guess elsewhere)."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
+def pinned(isa: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """fn with the C++ kernels pinned to `isa` for the call."""
+    def call() -> object:
+        with cpu_isa.forced_isa(isa):
+            return fn()
+    return call
+
+
+def add_pinned_rows(impls: dict[str, Callable[[], object]], names: list[str]) -> None:
+    """A `<name>-<isa>` row for each ISA the kernels can run here besides the active one. The
+    active ISA's rows are pinned too (to it), so every C++ row pays the same few microseconds of
+    switching: the layer ops take only tens of microseconds."""
+    active = cpu_isa.active_isa()
+    for name in names:
+        fn = impls[name]
+        impls[name] = pinned(active, fn)
+        for isa in cpu_isa.supported_isas():
+            if isa != active:
+                impls[f"{name}-{isa}"] = pinned(isa, fn)
+
+
 def candidates(b: Batch, device: str, with_flex: bool) -> dict[str, Callable[[], object]]:
     """name -> a no-argument call; flex is built lazily because building it compiles."""
     args = (b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens, b.query_start_loc, b.scale)
     hints = {"max_query_len": max(b.query_lens), "max_seq_len": max(b.ctx_lens)}
     impls: dict[str, Callable[[], object]] = {"twin": lambda: paged_attention_torch(*args, **hints)}
     impls["triton" if device == "cuda" else "cpp"] = lambda: paged_attention(*args, **hints)
+    if device == "cpu":
+        add_pinned_rows(impls, ["cpp"])
     impls["naive-loop"] = lambda: naive_loop(b)
     impls["sdpa-dense"] = make_sdpa_dense(b)
     if with_flex:
@@ -229,6 +274,61 @@ def write_candidates(b: Batch, device: str) -> dict[str, Callable[[], object]]:
     return impls
 
 
+def time_interleaved(impls: dict[str, Callable[[], object]], reps: int,
+                     clock: Callable[[], float]) -> dict[str, str]:
+    """Median ms per call of each CPU implementation, one call of each per round: a burst of load
+    from another process slows every implementation alike instead of one row."""
+    samples: dict[str, list[float]] = {name: [] for name in impls}
+    failed: set[str] = set()
+    for name, fn in impls.items():  # warm-up (and a failing implementation drops out here)
+        try:
+            for _ in range(3):
+                fn()
+        except Exception as exc:  # one failing implementation must not sink the table
+            print(f"  {name} failed: {exc!r}"[:300], file=sys.stderr)
+            failed.add(name)
+    for _ in range(reps):
+        for name, fn in impls.items():
+            if name not in failed:
+                t0 = clock()
+                fn()
+                samples[name].append((clock() - t0) * 1e3)
+    return {name: "error" if name in failed else f"{statistics.median(samples[name]):.3f}" for name in impls}
+
+
+def layer_op_candidates(dtype: torch.dtype, rows: int = 64) -> dict[str, dict[str, Callable[[], object]]]:
+    """op -> impl -> call, at a decode step's shapes (SmolLM2: hidden 576, intermediate 1536)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 576, generator=gen).to(dtype)
+    residual = torch.randn(rows, 576, generator=gen).to(dtype)
+    weight = torch.randn(576, generator=gen).to(dtype)
+    gate_up = torch.randn(rows, 2 * 1536, generator=gen).to(dtype)
+    qkv = torch.randn(rows, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, generator=gen).to(dtype)
+    angles = torch.rand(rows, HEAD_DIM // 2, generator=gen) * 50
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    eps, heads = 1e-5, NUM_HEADS + NUM_KV_HEADS
+    kernels_run = cpu_layer_ops.runs_here(x)
+    ops: dict[str, dict[str, Callable[[], object]]] = {
+        "rms_norm": {"twin": lambda: cpu_layer_ops.rms_norm_torch(x, weight, eps),
+                     "cpp": lambda: rms_norm(x, weight, eps)},
+        # The decoder layer's `residual + hidden` then the norm: torch's add and the kernel, or fused.
+        "add+norm": {"twin": lambda: cpu_layer_ops.fused_add_rms_norm_torch(x, residual, weight, eps),
+                     "cpp": lambda: rms_norm(residual.add_(x), weight, eps),
+                     "fused": lambda: fused_add_rms_norm(x, residual, weight, eps)},
+        "silu_mul": {"twin": lambda: cpu_layer_ops.silu_and_mul_torch(gate_up),
+                     "cpp": lambda: silu_and_mul(gate_up)},
+        "rotary": {"twin": lambda: cpu_layer_ops.rotary_embedding_torch(qkv, cos, sin, heads),
+                   "cpp": lambda: rotary_embedding(qkv, cos, sin, heads)},
+    }
+    for impls in ops.values():
+        if not kernels_run:
+            impls.pop("cpp")
+            impls.pop("fused", None)
+            continue
+        add_pinned_rows(impls, [n for n in impls if n != "twin"])
+    return ops
+
+
 def measure(fn: Callable[[], object], device: str, reps: int, clock: Callable[[], float]) -> str:
     try:
         return f"{time_ms(fn, device, reps, clock):.3f}"
@@ -246,6 +346,8 @@ def main() -> None:
     parser.add_argument("--no-flex", action="store_true", help="skip flex attention")
     parser.add_argument("--check", action="store_true", help="also print max |impl - twin| per row")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--ops", default="attention,write_kv",
+                        help="comma-separated: attention, write_kv, layer (the layer ops; cpu only)")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: this process's CPU time, steadier on a shared machine (use with --threads 1)")
     args = parser.parse_args()
@@ -257,6 +359,9 @@ def main() -> None:
     reps = args.reps or (50 if args.device == "cuda" else 20)
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     print(f"torch {torch.__version__}, {where}, median of {reps} calls, {args.clock} clock")
+    if args.device == "cpu":
+        print(f"{cpu_model()}; C++ kernels: active ISA {cpu_isa.active_isa()}, supported {cpu_isa.supported_isas()}")
+    ops = set(args.ops.split(","))
     # Rows print as they finish, so a run cut short by a timeout still leaves its table so far.
     print(f"{'op':<10} {'shape':<10} {'dtype':<5} {'impl':<11} {'ms/call':>9} {'max err':>8}", flush=True)
 
@@ -264,19 +369,28 @@ def main() -> None:
         print(f"{op:<10} {name:<10} {dtype_name:<5} {impl:<11} {ms:>9} {err:>8}", flush=True)
 
     for name, (query_lens, ctx_lens) in shapes().items():
+        if not ops & {"attention", "write_kv"}:
+            break
         for dtype_name in args.dtypes.split(","):
             b = build_batch(query_lens, ctx_lens, DTYPES[dtype_name], args.device)
             with_flex = args.device == "cuda" and not args.no_flex and dtype_name in args.flex_dtypes.split(",")
             reference = paged_attention_torch(b.query, b.key_cache, b.value_cache, b.block_tables, b.seq_lens,
                                               b.query_start_loc, b.scale) if args.check else None
-            for impl, fn in candidates(b, args.device, with_flex).items():
-                ms = measure(fn, args.device, reps, clock)
+            impls = candidates(b, args.device, with_flex) if "attention" in ops else {}
+            times = time_interleaved(impls, reps, clock) if args.device == "cpu" else {}
+            for impl, fn in impls.items():
+                ms = times[impl] if impl in times else measure(fn, args.device, reps, clock)
                 err = ""
-                if reference is not None and impl in ("triton", "naive-loop") and ms != "error":
+                if reference is not None and impl.startswith(("triton", "naive-loop", "cpp")) and ms != "error":
                     err = f"{(fn().float() - reference.float()).abs().max().item():.1e}"  # type: ignore[union-attr]
                 row("attention", name, dtype_name, impl, ms, err)
-            for impl, fn in write_candidates(b, args.device).items():
+            for impl, fn in (write_candidates(b, args.device) if "write_kv" in ops else {}).items():
                 row("write_kv", name, dtype_name, impl, measure(fn, args.device, reps, clock))
+    if "layer" in ops and args.device == "cpu":
+        for dtype_name in args.dtypes.split(","):
+            for op, impls in layer_op_candidates(DTYPES[dtype_name]).items():
+                for impl, ms in time_interleaved(impls, reps, clock).items():
+                    row(op, "rows-64", dtype_name, impl, ms)
 
 
 if __name__ == "__main__":

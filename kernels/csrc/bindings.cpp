@@ -8,14 +8,24 @@ void paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache, c
                          const at::Tensor& query_start_loc, double scale, int64_t max_query_rows,
                          at::Tensor& out);
 void rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
+void fused_add_rms_norm_cpu(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps,
+                            at::Tensor& out);
 void silu_and_mul_cpu(const at::Tensor& gate_up, at::Tensor& out);
 void rotary_embedding_cpu(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads);
+pybind11::dict cpu_features();
+std::string active_isa_name();
+void set_active_isa(const std::string& name);
 void write_kv_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                         const at::Tensor& slot_mapping);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.def("cpu_features", &cpu_features, "the CPU features the kernels probe at run time (CPUID), and whether AVX-512 paths were built");
+    m.def("active_isa", &active_isa_name, "the ISA the kernels run with now: 'avx512_bf16' or 'avx2'");
+    m.def("set_active_isa", &set_active_isa, "run the kernels with 'avx2' or 'avx512_bf16' (ValueError where unsupported)");
     m.def("skinny_linear", &skinny_linear, "y = x @ weight.T (+ bias), fp32, few rows, AVX2+FMA");
     m.def("rms_norm_cpu", &rms_norm_cpu, "out = x * rsqrt(mean(x^2) + eps) * weight, fp32 or bf16, per row");
+    m.def("fused_add_rms_norm_cpu", &fused_add_rms_norm_cpu,
+          "residual += x (rounded to its dtype), out = rms_norm(residual), fp32 or bf16, per row");
     m.def("silu_and_mul_cpu", &silu_and_mul_cpu, "out = silu(gate) * up from [M, 2I] gate_up, fp32 or bf16");
     m.def("rotary_embedding_cpu", &rotary_embedding_cpu, "x = x * cos + rotate_half(x) * sin on the first heads of qkv rows, in place");
     m.def("write_kv_cache_cpu", &write_kv_cache_cpu, "K/V rows into their cache slots (negative: skip)");

@@ -1,5 +1,6 @@
-// The small per-layer ops of a decoder step, fp32 or bf16 on AVX2 CPUs: RMSNorm, SiLU-and-multiply,
-// the rotary embedding and the KV-cache write. Their twins are the torch code in kernels/cpu_layer_ops.py and
+// The small per-layer ops of a decoder step, fp32 or bf16 on AVX2 CPUs: RMSNorm (alone or after the
+// residual add), SiLU-and-multiply, the rotary embedding and the KV-cache write. On AVX-512 CPUs the
+// arithmetic ones run layer_ops_avx512.cpp's loops instead (picked at run time, carpool::active_isa()). Their twins are the torch code in kernels/cpu_layer_ops.py and
 // kernels/torch_kv_cache_write.py.
 //
 // Why: each is a handful of torch ops (RMSNorm is seven: cast, pow, mean, add, rsqrt, mul, mul),
@@ -16,8 +17,11 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "avx2_math.h"
+#include "cpu_isa.h"
+#include "layer_ops_avx512.h"
 
 namespace {
 
@@ -32,6 +36,8 @@ using carpool::to_float;
 // Rows per parallel task: a row is a few hundred floats, so small batches stay on one thread
 // (an OpenMP fork costs more than normalising a few rows).
 constexpr int64_t ROWS_PER_TASK = 16;
+
+bool avx512_active() { return carpool::active_isa() == carpool::Isa::kAvx512Bf16; }
 
 // y = w * T(x / rms(x)): normalised in fp32, rounded to T, then scaled (Llama's order of rounding).
 template <typename T>
@@ -70,8 +76,58 @@ void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Ten
     const T* wp = weight.data_ptr<T>();
     T* yp = out.data_ptr<T>();
     const float feps = static_cast<float>(eps);
+    const bool avx512 = avx512_active();
     at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
-        for (int64_t m = begin; m < end; ++m) rms_norm_row(xp + m * d, wp, yp + m * d, d, feps);
+        if (avx512 && std::is_same_v<T, float>)
+            carpool::rms_norm_rows_avx512_fp32(xp, wp, yp, d, feps, begin, end);
+        else if (avx512)
+            carpool::rms_norm_rows_avx512_bf16(xp, wp, yp, d, feps, begin, end);
+        else
+            for (int64_t m = begin; m < end; ++m) rms_norm_row(xp + m * d, wp, yp + m * d, d, feps);
+    });
+}
+
+// residual <- T(residual + x); out = rms_norm(residual): the decoder layer's residual add and the
+// next RMSNorm in one pass (the sum rounded to T before it is normalised, as torch's add rounds it).
+template <typename T>
+void fused_add_rms_norm_row(const T* x, T* r, const T* w, T* y, int64_t d, float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) {
+        const __m256 sum = round_like<T>(_mm256_add_ps(load8(r + i), load8(x + i)));
+        store8(r + i, sum);
+        acc = _mm256_fmadd_ps(sum, sum, acc);
+    }
+    float total = horizontal_sum(acc);
+    for (; i < d; ++i) {
+        const float sum = round_like<T>(to_float(r[i]) + to_float(x[i]));
+        r[i] = static_cast<T>(sum);
+        total += sum * sum;
+    }
+    const float inv = 1.f / std::sqrt(total / static_cast<float>(d) + eps);
+    const __m256 inv_v = _mm256_set1_ps(inv);
+    for (i = 0; i + 8 <= d; i += 8)
+        store8(y + i, _mm256_mul_ps(load8(w + i), round_like<T>(_mm256_mul_ps(load8(r + i), inv_v))));
+    for (; i < d; ++i) y[i] = static_cast<T>(to_float(w[i]) * round_like<T>(to_float(r[i]) * inv));
+}
+
+template <typename T>
+void fused_add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps,
+                        at::Tensor& out) {
+    const int64_t d = x.size(-1), rows = x.numel() / std::max<int64_t>(d, 1);
+    const T* xp = x.data_ptr<T>();
+    T* rp = residual.data_ptr<T>();
+    const T* wp = weight.data_ptr<T>();
+    T* yp = out.data_ptr<T>();
+    const float feps = static_cast<float>(eps);
+    const bool avx512 = avx512_active();
+    at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+        if (avx512 && std::is_same_v<T, float>)
+            carpool::fused_add_rms_norm_rows_avx512_fp32(xp, rp, wp, yp, d, feps, begin, end);
+        else if (avx512)
+            carpool::fused_add_rms_norm_rows_avx512_bf16(xp, rp, wp, yp, d, feps, begin, end);
+        else
+            for (int64_t m = begin; m < end; ++m) fused_add_rms_norm_row(xp + m * d, rp + m * d, wp, yp + m * d, d, feps);
     });
 }
 
@@ -80,7 +136,13 @@ void silu_and_mul(const at::Tensor& gate_up, at::Tensor& out) {
     const int64_t width = out.size(-1), rows = out.numel() / std::max<int64_t>(width, 1);
     const T* in = gate_up.data_ptr<T>();
     T* o = out.data_ptr<T>();
+    const bool avx512 = avx512_active();
     at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+        if (avx512) {
+            if constexpr (std::is_same_v<T, float>) carpool::silu_and_mul_rows_avx512_fp32(in, o, width, begin, end);
+            else carpool::silu_and_mul_rows_avx512_bf16(in, o, width, begin, end);
+            return;
+        }
         for (int64_t m = begin; m < end; ++m) {
             const T* g = in + m * 2 * width;
             const T* u = g + width;
@@ -124,7 +186,15 @@ void rotary_embedding(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& 
     T* base = qkv.data_ptr<T>();
     const T* c = cos.data_ptr<T>();
     const T* s = sin.data_ptr<T>();
+    const bool avx512 = avx512_active();
     at::parallel_for(0, rows, ROWS_PER_TASK, [&](int64_t begin, int64_t end) {
+        if (avx512) {
+            if constexpr (std::is_same_v<T, float>)
+                carpool::rotary_rows_avx512_fp32(base, row_stride, c, s, head_dim, num_heads, begin, end);
+            else
+                carpool::rotary_rows_avx512_bf16(base, row_stride, c, s, head_dim, num_heads, begin, end);
+            return;
+        }
         for (int64_t t = begin; t < end; ++t)
             for (int64_t h = 0; h < num_heads; ++h)
                 rotate_head(base + t * row_stride + h * head_dim, c + t * head_dim, s + t * head_dim, head_dim);
@@ -140,6 +210,16 @@ void rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps, at:
         rms_norm<bf16>(x, weight, eps, out);
     else
         rms_norm<float>(x, weight, eps, out);
+}
+
+// residual <- residual + x (rounded to their dtype), out = rms_norm(residual, weight, eps).
+// x, residual, out: [M, D] contiguous, weight: [D]; all fp32 or all bf16.
+void fused_add_rms_norm_cpu(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps,
+                            at::Tensor& out) {
+    if (x.scalar_type() == at::kBFloat16)
+        fused_add_rms_norm<bf16>(x, residual, weight, eps, out);
+    else
+        fused_add_rms_norm<float>(x, residual, weight, eps, out);
 }
 
 // gate_up: [M, 2I] (gate then up, as one fused projection writes them); out: [M, I]; fp32 or bf16.

@@ -1,5 +1,6 @@
 // paged_attention_cpu: causal attention of a few query rows per sequence over its paged K/V cache,
-// fp32 or bf16 (computed in fp32) on AVX2 CPUs. The pure-torch twin (kernels/torch_paged_attention.py)
+// fp32 or bf16 (computed in fp32) on AVX2 CPUs, and on AVX-512 CPUs through
+// paged_attention_avx512.cpp (picked at run time, carpool::active_isa()). The pure-torch twin (kernels/torch_paged_attention.py)
 // is its specification.
 //
 // Why: in a decode step each sequence has one query row and a short context. The twin gathers
@@ -22,9 +23,12 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "avx2_math.h"
+#include "cpu_isa.h"
+#include "paged_attention_args.h"
 
 namespace {
 
@@ -217,6 +221,52 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
     });
 }
 
+// The AVX-512 path: the same tasks, each run by paged_attention_avx512.cpp.
+template <typename T>
+void paged_attention_avx512(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                            double scale, int64_t max_query_rows, at::Tensor& out) {
+    carpool::PagedAttentionArgs args{};
+    args.query = query.data_ptr<T>();
+    args.key_cache = key_cache.data_ptr<T>();
+    args.value_cache = value_cache.data_ptr<T>();
+    args.tables = block_tables.data_ptr<int32_t>();
+    args.lens = seq_lens.data_ptr<int32_t>();
+    args.starts = query_start_loc.data_ptr<int32_t>();
+    args.out = out.data_ptr<T>();
+    args.num_heads = query.size(1);
+    args.head_dim = query.size(2);
+    args.block_size = key_cache.size(1);
+    args.num_kv_heads = key_cache.size(2);
+    args.table_width = block_tables.size(1);
+    args.token_stride = args.num_kv_heads * args.head_dim;
+    args.block_stride = args.block_size * args.token_stride;
+    args.q_token_stride = query.stride(0);
+    args.q_head_stride = query.stride(1);
+    args.max_query_rows = max_query_rows;
+    args.scale = static_cast<float>(scale);
+    const int64_t num_seqs = seq_lens.size(0);
+    check_lengths_and_tables(args.starts, args.lens, args.tables, num_seqs, args.table_width, args.block_size,
+                             key_cache.size(0), query.size(0));
+    int64_t max_ctx = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) max_ctx = std::max<int64_t>(max_ctx, args.lens[s]);
+    const size_t scratch_floats = static_cast<size_t>(carpool::avx512_attention_scratch_floats(max_ctx));
+    at::parallel_for(0, num_seqs * args.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scratch(scratch_floats);  // the task's scores, per query head
+        for (int64_t task = begin; task < end; ++task) {
+            if constexpr (std::is_same_v<T, float>)
+                carpool::paged_attention_task_avx512_fp32(args, task, scratch.data());
+            else
+                carpool::paged_attention_task_avx512_bf16(args, task, scratch.data());
+        }
+    });
+}
+
+// The AVX-512 path where this CPU has it (and it is not switched off) and the head fits its registers.
+bool use_avx512(int64_t head_dim) {
+    return carpool::active_isa() == carpool::Isa::kAvx512Bf16 && head_dim <= carpool::avx512_attention_max_head_dim();
+}
+
 }  // namespace
 
 // query: [num_tokens, num_heads, head_dim], head_dim contiguous; out: the same shape and dtype, contiguous;
@@ -225,7 +275,14 @@ void paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache, c
                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
                          const at::Tensor& query_start_loc, double scale, int64_t max_query_rows,
                          at::Tensor& out) {
-    if (query.scalar_type() == at::kBFloat16)
+    const bool avx512 = use_avx512(query.size(2));
+    if (query.scalar_type() == at::kBFloat16 && avx512)
+        paged_attention_avx512<carpool::bf16>(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+                                              scale, max_query_rows, out);
+    else if (avx512)
+        paged_attention_avx512<float>(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                                      max_query_rows, out);
+    else if (query.scalar_type() == at::kBFloat16)
         paged_attention<carpool::bf16>(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
                                        max_query_rows, out);
     else

@@ -130,6 +130,18 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(params=["avx2", "avx512_bf16"])
+def each_isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs the test once per CPU kernel path (kernels.cpu_isa): AVX2 everywhere, AVX-512 where
+    this CPU has it, so an AVX-512 machine also covers the path AVX2-only machines take."""
+    from kernels import cpu_isa
+
+    if request.param not in cpu_isa.supported_isas():
+        pytest.skip(f"this CPU (or the kernels' build) has no {request.param}")
+    with cpu_isa.forced_isa(request.param):
+        yield request.param
+
+
 @pytest.fixture()
 def paged_batch() -> Callable[..., PagedBatch]:
     return build_paged_batch

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from kernels import cpu_extension, cpu_layer_ops, dispatch
 from tests.kernels.test_torch_kv_cache_write import make_inputs, reference_write
 
-needs_kernel = pytest.mark.skipif(cpu_extension.load() is None, reason="no AVX2 or no compiler here")
+_skip_without_kernel = pytest.mark.skipif(cpu_extension.load() is None, reason="no AVX2 or no compiler here")
+_on_each_isa = pytest.mark.usefixtures("each_isa")  # on the AVX2 and (where it runs) the AVX-512 path
+
+
+def needs_kernel(test: Callable[..., None]) -> Callable[..., None]:
+    """A test of the C++ kernels: skipped without them, else run once per CPU path."""
+    return _skip_without_kernel(_on_each_isa(test))
 
 
 @needs_kernel
@@ -61,6 +69,47 @@ def test_rms_norm_in_bf16_rounds_where_llama_does(shape: tuple[int, ...]) -> Non
     expected = cpu_layer_ops.rms_norm_torch(x, weight, 1e-5)
     assert_bf16_matches_twin(cpu_layer_ops.rms_norm_cpu(x, weight, 1e-5), expected)
     assert_bf16_matches_twin(dispatch.rms_norm(x, weight, 1e-5), expected)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 576), (5, 64), (3, 7, 13), (40, 1536)])
+def test_fused_add_rms_norm_equals_its_twin(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(5)
+    x = (torch.randn(shape, generator=generator) * 3).to(dtype)
+    residual = (torch.randn(shape, generator=generator) * 3).to(dtype)
+    weight = torch.randn(shape[-1], generator=generator).to(dtype)
+    expected_residual = residual.clone()
+    expected = cpu_layer_ops.fused_add_rms_norm_torch(x, expected_residual, weight, 1e-5)
+    for fused in (cpu_layer_ops.fused_add_rms_norm_cpu, dispatch.fused_add_rms_norm):
+        updated = residual.clone()
+        out = fused(x, updated, weight, 1e-5)
+        assert torch.equal(updated, expected_residual)  # one add, rounded once: equal to the bit
+        if dtype == torch.bfloat16:
+            assert_bf16_matches_twin(out, expected)
+        else:
+            torch.testing.assert_close(out, expected, rtol=2e-6, atol=2e-6)
+
+
+def test_fused_add_rms_norm_twin_is_the_decoder_layers_add_then_norm() -> None:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(24, eps=1e-6).to(torch.bfloat16)
+    hidden, residual = torch.randn(2, 4, 24, dtype=torch.bfloat16), torch.randn(2, 4, 24, dtype=torch.bfloat16)
+    expected_residual = residual + hidden  # LlamaDecoderLayer: residual + hidden_states, then the norm
+    out = cpu_layer_ops.fused_add_rms_norm_torch(hidden, residual, norm.weight, 1e-6)
+    assert torch.equal(residual, expected_residual)
+    assert torch.equal(out, norm(expected_residual))
+
+
+@needs_kernel
+def test_fused_add_rms_norm_refuses_a_residual_of_another_shape() -> None:
+    with pytest.raises(ValueError, match="residual shape"):
+        cpu_layer_ops.fused_add_rms_norm_cpu(torch.zeros(2, 8), torch.zeros(3, 8), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="one dtype"):
+        cpu_layer_ops.fused_add_rms_norm_cpu(torch.zeros(2, 8), torch.zeros(2, 8).bfloat16(), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_layer_ops.fused_add_rms_norm_cpu(torch.zeros(2, 8), torch.zeros(8, 2).t(), torch.ones(8), 1e-6)
 
 
 @needs_kernel

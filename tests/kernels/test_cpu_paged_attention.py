@@ -8,7 +8,8 @@ import torch
 from kernels import cpu_extension, cpu_paged_attention, paged_attention, paged_attention_torch
 from kernels.cpu_paged_attention import MAX_QUERY_ROWS, paged_attention_cpu
 
-pytestmark = pytest.mark.skipif(cpu_extension.load() is None, reason="no AVX2 or no compiler here")
+pytestmark = [pytest.mark.skipif(cpu_extension.load() is None, reason="no AVX2 or no compiler here"),
+              pytest.mark.usefixtures("each_isa")]  # every test on the AVX2 and (where it runs) the AVX-512 path
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,63 @@
+"""Which instruction set the C++ CPU kernels run with, probed at run time, and a switch to pin it.
+
+The extension is built with AVX2 + FMA flags only (so it runs on any AVX2 CPU, whichever machine
+built it); kernels that pay for it also have an AVX-512 path (F/BW/VL/DQ and AVX512_BF16), in its
+own translation unit, taken where CPUID reports those features. Benchmarks print `active_isa()`;
+tests run both paths on an AVX-512 machine with `forced_isa("avx2")`, so AVX2 machines stay
+covered. CARPOOL_CPU_ISA=avx2 in the environment pins the AVX2 paths for a whole process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from kernels import cpu_extension
+
+AVX2 = "avx2"
+AVX512_BF16 = "avx512_bf16"
+ISAS = (AVX2, AVX512_BF16)
+
+
+def cpu_features() -> dict[str, bool]:
+    """The CPU features the kernels probe (CPUID), plus built_avx512: whether the compiler built
+    the AVX-512 paths at all. Empty where the extension is not built."""
+    module = cpu_extension.load()
+    return {} if module is None else dict(module.cpu_features())
+
+
+def active_isa() -> str:
+    """'avx512_bf16' or 'avx2' for the C++ kernels; 'none' where they are not built (torch twins)."""
+    module = cpu_extension.load()
+    return "none" if module is None else str(module.active_isa())
+
+
+def supported_isas() -> list[str]:
+    """The ISAs the kernels can run with on this CPU (AVX2 first)."""
+    features = cpu_features()
+    if not features:
+        return []
+    avx512 = features.get("built_avx512", False) and all(
+        features.get(name, False) for name in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512bf16"))
+    return [AVX2, AVX512_BF16] if avx512 else [AVX2]
+
+
+def set_isa(name: str) -> None:
+    """Run the kernels with `name` from now on, process-wide; ValueError where this CPU lacks it."""
+    if name not in ISAS:
+        raise ValueError(f"unknown ISA {name!r}: expected one of {ISAS}")
+    module = cpu_extension.load()
+    if module is None:
+        raise ValueError("the CPU kernels are not built here")
+    module.set_active_isa(name)
+
+
+@contextmanager
+def forced_isa(name: str) -> Iterator[None]:
+    """The kernels run with `name` inside the block, then with what ran before."""
+    previous = active_isa()
+    set_isa(name)
+    try:
+        yield
+    finally:
+        set_isa(previous)

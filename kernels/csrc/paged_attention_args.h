@@ -1,0 +1,32 @@
+// The paged-attention launch, as plain data: what the ISA-specific translation units share.
+// POD only (no inline functions): a header function compiled under two target ISAs would be
+// one symbol with two bodies, and the linker may keep the AVX-512 one for every caller.
+#pragma once
+#include <cstdint>
+
+namespace carpool {
+
+struct PagedAttentionArgs {
+    const void* query;  // [num_tokens, num_heads, head_dim], head_dim contiguous
+    const void* key_cache;  // [num_blocks, block_size, num_kv_heads, head_dim], contiguous
+    const void* value_cache;
+    const int32_t* tables;  // [num_seqs, table_width]
+    const int32_t* lens;  // [num_seqs]: context lengths including this step's rows
+    const int32_t* starts;  // [num_seqs + 1]: query row offsets
+    void* out;  // [num_tokens, num_heads, head_dim], contiguous
+    int64_t num_heads, num_kv_heads, head_dim, block_size, table_width;
+    int64_t token_stride, block_stride;  // in elements, of the caches
+    int64_t q_token_stride, q_head_stride;  // in elements, of the query
+    int64_t max_query_rows;  // sequences with more rows are skipped (the caller's twin takes them)
+    float scale;
+};
+
+// AVX-512 (+ AVX512_BF16) paged attention, one (sequence, kv head) task: defined in
+// paged_attention_avx512.cpp, callable only where carpool::active_isa() is kAvx512Bf16.
+// scratch: at least avx512_attention_scratch_floats(max context) floats, private to the caller.
+int64_t avx512_attention_scratch_floats(int64_t max_ctx);
+int64_t avx512_attention_max_head_dim();
+void paged_attention_task_avx512_bf16(const PagedAttentionArgs& args, int64_t task, float* scratch);
+void paged_attention_task_avx512_fp32(const PagedAttentionArgs& args, int64_t task, float* scratch);
+
+}  // namespace carpool
