@@ -8,7 +8,13 @@ for tests and benchmarks. Importing this package never imports triton or compile
 """
 
 from kernels.dispatch import (
-    fused_add_rms_norm, linear, paged_attention, rms_norm, rotary_embedding, silu_and_mul, write_kv_cache,
+    fused_add_rms_norm,
+    linear,
+    paged_attention,
+    rms_norm,
+    rotary_embedding,
+    silu_and_mul,
+    write_kv_cache,
 )
 from kernels.torch_kv_cache_write import write_kv_cache_torch
 from kernels.torch_paged_attention import paged_attention_torch

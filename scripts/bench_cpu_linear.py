@@ -15,7 +15,8 @@ names the kernel oneDNN picked, `brg_matmul:avx10_1_512_amx` where AMX runs).
 
 For each row count, the time of one pass over all 30 layers' 7 projections (q, k, v, o, gate, up,
 down), as a decode step makes it (or of the lm_head, with --weights lm_head), and the ratio.
-Weights are far larger than the caches, as in a real step. kernels.dispatch.MAX_SKINNY_ROWS is set from this table. With --bf16, a third column
+Weights are far larger than the caches, as in a real step. kernels.dispatch.MAX_SKINNY_ROWS is
+set from this table. With --bf16, a third column
 times F.linear on bf16 copies of the weights: on CPUs with AVX512-BF16 or AMX it beats both fp32
 paths, which is why worker.model.routing.resolve_dtype picks bf16 there. With --packed, a fourth
 times the same bf16 GEMMs on weights oneDNN reordered once (kernels/cpu_packed_linear.py).
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import bench_kernels  # noqa: E402  (its cpu_model)
+
 from kernels import cpu_extension, cpu_isa, cpu_packed_linear, cpu_skinny_linear  # noqa: E402
 
 NUM_LAYERS = 30

@@ -44,8 +44,16 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels import (  # noqa: E402
-    cpu_isa, cpu_layer_ops, fused_add_rms_norm, paged_attention, paged_attention_torch, rms_norm, rotary_embedding,
-    silu_and_mul, write_kv_cache, write_kv_cache_torch,
+    cpu_isa,
+    cpu_layer_ops,
+    fused_add_rms_norm,
+    paged_attention,
+    paged_attention_torch,
+    rms_norm,
+    rotary_embedding,
+    silu_and_mul,
+    write_kv_cache,
+    write_kv_cache_torch,
 )
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16

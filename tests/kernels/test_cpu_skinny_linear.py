@@ -11,7 +11,9 @@ from kernels import cpu_extension, cpu_skinny_linear, dispatch, linear
 needs_kernel = pytest.mark.skipif(not cpu_skinny_linear.is_available(), reason="no AVX2 or no compiler here")
 
 
-def _operands(rows: int, in_features: int, out_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _operands(
+    rows: int, in_features: int, out_features: int, seed: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, in_features, generator=generator)
     weight = torch.randn(out_features, in_features, generator=generator) / in_features**0.5
@@ -72,6 +74,8 @@ def test_dispatch_uses_the_kernel_for_few_rows_only(monkeypatch: pytest.MonkeyPa
         (torch.zeros(2, 8), torch.zeros(4, 8), torch.zeros(5), r"bias must be \[4\], got \(5,\)"),
     ],
 )
-def test_bad_arguments_are_refused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, message: str) -> None:
+def test_bad_arguments_are_refused(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, message: str,
+) -> None:
     with pytest.raises(ValueError, match=message):
         cpu_skinny_linear.skinny_linear(x, weight, bias)

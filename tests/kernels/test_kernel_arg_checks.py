@@ -56,7 +56,8 @@ ATTENTION_BREAKAGES: list[tuple[str, Callable[[Args], None], str]] = [
     ("block_tables_rank", lambda a: a.update(block_tables=a["block_tables"].flatten()), "block_tables must have 2"),
     ("seq_lens_dtype", lambda a: a.update(seq_lens=a["seq_lens"].long()), "seq_lens must be torch.int32"),
     ("seq_lens_count", lambda a: a.update(seq_lens=a["seq_lens"][:1]), "seq_lens has 1"),
-    ("query_start_loc_count", lambda a: a.update(query_start_loc=a["query_start_loc"][:2]), "query_start_loc must have"),
+    ("query_start_loc_count", lambda a: a.update(query_start_loc=a["query_start_loc"][:2]),
+     "query_start_loc must have"),
     ("query_start_loc_strided", lambda a: a.update(query_start_loc=a["query_start_loc"].repeat_interleave(2)[::2]),
      "query_start_loc must be contiguous"),
 ]

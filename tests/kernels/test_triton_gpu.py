@@ -25,8 +25,8 @@ def _engine_lens(seed: int) -> tuple[list[int], list[int]]:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), MODELS)
 def test_engine_batch_matches_twin(paged_batch, close, dtype, num_heads, num_kv_heads, head_dim):
-    from kernels.triton_paged_attention import paged_attention_triton
     from kernels import paged_attention_torch
+    from kernels.triton_paged_attention import paged_attention_triton
 
     query_lens, seq_lens = _engine_lens(head_dim)
     batch = paged_batch(query_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -41,8 +41,8 @@ def test_engine_batch_matches_twin(paged_batch, close, dtype, num_heads, num_kv_
 def test_long_prefill_and_long_decodes(paged_batch, close, max_query_len):
     batch = paged_batch([1, 1, 1024, 1], [4096, 1, 3000, 777], num_heads=32, num_kv_heads=8, head_dim=128,
                         dtype=torch.bfloat16, seed=7).to("cuda")
-    from kernels.triton_paged_attention import paged_attention_triton
     from kernels import paged_attention_torch
+    from kernels.triton_paged_attention import paged_attention_triton
 
     close(paged_attention_triton(*batch.args(), max_query_len=max_query_len),
           paged_attention_torch(*batch.args()), torch.bfloat16)
