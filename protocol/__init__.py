@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from protocol.generation import FinishReason, SamplingParams
+from protocol.generation import FinishReason, SamplingParams, TokenEntry
 from protocol.keys import Keys
 from protocol.messages import (
     JobResult,
@@ -22,7 +22,6 @@ from protocol.messages import (
     ModelCard,
     Priority,
     StreamEntry,
-    TokenEntry,
     WorkerStats,
 )
 

@@ -1,4 +1,5 @@
-"""What a generation asks for (SamplingParams) and how it ends (FinishReason).
+"""What a generation asks for (SamplingParams), what it yields (TokenEntry) and how it ends
+(FinishReason).
 
 The one sampling spec: the HTTP schemas build it, it travels inside the JobSpec through Redis,
 and the engine's scheduler and sampler read it as is. A new knob is a field here, a field in the
@@ -31,6 +32,17 @@ class FinishReason(str, Enum):
     def openai_name(self) -> str:
         """The name OpenAI-compatible servers give it (vLLM says "abort" for a canceled request)."""
         return "abort" if self is FinishReason.CANCELED else self.value
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEntry:
+    """One generated token: what the engine emits and what a job's stream records."""
+
+    index: int  # position in the request's output, 0-based
+    token_id: int
+    # The text this token releases: "" while held back (a partial UTF-8 character or the possible
+    # start of a stop string); it may carry held-back text of earlier tokens.
+    text: str
 
 
 @dataclass(frozen=True, slots=True)

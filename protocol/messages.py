@@ -8,7 +8,6 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
-from protocol import stream_ids
 from protocol.generation import FinishReason, SamplingParams
 
 
@@ -102,15 +101,6 @@ class JobSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class TokenEntry:
-    """One generated token as a job's stream records it."""
-
-    index: int  # position in the job's output, 0-based
-    token_id: int
-    text: str  # the text this token releases ("" while held back)
-
-
-@dataclass(frozen=True, slots=True)
 class StreamEntry:
     """One entry of a job's token stream.
 
@@ -134,8 +124,6 @@ class StreamEntry:
     TOKEN = "token"
     DONE = "done"
 
-    token_entry_id = staticmethod(stream_ids.token_entry_id)
-    done_entry_id = staticmethod(stream_ids.done_entry_id)
 
     def to_fields(self) -> dict[str, str]:
         if self.kind == StreamEntry.TOKEN:

@@ -25,6 +25,7 @@ from protocol import (
     ModelCard,
     StreamEntry,
     WorkerStats,
+    stream_ids,
 )
 from protocol.rq_keys import RQKeys
 
@@ -91,7 +92,7 @@ class Harness:
             index = start + offset
             entry = StreamEntry(kind=StreamEntry.TOKEN, index=index, token_id=100 + index, text=text)
             self.sync.xadd(self.keys.stream(job_id), entry.to_fields(),
-                           id=StreamEntry.token_entry_id(index))
+                           id=stream_ids.token_entry_id(index))
         if self.state(job_id).status is JobStatus.QUEUED:
             self.sync.hset(self.keys.state(job_id), mapping={"status": "running",
                                                               "started_at": time.time()})
@@ -105,7 +106,7 @@ class Harness:
             reason, "finished")
         with self.sync.pipeline(transaction=True) as pipe:
             pipe.xadd(self.keys.stream(job_id), entry.to_fields(),
-                      id=StreamEntry.done_entry_id(num_tokens))
+                      id=stream_ids.done_entry_id(num_tokens))
             pipe.hset(self.keys.state(job_id), mapping={
                 "status": status, "finish_reason": reason.value, "error": error,
                 "prompt_tokens": prompt_tokens, "completion_tokens": num_tokens, "text": text,

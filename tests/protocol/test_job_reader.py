@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import fakeredis
 
-from protocol import FinishReason, JobReader, Keys, StreamEntry, submit_job
+from protocol import FinishReason, JobReader, Keys, StreamEntry, stream_ids, submit_job
 from protocol.job_reader import parse_entries
 from protocol.stream_ids import entry_index
 from tests.protocol.conftest import make_spec
@@ -13,11 +13,11 @@ KEYS = Keys()
 def _fill(redis: fakeredis.FakeRedis, job_id: str, num_tokens: int, done: bool) -> None:
     for i in range(num_tokens):
         entry = StreamEntry(kind="token", index=i, token_id=100 + i, text=str(i))
-        redis.xadd(KEYS.stream(job_id), entry.to_fields(), id=StreamEntry.token_entry_id(i))
+        redis.xadd(KEYS.stream(job_id), entry.to_fields(), id=stream_ids.token_entry_id(i))
     if done:
         entry = StreamEntry(kind="done", finish_reason=FinishReason.LENGTH, prompt_tokens=2,
                             completion_tokens=num_tokens)
-        redis.xadd(KEYS.stream(job_id), entry.to_fields(), id=StreamEntry.done_entry_id(num_tokens))
+        redis.xadd(KEYS.stream(job_id), entry.to_fields(), id=stream_ids.done_entry_id(num_tokens))
 
 
 def test_read_from_the_start_and_resume_after_an_id(fake_redis: fakeredis.FakeRedis) -> None:

@@ -15,6 +15,7 @@ from protocol import (
     Priority,
     StreamEntry,
     cancel_job,
+    stream_ids,
     submit_job,
 )
 from protocol.job_submission import DEFAULT_FAILURE_TTL, DEFAULT_RESULT_TTL
@@ -90,7 +91,7 @@ def test_cancel_a_preempted_job_keeps_its_tokens_as_the_partial_result(
     submit_job(fake_redis, make_spec("job-1"))
     for i, (token_id, text) in enumerate([(11, "a"), (12, "b"), (13, "c")]):
         entry = StreamEntry(kind="token", index=i, token_id=token_id, text=text)
-        fake_redis.xadd(KEYS.stream("job-1"), entry.to_fields(), id=StreamEntry.token_entry_id(i))
+        fake_redis.xadd(KEYS.stream("job-1"), entry.to_fields(), id=stream_ids.token_entry_id(i))
     fake_redis.hset(KEYS.state("job-1"), mapping={"status": "preempted", "prompt_tokens": "5"})
     assert cancel_job(fake_redis, "job-1") is JobStatus.CANCELED
     read = JobReader(fake_redis).read("job-1")

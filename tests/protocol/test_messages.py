@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from protocol import FinishReason, JobResult, JobSpec, JobState, JobStatus, Priority, StreamEntry
+from protocol import FinishReason, JobResult, JobSpec, JobState, JobStatus, Priority, StreamEntry, stream_ids
 from tests.protocol.conftest import make_spec
 
 
@@ -59,8 +59,8 @@ def test_job_state_result_carries_the_outcome() -> None:
 
 
 def test_stream_entry_ids_make_redis_order_tokens() -> None:
-    assert StreamEntry.token_entry_id(0) == "0-1"
-    assert StreamEntry.done_entry_id(3) == "0-4"
+    assert stream_ids.token_entry_id(0) == "0-1"
+    assert stream_ids.done_entry_id(3) == "0-4"
     token = StreamEntry(kind=StreamEntry.TOKEN, index=2, token_id=9, text="x")
     assert StreamEntry.from_fields(token.to_fields()) == token
     done = StreamEntry(kind=StreamEntry.DONE, finish_reason=FinishReason.ERROR, error="boom",

@@ -25,7 +25,7 @@ import pytest
 from redis import Redis
 
 from api.context import REDIS_RETRIES
-from protocol import FinishReason, JobStatus, StreamEntry
+from protocol import FinishReason, JobStatus, StreamEntry, stream_ids
 from tests.conftest import RedisServer
 from tests.integration.conftest import wait_until
 from tests.reliability.api_support import (
@@ -216,10 +216,10 @@ def _finish_like_a_worker(redis: Redis, job_id: str, texts: list[str]) -> None:
             entry = StreamEntry(kind=StreamEntry.TOKEN, index=index, token_id=100 + index,
                                 text=text)
             pipe.xadd(KEYS.stream(job_id), entry.to_fields(),
-                      id=StreamEntry.token_entry_id(index))
+                      id=stream_ids.token_entry_id(index))
         done = StreamEntry(kind=StreamEntry.DONE, finish_reason=FinishReason.LENGTH,
                            prompt_tokens=2, completion_tokens=len(texts))
-        pipe.xadd(KEYS.stream(job_id), done.to_fields(), id=StreamEntry.done_entry_id(len(texts)))
+        pipe.xadd(KEYS.stream(job_id), done.to_fields(), id=stream_ids.done_entry_id(len(texts)))
         pipe.hset(KEYS.state(job_id), mapping={
             "status": JobStatus.FINISHED.value, "finish_reason": FinishReason.LENGTH.value,
             "completion_tokens": len(texts), "text": "".join(texts), "finished_at": time.time()})

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from protocol.generation import MAX_SEED, FinishReason, SamplingParams
+from protocol.generation import MAX_SEED, FinishReason, SamplingParams, TokenEntry
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import BatchingMode, EngineConfig
 from worker.engine.detokenizer import Detokenizer, make_decode
@@ -29,7 +29,6 @@ from worker.engine.outputs import (
     SchedulerOutput,
     StepOutput,
     StepStats,
-    TokenDelta,
 )
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
@@ -38,7 +37,7 @@ from worker.model.routing import resolve_device, resolve_dtype
 
 __all__ = [
     "BatchingMode", "Completion", "Engine", "EngineConfig", "FinishReason", "PreemptedRequest",
-    "RequestOutput", "SamplingParams", "StepOutput", "StepStats", "TokenDelta",
+    "RequestOutput", "SamplingParams", "StepOutput", "StepStats", "TokenEntry",
 ]
 
 log = logging.getLogger(__name__)
@@ -193,9 +192,9 @@ class Engine:
             if not hit_stop:  # text held back for a possible stop string is released at the end
                 text += request.detokenizer.flush()
         token_id = seq.token_ids[-1]
-        return self._request_output(seq, [TokenDelta(seq.num_output_tokens - 1, token_id, text)])
+        return self._request_output(seq, [TokenEntry(seq.num_output_tokens - 1, token_id, text)])
 
-    def _request_output(self, seq: Sequence, tokens: list[TokenDelta]) -> RequestOutput:
+    def _request_output(self, seq: Sequence, tokens: list[TokenEntry]) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             tokens=tokens,

@@ -5,23 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol.generation import FinishReason
+from protocol.generation import FinishReason, TokenEntry
 from worker.engine.sequence import Sequence
-
-
-@dataclass(slots=True)
-class TokenDelta:
-    index: int  # position in the request's output, 0-based
-    token_id: int
-    # The text this token releases: "" while held back (a partial UTF-8 character or the possible
-    # start of a stop string); it may carry held-back text of earlier tokens.
-    text: str
 
 
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
-    tokens: list[TokenDelta]
+    tokens: list[TokenEntry]
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int

@@ -29,7 +29,7 @@ from rq.worker import WorkerStatus
 
 from protocol.generation import FinishReason, SamplingParams
 from protocol.keys import Keys
-from protocol.messages import JobSpec, JobStatus, ModelCard, TokenEntry, WorkerStats
+from protocol.messages import JobSpec, JobStatus, ModelCard, WorkerStats
 from worker.engine.config import BatchingMode
 from worker.engine.outputs import StepOutput, StepStats
 from worker.jobs.backoff import Backoff
@@ -299,7 +299,7 @@ class BatchingWorker:
                     # already acted on it (and may hold a new claim under the same id by then).
                     continue
                 had_tokens = bool(job.token_ids)
-                gaps = job.add_tokens([TokenEntry(t.index, t.token_id, t.text) for t in request.tokens], now)
+                gaps = job.add_tokens(request.tokens, now)
                 for gap in gaps:
                     pub.observe("inter_token_latency_seconds", gap)
                 if not had_tokens and job.token_ids and job.state.created_at:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol.messages import JobSpec, JobState, TokenEntry
+from protocol.generation import TokenEntry
+from protocol.messages import JobSpec, JobState
 from worker.jobs.lease import Lease
 
 

@@ -12,7 +12,7 @@ from rq.job import JobStatus as RQJobStatus
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from protocol import JobReader, JobStatus, Priority, StreamEntry, cancel_job
+from protocol import JobReader, JobStatus, Priority, StreamEntry, cancel_job, stream_ids
 from protocol.rq_keys import RQKeys
 from tests.worker.jobs.job_support import KEYS, fake_redis, make_queue, make_spec, submit
 from worker.jobs.job_queue import decode_spec
@@ -79,7 +79,7 @@ def test_claim_returns_the_tokens_to_resume_from_and_the_cancel_flag() -> None:
     submit(redis, "job-1")
     for i in range(3):
         entry = StreamEntry(kind="token", index=i, token_id=50 + i, text=str(i))
-        redis.xadd(KEYS.stream("job-1"), entry.to_fields(), id=StreamEntry.token_entry_id(i))
+        redis.xadd(KEYS.stream("job-1"), entry.to_fields(), id=stream_ids.token_entry_id(i))
     redis.hset(KEYS.state("job-1"), mapping={"status": "preempted", "num_preemptions": 1})
     redis.sadd(KEYS.canceled(), "job-1")
     (claim,) = make_queue(redis).claim(1)
