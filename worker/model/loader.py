@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -94,16 +95,26 @@ def load_model(
     return LoadedModel(name=name_or_path, path=path, model=model, tokenizer=tokenizer)
 
 
+def is_complete_model_dir(path: Path) -> bool:
+    """A directory any Hugging Face loader reads as is: config.json naming its architecture (vLLM
+    guesses without it) and weights in the standard layout."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("architectures")) and (path / "model.safetensors").is_file()
+
+
 def _converted_bundled_model(name: str, bundled: BundledModel, cache_dir: Path) -> Path:
     target = cache_dir / name
-    if (target / "config.json").is_file():
+    if is_complete_model_dir(target):
         return target
     source_dir = _bundled_package_dir(bundled)
     cache_dir.mkdir(parents=True, exist_ok=True)
     # Several workers may start at once on one machine: one converts, the others wait for it.
     with open(cache_dir / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / "config.json").is_file():
+        if is_complete_model_dir(target):
             return target
         log.warning(
             "converting %s from %s to safetensors in %s (once; takes about a minute)",
@@ -111,6 +122,18 @@ def _converted_bundled_model(name: str, bundled: BundledModel, cache_dir: Path) 
         )
         _convert_gguf(source_dir, bundled.gguf_file, target)
     return target
+
+
+def _standard_state_dict(model: Any) -> dict[str, Any]:
+    """The weights as Hugging Face checkpoints store them: a tied output head is saved once, as the
+    input embedding. (safetensors' save_model keeps `lm_head.weight` instead, and loaders that
+    untie on seeing it, vLLM among them, then leave the embedding unloaded and emit token 0.)"""
+    state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
+    output = model.get_output_embeddings()
+    if getattr(model.config, "tie_word_embeddings", False) and output is not None:
+        head = next(name for name, module in model.named_modules() if module is output)
+        del state[f"{head}.weight"]
+    return state
 
 
 def _bundled_package_dir(bundled: BundledModel) -> Path:
@@ -131,7 +154,7 @@ def _bundled_package_dir(bundled: BundledModel) -> Path:
 
 
 def _convert_gguf(source_dir: Path, gguf_file: str, target: Path) -> None:
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -149,10 +172,15 @@ def _convert_gguf(source_dir: Path, gguf_file: str, target: Path) -> None:
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
+        config.architectures = [type(model).__name__]
         config.save_pretrained(staging)
         model.generation_config.save_pretrained(staging)
-        save_model(model, str(staging / "model.safetensors"))  # dedupes the tied embedding
+        save_file(_standard_state_dict(model), str(staging / "model.safetensors"), metadata={"format": "pt"})
         tokenizer.save_pretrained(staging)
+        if target.exists():  # an incomplete cache of an earlier version: replace it whole
+            stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale.", dir=target.parent))
+            os.replace(target, stale / target.name)
+            shutil.rmtree(stale, ignore_errors=True)
         os.replace(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

