@@ -130,3 +130,10 @@ def test_sampling_params_validation() -> None:
         with pytest.raises(ValueError, match=message):
             SamplingParams(**kwargs)
     assert SamplingParams(temperature=0.0).is_greedy
+
+
+def test_greedy_takes_the_first_of_tied_maxima_like_argmax() -> None:
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 5.0, 5.0, 5.0], [-1.0, -2.0, -1.0, -3.0]])
+    params = [SamplingParams(temperature=0.0)] * 3
+    metadata = SamplingMetadata.build(params, [0, 0, 0], [0, 0, 0], vocab_size=4)
+    assert Sampler().sample(logits, metadata).tolist() == [1, 0, 0] == logits.argmax(dim=-1).tolist()
