@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -35,10 +36,12 @@ def _parser() -> argparse.ArgumentParser:
     add("--idle-block-seconds", type=float)
     add("--keys-prefix")
     add("--log-level")
+    add("--openmp", choices=["intel", "gnu"], help="OpenMP runtime of the model's CPU threads")
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, reexec: bool = False) -> int:
+    """`reexec`: allowed to replace this process (the command line), to preload an OpenMP runtime."""
     args = _parser().parse_args(argv)
     overrides = {name: value for name, value in vars(args).items() if value is not None}
     from worker.jobs.settings import WorkerSettings
@@ -48,6 +51,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValidationError, ValueError) as exc:
         print(f"invalid worker settings: {exc}", file=sys.stderr)
         return 2
+    if reexec:
+        from worker.model.openmp_runtime import intel_openmp_library, preload_environment
+
+        env = preload_environment(os.environ, settings.openmp, intel_openmp_library())
+        if env is not None:  # before torch is imported: the runtime must be there at start
+            os.execve(sys.executable, [sys.executable, "-m", "worker", *sys.argv[1:]], env)
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s {settings.name} %(name)s %(levelname)s %(message)s")
     from redis import Redis
@@ -82,4 +91,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(reexec=True))

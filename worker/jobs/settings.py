@@ -10,7 +10,7 @@ import os
 import socket
 import uuid
 from pathlib import Path
-from typing import TypedDict
+from typing import Literal, TypedDict
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -72,6 +72,9 @@ class WorkerSettings(BaseSettings):
         2.0, gt=0, description="Longest wait between Redis retries (and at most a quarter "
         "lease, so a short outage never costs the worker its leases).")
     log_level: str = "INFO"
+    openmp: Literal["intel", "gnu"] = Field(
+        "intel", description="OpenMP runtime of the model's CPU threads: Intel's where the "
+        "intel-openmp package is installed (preloaded, as vLLM does), else torch's GNU one.")
 
     @model_validator(mode="after")
     def _check(self) -> WorkerSettings:
