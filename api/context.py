@@ -65,7 +65,8 @@ class AppContext:
             # Its own connection from the same pool: it stays blocked in XREAD.
             reader = aioredis.Redis(connection_pool=aio.connection_pool,
                                     single_connection_client=True)
-            hub = StreamHub(reader, aio, settings.stream_block_ms)
+            hub = StreamHub(reader, aio, settings.stream_block_ms,
+                            min_interval_ms=settings.stream_hub_interval_ms)
         return cls(settings=settings, keys=keys, aio=aio, sync=sync,
                    auth=ApiKeyAuth(settings.api_keys), models=models, jobs=jobs, hub=hub)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import cast
@@ -101,8 +102,11 @@ class StreamHub:
     """
 
     def __init__(self, reader: aioredis.Redis, control: aioredis.Redis, block_ms: int,
-                 count: int = 256, max_pending: int = 4096) -> None:
+                 count: int = 256, max_pending: int = 4096, min_interval_ms: float = 0.0) -> None:
         self._reader = reader
+        # An XREAD costs Redis O(streams watched): after one that brought entries, wait this long
+        # from its start before the next, so it gathers the steps of several workers.
+        self._min_interval_s = min_interval_ms / 1000
         self._control = control
         self._block_ms = block_ms
         self._count = count
@@ -192,6 +196,7 @@ class StreamHub:
                     except redis.exceptions.ResponseError:
                         self._can_unblock = False
                 request = dict(self._watches)
+                started = time.monotonic()
                 self._in_flight = request
                 try:
                     reply = await self._reader.xread(
@@ -200,6 +205,8 @@ class StreamHub:
                 finally:
                     self._in_flight = None
                 self._dispatch(request, cast(XReadReply, reply or []))
+                if reply and self._min_interval_s:
+                    await asyncio.sleep(self._min_interval_s - (time.monotonic() - started))
         except Exception as exc:
             # Every subscriber ends as a failed XREAD of its own would have ended it.
             if not isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):

@@ -152,8 +152,9 @@ def _start_redis() -> tuple[subprocess.Popen[bytes], str]:
     sys.exit("redis-server did not start")
 
 
-def _start_api(url: str, port: int, reader: str) -> subprocess.Popen[bytes]:
+def _start_api(url: str, port: int, reader: str, interval_ms: float) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "CARPOOL_REDIS_URL": url,
+           "CARPOOL_STREAM_HUB_INTERVAL_MS": str(interval_ms),
            "CARPOOL_PORT": str(port), "CARPOOL_STREAM_HUB": "true" if reader == "hub" else "false",
            "CARPOOL_LOG_LEVEL": "warning", "CARPOOL_MAX_QUEUE_DEPTH": "100000"}
     process = subprocess.Popen([sys.executable, "-m", "api"], cwd=REPO, env=env)
@@ -226,8 +227,9 @@ def _redis_cpu_s(redis: Redis) -> float:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
-def _command_calls(redis: Redis) -> dict[str, int]:
-    return {name.removeprefix("cmdstat_"): int(stats["calls"])
+def _command_stats(redis: Redis) -> dict[str, tuple[int, int]]:
+    """Per command: (calls, microseconds Redis spent executing them)."""
+    return {name.removeprefix("cmdstat_"): (int(stats["calls"]), int(stats["usec"]))
             for name, stats in redis.info("commandstats").items()}
 
 
@@ -239,17 +241,19 @@ async def _measure(base_url: str, redis: Redis, args: argparse.Namespace) -> dic
         slots = [asyncio.create_task(_job_slot(client, args, counts, stop))
                  for _ in range(args.concurrency)]
         await asyncio.sleep(args.warmup)
-        cpu0, calls0, gen0, del0, t0 = (_redis_cpu_s(redis), _command_calls(redis),
+        cpu0, calls0, gen0, del0, t0 = (_redis_cpu_s(redis), _command_stats(redis),
                                          counts.generated, counts.delivered, time.monotonic())
         await asyncio.sleep(args.seconds)
-        cpu1, calls1, gen1, del1, t1 = (_redis_cpu_s(redis), _command_calls(redis),
+        cpu1, calls1, gen1, del1, t1 = (_redis_cpu_s(redis), _command_stats(redis),
                                          counts.generated, counts.delivered, time.monotonic())
         stop.set()
         await asyncio.wait(slots, timeout=60)
     generated, delivered = gen1 - gen0, del1 - del0
     cpu_us = (cpu1 - cpu0) * 1e6
-    calls = {name: calls1.get(name, 0) - calls0.get(name, 0) for name in calls1}
+    calls = {name: calls1[name][0] - calls0.get(name, (0, 0))[0] for name in calls1}
+    usec = {name: calls1[name][1] - calls0.get(name, (0, 0))[1] for name in calls1}
     per_token = cpu_us / max(generated, 1)
+    command_us = sum(usec.values())
     return {
         "generated_tokens": generated, "delivered_tokens": delivered,
         "window_s": round(t1 - t0, 2), "generated_tokens_per_s": round(generated / (t1 - t0), 1),
@@ -257,6 +261,11 @@ async def _measure(base_url: str, redis: Redis, args: argparse.Namespace) -> dic
         "redis_cpu_us_per_generated_token": round(per_token, 2),
         "redis_cpu_us_per_delivered_token": round(cpu_us / max(delivered, 1), 2),
         "generated_tokens_per_s_per_redis_core": round(1e6 / per_token) if per_token else None,
+        # What commands cost inside Redis; the rest of its CPU is I/O and the event loop.
+        "command_us_per_generated_token": round(command_us / max(generated, 1), 2),
+        "command_us_per_generated_token_by_command": {
+            name: round(n / max(generated, 1), 2)
+            for name, n in sorted(usec.items(), key=lambda item: -item[1]) if n},
         "commands_per_generated_token": {name: round(n / max(generated, 1), 3)
                                          for name, n in sorted(calls.items()) if n},
         "errors": counts.errors[:5],
@@ -267,6 +276,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reader", choices=["hub", "per-subscriber", "both"], default="both",
                         help="how the API follows streams: its StreamHub, or an XREAD each")
+    parser.add_argument("--hub-interval-ms", type=float, default=0.0,
+                        help="the hub's least time between XREADs (stream_hub_interval_ms)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seats", type=int, default=32, help="max_num_seqs of each worker")
     parser.add_argument("--step-ms", type=float, default=25.0, help="synthetic step time")
@@ -288,7 +299,7 @@ def main() -> int:
             redis.flushdb()
             workers = _start_workers(url, args)
             port = _free_port()
-            api = _start_api(url, port, reader)
+            api = _start_api(url, port, reader, args.hub_interval_ms)
             try:
                 results[reader] = asyncio.run(_measure(f"http://127.0.0.1:{port}", redis, args))
             finally:
@@ -302,7 +313,7 @@ def main() -> int:
     finally:
         server.terminate()
         server.wait(timeout=10)
-    config = {k: getattr(args, k) for k in ("workers", "seats", "step_ms", "tokens", "concurrency",
+    config = {k: getattr(args, k) for k in ("hub_interval_ms", "workers", "seats", "step_ms", "tokens", "concurrency",
                                             "subscribers", "seconds")}
     print(json.dumps({"config": config}))
     print(f"{'reader':<16}{'tok/s':>9}{'us/gen tok':>12}{'us/deliv tok':>14}{'tok/s/core':>12}")

@@ -175,10 +175,12 @@ async def test_resume_joins_a_watched_stream_without_gap_or_duplicate(redis_url:
     assert resumed.events == _expected(8, after=2)
 
 
-def _hub(url: str, block_ms: int, max_pending: int = 4096) -> tuple[StreamHub, aioredis.Redis]:
+def _hub(url: str, block_ms: int, max_pending: int = 4096,
+         min_interval_ms: float = 0.0) -> tuple[StreamHub, aioredis.Redis]:
     control = aioredis.Redis.from_url(url, decode_responses=True)
     reader = aioredis.Redis(connection_pool=control.connection_pool, single_connection_client=True)
-    return StreamHub(reader, control, block_ms, max_pending=max_pending), control
+    return StreamHub(reader, control, block_ms, max_pending=max_pending,
+                     min_interval_ms=min_interval_ms), control
 
 
 async def _ids(subscription: Subscription) -> list[str]:
@@ -246,5 +248,27 @@ async def test_redis_lost_fails_every_subscriber(redis_url: str) -> None:
         with pytest.raises(redis.exceptions.ConnectionError):
             await subscription.next(5.0)
     assert hub.num_streams == 0
+    await hub.close()
+    await control.aclose()
+
+
+@pytest.mark.parametrize(("min_interval_ms", "num_xreads"), [(0, 5), (1000, 1)])
+async def test_a_least_interval_gathers_several_steps_in_one_xread(
+        redis_url: str, min_interval_ms: float, num_xreads: int) -> None:
+    hub, control = _hub(redis_url, block_ms=5000, min_interval_ms=min_interval_ms)
+    sync = redis.Redis.from_url(redis_url)
+    subscription = await hub.subscribe(KEYS.stream("a"), "0-0")
+    await asyncio.sleep(0.1)
+    sync.config_resetstat()
+    seen: list[str] = []
+    for index in range(5):  # five worker steps, 40 ms apart
+        _publish(sync, "a", index, index + 1)
+        await asyncio.sleep(0.04)
+    while len(seen) < 5:
+        seen += await _ids(subscription)
+    assert seen == ["0-1", "0-2", "0-3", "0-4", "0-5"]
+    # XREADs issued since the reset (the one blocked at the reset got step one): one after each
+    # step; or, with the interval, one for the other four steps (the next waits out the second).
+    assert sync.info("commandstats")["cmdstat_xread"]["calls"] == num_xreads
     await hub.close()
     await control.aclose()
