@@ -123,6 +123,8 @@ class StreamHub:
         return len(self._watches)
 
     async def subscribe(self, key: str, after_id: str) -> Subscription:
+        if self._is_closed:
+            raise redis.exceptions.ConnectionError("the stream hub is closed")
         watch = self._watches.get(key)
         is_new = watch is None
         if watch is None:
@@ -131,8 +133,6 @@ class StreamHub:
         subscription = Subscription(key, watch, watch.cursor if behind else None,
                                     self._max_pending)
         watch.subscribers.add(subscription)
-        if self._is_closed:
-            raise redis.exceptions.ConnectionError("the stream hub is closed")
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="stream-hub")
         elif is_new:

@@ -272,3 +272,12 @@ async def test_a_least_interval_gathers_several_steps_in_one_xread(
     assert sync.info("commandstats")["cmdstat_xread"]["calls"] == num_xreads
     await hub.close()
     await control.aclose()
+
+
+async def test_a_closed_hub_refuses_new_subscribers(redis_url: str) -> None:
+    hub, control = _hub(redis_url, block_ms=100)
+    await hub.close()
+    with pytest.raises(redis.exceptions.ConnectionError, match="the stream hub is closed"):
+        await hub.subscribe(KEYS.stream("a"), "0-0")
+    assert hub.num_streams == 0
+    await control.aclose()
