@@ -17,6 +17,7 @@ from api.job_service import JobService
 from api.job_stream import JobStream
 from api.model_registry import ModelRegistry
 from api.settings import ApiSettings
+from api.stream_hub import StreamHub
 from api.tokenizer_cache import TokenizerCache
 from protocol import Keys
 
@@ -37,6 +38,7 @@ class AppContext:
     auth: ApiKeyAuth
     models: ModelRegistry
     jobs: JobService
+    hub: StreamHub | None  # None: every SSE subscriber blocks on an XREAD of its own
 
     @classmethod
     def build(cls, settings: ApiSettings, aio: aioredis.Redis | None = None,
@@ -58,13 +60,22 @@ class AppContext:
         tokenizers = TokenizerCache(aio, keys)
         jobs = JobService(aio, sync, keys, models, tokenizers, settings.max_queue_depth,
                           settings.retry_after_s)
+        hub = None
+        if settings.stream_hub:
+            # Its own connection from the same pool: it stays blocked in XREAD.
+            reader = aioredis.Redis(connection_pool=aio.connection_pool,
+                                    single_connection_client=True)
+            hub = StreamHub(reader, aio, settings.stream_block_ms,
+                            min_interval_ms=settings.stream_hub_interval_ms)
         return cls(settings=settings, keys=keys, aio=aio, sync=sync,
-                   auth=ApiKeyAuth(settings.api_keys), models=models, jobs=jobs)
+                   auth=ApiKeyAuth(settings.api_keys), models=models, jobs=jobs, hub=hub)
 
     def stream(self, job_id: str) -> JobStream:
-        return JobStream(self.aio, self.keys, job_id, self.settings.stream_block_ms)
+        return JobStream(self.aio, self.keys, job_id, self.settings.stream_block_ms, self.hub)
 
     async def close(self) -> None:
+        if self.hub is not None:
+            await self.hub.close()
         await self.aio.aclose()
         self.sync.close()
 

@@ -72,7 +72,7 @@ class JobService:
         self._keys = keys
         self._models = models
         self._tokenizers = tokenizers
-        self._admission = QueueAdmission(max_queue_depth, retry_after_s, self._queue_depth)
+        self._admission = QueueAdmission(aio, keys, max_queue_depth, retry_after_s)
 
     async def queue_depths(self) -> dict[Priority, int]:
         async with self._aio.pipeline(transaction=False) as pipe:
@@ -81,14 +81,11 @@ class JobService:
             depths = await pipe.execute()
         return dict(zip(Priority.ordered(), depths))
 
-    async def _queue_depth(self) -> int:
-        return sum((await self.queue_depths()).values())
-
     async def submit(self, request: GenerationRequest) -> AcceptedJob:
         card = await self._models.resolve(request.model)
         prompt_tokens, is_exact = await self._count_prompt(card, request)
         max_tokens = self._check_lengths(card, request, prompt_tokens, is_exact)
-        async with self._admission.admit():
+        async with self._admission.admit() as admission:
             spec = JobSpec(
                 job_id=new_job_id(), model=card.name, prompt=request.prompt,
                 messages=request.messages,
@@ -96,7 +93,8 @@ class JobService:
                 priority=request.priority, owner=request.owner, created_at=time.time(),
             )
             # RQ is sync: run it in a worker thread rather than block the event loop.
-            await anyio.to_thread.run_sync(submit_job, self._sync, spec, self._keys)
+            await anyio.to_thread.run_sync(partial(submit_job, self._sync, spec, self._keys,
+                                                   admission=admission))
         return AcceptedJob(spec, prompt_tokens)
 
     async def state(self, job_id: str, owner: str) -> JobState:

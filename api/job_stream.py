@@ -1,7 +1,8 @@
 """Following one job's token stream in Redis: replay from any entry id, then wait for more.
 
 Many readers may follow one stream; none of them consumes it (plain XREAD, no consumer group), so
-a reconnecting client or a late subscriber sees the same entries as the first one did.
+a reconnecting client or a late subscriber sees the same entries as the first one did. With a
+StreamHub the waiting is shared: one XREAD per process for all its readers (api/stream_hub.py).
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
+from api.stream_hub import StreamHub, Subscription
 from protocol import FinishReason, JobState, JobStatus, Keys, StreamEntry
 from protocol.job_reader import RawEntry, XReadReply
-from protocol.stream_ids import STREAM_START, next_entry_id
+from protocol.stream_ids import STREAM_START, entry_id_key, next_entry_id
+
+_COUNT = 256  # entries per read
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,11 +44,13 @@ def done_from_state(state: JobState) -> StreamEntry:
 class JobStream:
     """Reads `Keys.stream(job_id)` after a given entry id until the final entry."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, job_id: str, block_ms: int) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, job_id: str, block_ms: int,
+                 hub: StreamHub | None = None) -> None:
         self._redis = redis
         self._keys = keys
         self.job_id = job_id
         self._block_ms = block_ms
+        self._hub = hub  # None: this reader blocks on an XREAD (and a connection) of its own
 
     async def last_event(self) -> StreamEvent | None:
         entries = cast("list[RawEntry]", await self._redis.xrevrange(self._keys.stream(self.job_id), count=1))
@@ -63,28 +69,56 @@ class JobStream:
         """
         key = self._keys.stream(self.job_id)
         last_id = after_id
-        while True:
-            reply = cast(XReadReply, await self._redis.xread({key: last_id}, block=self._block_ms, count=256))
-            if reply:
-                for entry_id, fields in reply[0][1]:
-                    event = _event(entry_id, fields)
-                    last_id = event.entry_id
-                    yield event
-                    if event.is_done:
-                        return
-                continue
-            state_fields = await self._redis.hgetall(self._keys.state(self.job_id))
-            if not state_fields:
-                return
-            state = JobState.from_fields(state_fields)
-            if state.status.is_final:
-                # Whatever was written with the final status is visible now; read once more.
-                tail = await self._redis.xread({key: last_id}, count=256)
-                if tail:
+        subscription = await self._hub.subscribe(key, after_id) if self._hub is not None else None
+        try:
+            while True:
+                if subscription is None:
+                    reply = cast(XReadReply, await self._redis.xread(
+                        {key: last_id}, block=self._block_ms, count=_COUNT))
+                    entries = reply[0][1] if reply else []
+                else:
+                    entries = await self._next_from_hub(subscription, key, last_id)
+                if entries:
+                    for entry_id, fields in entries:
+                        event = _event(entry_id, fields)
+                        if entry_id_key(event.entry_id) <= entry_id_key(last_id):
+                            continue  # read both by a catch-up and by the hub
+                        last_id = event.entry_id
+                        yield event
+                        if event.is_done:
+                            return
                     continue
-                yield StreamEvent(next_entry_id(last_id), done_from_state(state))
-                return
-            yield None
+                state_fields = await self._redis.hgetall(self._keys.state(self.job_id))
+                if not state_fields:
+                    return
+                state = JobState.from_fields(state_fields)
+                if state.status.is_final:
+                    # Whatever was written with the final status is visible now; read once more.
+                    tail = await self._redis.xread({key: last_id}, count=_COUNT)
+                    if tail:
+                        if subscription is not None:  # read them at once, not when the hub does
+                            subscription.rearm(cast(XReadReply, tail)[0][1][-1][0])
+                        continue
+                    yield StreamEvent(next_entry_id(last_id), done_from_state(state))
+                    return
+                yield None
+        finally:
+            if subscription is not None and self._hub is not None:
+                self._hub.unsubscribe(subscription)
+
+    async def _next_from_hub(self, subscription: Subscription, key: str,
+                             last_id: str) -> list[RawEntry]:
+        """The hub's next entries, after those between `last_id` and the hub's cursor when this
+        reader joined (or fell behind), which it reads itself."""
+        bound = subscription.take_catch_up()
+        if bound is not None and entry_id_key(last_id) < entry_id_key(bound):
+            entries = cast("list[RawEntry]", await self._redis.xrange(
+                key, min=f"({last_id}", max=bound, count=_COUNT))
+            if len(entries) == _COUNT:
+                subscription.rearm(bound)
+            if entries:
+                return entries
+        return await subscription.next(self._block_ms / 1000)
 
 
 def _event(entry_id: object, fields: dict[object, object]) -> StreamEvent:

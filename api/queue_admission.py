@@ -1,48 +1,79 @@
-"""QueueAdmission: the queue depth limit, kept under a burst of concurrent submissions."""
+"""QueueAdmission: the queue depth limit, exact over every API process."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import cast
+
+import anyio
+import redis.asyncio as aioredis
 
 from api.errors import QueueFullError
+from protocol import Keys, Priority
+from protocol.rq_keys import RQKeys
+
+# An admission whose submission never enqueued (its process died) stops counting after this long:
+# far beyond a submission's few Redis round trips and its socket timeout.
+ADMISSION_TTL_MS = 60_000
+
+# KEYS: admissions, then the RQ queues. ARGV: admission id, max depth, ttl_ms.
+# Returns {1 admitted | 0 refused, depth counted (queued jobs + admissions not enqueued yet)}.
+_ADMIT_LUA = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local depth = redis.call('ZCARD', KEYS[1])
+for i = 2, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
+if depth >= tonumber(ARGV[2]) then return {0, depth} end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+return {1, depth}
+"""
 
 
 class QueueAdmission:
-    """Admits a submission only while the queues hold fewer than `max_queue_depth` jobs, counting
-    the ones this process is still enqueueing.
+    """Admits a submission only while the queues hold fewer than `max_queue_depth` jobs.
 
-    Checked naively (read the depth, then enqueue), a burst reads the same depth everywhere and
-    all of it gets in. Serializing check and enqueue under a lock holds, but makes every
-    submission wait for all the round trips before it. Here each submission reads the depth
-    concurrently and then, with no await in between, adds what that read may have missed:
-    enqueues still in flight (reserved) and those that completed after the read began
-    (conservatively: they may be in it). So the queue never passes the limit, and at worst a
-    submission at the very edge is refused one job early. The count is per process: N API
-    processes may overshoot by what the other N - 1 have in flight.
+    Checked naively (read the depth, then enqueue), a burst reads the same depth everywhere and all
+    of it gets in, and a per-process count of enqueues in flight cannot see the other API
+    processes. Here one script counts the queued jobs plus the admissions not enqueued yet and,
+    below the limit, records one more (`Keys.admissions`); the enqueue transaction removes it
+    (submit_job's `admission`). Every job counts once, as an admission or queued, in every process,
+    so the queues never pass the limit, and no lock is held over the enqueue.
     """
 
-    def __init__(self, max_queue_depth: int, retry_after_s: int,
-                 read_depth: Callable[[], Awaitable[int]]) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, max_queue_depth: int,
+                 retry_after_s: int, ttl_ms: int = ADMISSION_TTL_MS) -> None:
         self.max_queue_depth = max_queue_depth
+        self._redis = redis
+        self._keys = keys
         self._retry_after_s = retry_after_s
-        self._read_depth = read_depth
-        self._num_reserved = 0  # admitted, enqueue not finished
-        self._num_enqueued = 0  # admitted and enqueued, ever
+        self._ttl_ms = ttl_ms
+        self._script = redis.register_script(_ADMIT_LUA)
+        self._script_keys = [keys.admissions(),
+                             *(RQKeys.queue(keys.queue_name(p)) for p in Priority.ordered())]
 
     @asynccontextmanager
-    async def admit(self) -> AsyncIterator[None]:
-        """Enqueue inside this block; raises QueueFullError (429) instead when the queue is full."""
-        enqueued_before = self._num_enqueued
-        depth = await self._read_depth()
-        pending = self._num_reserved + self._num_enqueued - enqueued_before
-        if depth + pending >= self.max_queue_depth:
+    async def admit(self) -> AsyncIterator[str]:
+        """Enqueue inside this block, passing the admission id it gives to submit_job; raises
+        QueueFullError (429) instead when the queue is full."""
+        admission = uuid.uuid4().hex
+        reply = await self._script(keys=self._script_keys,
+                                   args=[admission, self.max_queue_depth, self._ttl_ms])
+        is_admitted, depth = (int(value) for value in cast("list[int]", reply))
+        if not is_admitted:
             raise QueueFullError(
-                f"The job queue is full ({depth + pending} jobs waiting, the limit is "
+                f"The job queue is full ({depth} jobs waiting, the limit is "
                 f"{self.max_queue_depth}); retry later", self._retry_after_s)
-        self._num_reserved += 1
         try:
-            yield
-            self._num_enqueued += 1
-        finally:
-            self._num_reserved -= 1
+            yield admission
+        except BaseException:
+            # No enqueue (or none we know of): give the place back now rather than at its expiry.
+            # If the enqueue did land, it already removed the admission and this is a no-op.
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self._redis.zrem(self._keys.admissions(), admission)
+                except Exception:  # Redis gone: the admission lapses by itself
+                    pass
+            raise

@@ -35,15 +35,26 @@ class ApiSettings(BaseSettings):
         1000, ge=10, le=60_000,
         description="XREAD BLOCK timeout: how often a waiting stream re-checks the job and client.",
     )
+    stream_hub: bool = Field(
+        True,
+        description="Follow every SSE subscriber's stream through one blocking XREAD per API "
+                    "process (one Redis connection, one command per wake for all streams); false: "
+                    "each subscriber blocks on an XREAD and a connection of its own.")
+    stream_hub_interval_ms: float = Field(
+        0.0, ge=0, le=1000,
+        description="Least time between two of the stream hub's XREADs that brought entries: each "
+                    "costs Redis in proportion to the streams watched, so a few ms let one read "
+                    "gather the steps of several workers, at that much added token latency.")
     sse_keepalive_s: float = Field(15.0, gt=0, description="Idle time before an SSE comment keep-alive.")
     redis_timeout_s: float = Field(
         5.0, gt=0, description="Connect/command timeout to Redis, so Redis down answers 503 quickly."
     )
     redis_max_connections: int = Field(
         10_000, ge=1,
-        description="Redis connections the API may open: every SSE subscriber holds one while it "
-                    "waits on XREAD (redis-py's default pool of 100 answered 'Too many connections' "
-                    "past 100 subscribers). Redis's own maxclients default is 10000.")
+        description="Redis connections the API may open. Without the stream hub every SSE "
+                    "subscriber holds one while it waits on XREAD (redis-py's default pool of 100 "
+                    "answered 'Too many connections' past 100 subscribers). Redis's own "
+                    "maxclients default is 10000.")
     http_keep_alive_s: int = Field(
         75, ge=1,
         description="How long uvicorn keeps an idle HTTP/1.1 connection open (uvicorn's default is "

@@ -43,6 +43,7 @@ def submit_job(
     result_ttl: int = DEFAULT_RESULT_TTL,
     failure_ttl: int = DEFAULT_FAILURE_TTL,
     timeout: int = DEFAULT_JOB_TIMEOUT,
+    admission: str | None = None,
 ) -> Job:
     """Enqueue `spec` as an RQ job on its priority's queue and record its JobState (queued).
 
@@ -55,7 +56,7 @@ def submit_job(
     Read it back with `Job.fetch(job_id, redis, serializer=JSONSerializer)` or `JobReader`.
     """
     (job,) = submit_jobs(redis, [spec], keys, result_ttl=result_ttl, failure_ttl=failure_ttl,
-                         timeout=timeout)
+                         timeout=timeout, admission=admission)
     return job
 
 
@@ -67,8 +68,12 @@ def submit_jobs(
     result_ttl: int = DEFAULT_RESULT_TTL,
     failure_ttl: int = DEFAULT_FAILURE_TTL,
     timeout: int = DEFAULT_JOB_TIMEOUT,
+    admission: str | None = None,
 ) -> list[Job]:
-    """`submit_job` for several specs in ONE MULTI/EXEC: all are queued, or none."""
+    """`submit_job` for several specs in ONE MULTI/EXEC: all are queued, or none.
+
+    `admission`: a reservation in `Keys.admissions` that admitted them; it ends in the same
+    transaction, so the jobs count toward the queue depth once, as a reservation or queued."""
     jobs = []
     queues = {p: queue_for(redis, p, keys) for p in {spec.priority for spec in specs}}
     with redis.pipeline(transaction=True) as pipe:
@@ -91,6 +96,8 @@ def submit_jobs(
                       mapping=cast("Mapping[FieldT, EncodableT]", state.to_fields()))
             if spec.owner:
                 pipe.zadd(keys.jobs_by_owner(spec.owner), {spec.job_id: spec.created_at})
+        if admission is not None:
+            pipe.zrem(keys.admissions(), admission)
         pipe.execute()
     return jobs
 

@@ -51,6 +51,11 @@ class Keys:
         """Sorted set job_id -> lease deadline (ms since epoch): where recovery looks for lapsed jobs."""
         return f"{self.prefix}:leases"
 
+    def admissions(self) -> str:
+        """Sorted set: reservation id -> expiry (ms, Redis clock) of each submission admitted past
+        the queue depth limit and not enqueued yet; it counts toward the depth until then."""
+        return f"{self.prefix}:admissions"
+
     def canceled(self) -> str:
         """Set of job ids whose cancellation was requested; workers check their batch against it."""
         return f"{self.prefix}:canceled"

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 
 import httpx
 import pytest
-from api_support import Harness, parse_sse
+from api_support import Harness, make_harness, parse_sse
 
 from protocol import FinishReason
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(params=[True, False], ids=["hub", "own-xread"])
+def harness(request: pytest.FixtureRequest) -> Iterator[Harness]:
+    """Every stream test twice: readers through the process's StreamHub, and each on its own."""
+    h = make_harness(stream_hub=request.param)
+    h.register_model()
+    yield h
 
 
 async def _job(client: httpx.AsyncClient) -> str:

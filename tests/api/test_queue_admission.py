@@ -1,81 +1,123 @@
-"""QueueAdmission: what a depth read may miss (enqueues in flight or just finished) still counts."""
+"""QueueAdmission: the depth limit holds over several API processes and under bursts."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 
+import anyio.to_thread
+import fakeredis
 import pytest
+import redis
+import redis.asyncio as aioredis
 
 from api.errors import QueueFullError
 from api.queue_admission import QueueAdmission
+from protocol import JobSpec, Keys, Priority, SamplingParams, submit_job
+from protocol.rq_keys import RQKeys
 
 pytestmark = pytest.mark.anyio
+KEYS = Keys()
 
 
-class FakeQueue:
-    """A queue depth that reads take `delay_s` to return."""
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
 
-    def __init__(self, depth: int = 0, delay_s: float = 0.0) -> None:
-        self.depth = depth
-        self.delay_s = delay_s
 
-    async def read(self) -> int:
-        depth = self.depth  # what Redis answered when the command ran
-        await asyncio.sleep(self.delay_s)
-        return depth
+def _fake() -> tuple[aioredis.Redis, fakeredis.FakeRedis]:
+    server = fakeredis.FakeServer()
+    return (fakeredis.FakeAsyncRedis(server=server, decode_responses=True),
+            fakeredis.FakeRedis(server=server))
+
+
+def _spec(job_id: str) -> JobSpec:
+    return JobSpec(job_id=job_id, model="tiny", prompt="hello", sampling=SamplingParams(),
+                   priority=Priority.NORMAL)
+
+
+def _queued(sync: redis.Redis) -> int:
+    return sum(int(sync.llen(RQKeys.queue(name))) for name in KEYS.queue_names())
 
 
 async def test_refuses_at_the_limit_with_retry_after() -> None:
-    admission = QueueAdmission(3, 5, FakeQueue(depth=3).read)
+    aio, sync = _fake()
+    submit_job(sync, _spec("a"))
+    submit_job(sync, _spec("b"))
+    admission = QueueAdmission(aio, KEYS, 2, 5)
     with pytest.raises(QueueFullError) as caught:
         async with admission.admit():
-            pass
-    assert caught.value.message == ("The job queue is full (3 jobs waiting, the limit is 3); "
+            pytest.fail("admitted past the limit")
+    assert caught.value.message == ("The job queue is full (2 jobs waiting, the limit is 2); "
                                     "retry later")
     assert caught.value.headers == {"Retry-After": "5"}
 
 
-async def test_enqueues_in_flight_count() -> None:
-    queue = FakeQueue()
-    admission = QueueAdmission(2, 1, queue.read)
-    release = asyncio.Event()
-
-    async def submit() -> bool:
-        try:
+async def test_admissions_not_enqueued_yet_count_toward_the_depth() -> None:
+    aio, sync = _fake()
+    admission = QueueAdmission(aio, KEYS, 2, 1)
+    async with admission.admit() as first, admission.admit() as second:
+        assert first != second
+        with pytest.raises(QueueFullError):
             async with admission.admit():
-                await release.wait()  # the enqueue is slow; the depth read saw none of these
-                queue.depth += 1
-        except QueueFullError:
-            return False
-        return True
-
-    tasks = [asyncio.create_task(submit()) for _ in range(5)]
-    await asyncio.sleep(0.01)
-    release.set()
-    assert sorted(await asyncio.gather(*tasks)) == [False, False, False, True, True]
-    assert queue.depth == 2
+                pass
+        submit_job(sync, _spec("a"), admission=first)
+        submit_job(sync, _spec("b"), admission=second)
+    assert _queued(sync) == 2
+    assert sync.zcard(KEYS.admissions()) == 0  # each left with its enqueue
 
 
-async def test_an_enqueue_that_finished_during_the_read_counts() -> None:
-    queue = FakeQueue(delay_s=0.05)
-    admission = QueueAdmission(1, 1, queue.read)
-
-    async def late_reader() -> None:
-        await asyncio.sleep(0.01)  # reads depth 0, then the first enqueue finishes meanwhile
+async def test_a_submission_that_failed_gives_its_place_back() -> None:
+    aio, sync = _fake()
+    admission = QueueAdmission(aio, KEYS, 1, 1)
+    with pytest.raises(RuntimeError):
         async with admission.admit():
-            raise AssertionError("admitted past the limit")
+            raise RuntimeError("enqueue failed")
+    assert sync.zcard(KEYS.admissions()) == 0
+    async with admission.admit() as place:
+        submit_job(sync, _spec("a"), admission=place)
+    assert _queued(sync) == 1
 
-    reader = asyncio.create_task(late_reader())
+
+async def test_an_admission_never_enqueued_lapses() -> None:
+    aio, sync = _fake()
+    admission = QueueAdmission(aio, KEYS, 1, 1, ttl_ms=100)
     async with admission.admit():
-        queue.depth += 1
+        pass  # a process that died here: no enqueue, no release
+    assert sync.zcard(KEYS.admissions()) == 1
     with pytest.raises(QueueFullError):
-        await reader
-
-
-async def test_a_failed_enqueue_gives_its_place_back() -> None:
-    admission = QueueAdmission(1, 1, FakeQueue().read)
-    with pytest.raises(ConnectionError):
         async with admission.admit():
-            raise ConnectionError("Redis went away")
-    async with admission.admit():
-        pass
+            pass
+    time.sleep(0.15)
+    async with admission.admit() as place:
+        submit_job(sync, _spec("a"), admission=place)
+    assert _queued(sync) == 1
+
+
+async def test_a_burst_over_several_api_processes_stops_exactly_at_the_limit(
+        redis_url: str) -> None:
+    # Three "processes": each its own clients and its own QueueAdmission on one Redis.
+    clients = [(aioredis.Redis.from_url(redis_url, decode_responses=True),
+                redis.Redis.from_url(redis_url)) for _ in range(3)]
+    admissions = [QueueAdmission(aio, KEYS, 7, 1) for aio, _ in clients]
+    outcomes: list[str] = []
+
+    async def submit(number: int) -> None:
+        process = number % 3
+        try:
+            async with admissions[process].admit() as place:
+                await anyio.to_thread.run_sync(
+                    lambda: submit_job(clients[process][1], _spec(f"job-{number}"),
+                                       admission=place))
+            outcomes.append("queued")
+        except QueueFullError:
+            outcomes.append("full")
+
+    await asyncio.gather(*(submit(number) for number in range(30)))
+    sync = clients[0][1]
+    assert sorted(outcomes) == ["full"] * 23 + ["queued"] * 7
+    assert _queued(sync) == 7
+    assert sync.zcard(KEYS.admissions()) == 0
+    for aio, sync_client in clients:
+        await aio.aclose()
+        sync_client.close()

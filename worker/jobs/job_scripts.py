@@ -139,16 +139,21 @@ return claimed
 
 # The per-iteration call, for every job in the batch at once (one script, not one per job).
 # KEYS: leases, canceled, then (lease, stream, state) per job.
-# ARGV: lease_ms, then per job: job_id, token, prompt_tokens, first_token_at, num_tokens and
-#       (index, token_id, text) per token.
-# Returns two lists in job order: the append results — 1 (appended, lease renewed), 0 (refused:
-# not the lease holder), -1 (gap: refused) — and the cancel flags (1: cancel requested).
-# Per job the hot path is GET, XADD per token, PEXPIRE, ZADD: Redis itself refuses an id that
-# is not after the stream's last, and only then does the script read the stream, to tell a
-# resent round trip (skip what is there) from a gap.
+# ARGV: lease_ms, renew ('1': renew every lease of the batch, '0': not this step), then per job:
+#       job_id, token, prompt_tokens, first_token_at, num_tokens and (index, token_id, text) per
+#       token.
+# Returns two lists in job order: the append results — 1 (appended, lease renewed if asked), 0
+# (refused: not the lease holder), -1 (gap: refused) — and the cancel flags (1: cancel requested).
+# Per job the hot path is GET (the fence) and XADD per token; PEXPIRE and ZADD only on renewing
+# steps, SISMEMBER only while some job is canceled. Redis itself refuses an id that is not after
+# the stream's last, and only then does the script read the stream, to tell a resent round trip
+# (skip what is there) from a gap.
 APPEND = _COMMON + """
 local lease_ms = tonumber(ARGV[1])
-local deadline = now_ms() + lease_ms
+local renew = ARGV[2] == '1'
+local deadline = renew and now_ms() + lease_ms or 0
+-- The cancel set is empty but between a cancel request and its worker acting on it.
+local any_canceled = redis.call('SCARD', KEYS[2]) > 0
 local function xadd(stream, a)
   return redis.pcall('XADD', stream, '0-' .. (tonumber(ARGV[a]) + 1), 'kind', 'token',
                      'index', ARGV[a], 'token_id', ARGV[a + 1], 'text', ARGV[a + 2])
@@ -178,18 +183,20 @@ local function append(lease, stream, state, job_id, token, prompt_tokens, first_
       end
     end
   end
-  redis.call('PEXPIRE', lease, lease_ms)
-  redis.call('ZADD', KEYS[1], 'XX', deadline, job_id)
+  if renew then
+    redis.call('PEXPIRE', lease, lease_ms)
+    redis.call('ZADD', KEYS[1], 'XX', deadline, job_id)
+  end
   return 1
 end
 local results, canceled = {}, {}
-local a = 2
+local a = 3
 local k = 3
 while a <= #ARGV do
   local job_id, num_tokens = ARGV[a], tonumber(ARGV[a + 4])
   results[#results + 1] = append(KEYS[k], KEYS[k + 1], KEYS[k + 2], job_id, ARGV[a + 1],
                                  ARGV[a + 2], ARGV[a + 3], a + 5, num_tokens)
-  canceled[#canceled + 1] = redis.call('SISMEMBER', KEYS[2], job_id)
+  canceled[#canceled + 1] = any_canceled and redis.call('SISMEMBER', KEYS[2], job_id) or 0
   a = a + 5 + 3 * num_tokens
   k = k + 3
 end

@@ -55,8 +55,9 @@ class WorkerSettings(BaseSettings):
     device: str = "auto"
     num_threads: int | None = Field(None, ge=1)
     lease_seconds: float = Field(
-        30.0, gt=0, description="A job's lease: renewed every iteration; once it lapses (worker "
-        "dead or stuck) recovery requeues the job and the old owner can no longer append.")
+        30.0, gt=0, description="A job's lease: renewed at the first iteration after an eighth of it "
+        "passed; once it lapses (worker dead or stuck) recovery requeues the job and the old owner "
+        "can no longer append.")
     drain_seconds: float = Field(
         30.0, ge=0,
         description="On SIGTERM: time to finish running jobs before requeueing the rest.")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import math
 import time
 import zlib
 from collections import Counter, defaultdict
@@ -44,6 +45,9 @@ from worker.jobs.running_job import RunningJob
 
 log = logging.getLogger(__name__)
 
+# Leases are renewed at the first flush after 1/8 of a lease passed, so a lease always has more
+# than 7/8 of its time left at a flush, less the step before it.
+_RENEWALS_PER_LEASE = 8
 _BUCKET_NAMES = [str(bound) for bound in HISTOGRAM_BUCKETS]
 
 
@@ -83,6 +87,7 @@ class StreamPublisher:
         self.keys = keys
         self.worker_name = worker_name
         self.lease_ms = lease_ms
+        self._renewed_at = -math.inf  # monotonic time of the last flush that renewed the leases
         self._recover_templates = self._templates()
         self._reset()
 
@@ -250,11 +255,14 @@ class StreamPublisher:
         (metric counters aside, which may count that iteration twice).
         """
         calls = self._calls
+        started = time.monotonic()
+        # Renewing every lease costs two commands a job: do it a few times a lease, not each step.
+        renew = started - self._renewed_at >= self.lease_ms / 1000 / _RENEWALS_PER_LEASE
         if self._append_ids:
             # Appends first: a job's last tokens precede its finish in the same transaction.
             calls = [_ScriptCall("append", "", "append",
                                  [self.keys.leases(), self.keys.canceled(), *self._append_keys],
-                                 [self.lease_ms, *self._append_args]),
+                                 [self.lease_ms, int(renew), *self._append_args]),
                      *calls]
         append_ids = self._append_ids
         pipe = self.redis.pipeline(transaction=True)
@@ -273,6 +281,8 @@ class StreamPublisher:
         # next flush resends the whole iteration (its appends are idempotent; its finishes and
         # requeues are refused if they ran; only metric counters may count twice).
         replies = self._retry_missing_scripts(calls, replies)
+        if renew and self._append_ids:
+            self._renewed_at = started
         self._reset()
         report = PublishReport()
         for call, reply in zip(calls, replies):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+
+import pytest
 from rq import Queue, Worker
 from rq.job import Job
 from rq.job import JobStatus as RQJobStatus
@@ -26,6 +29,7 @@ from tests.worker.jobs.job_support import (
     running,
     submit,
 )
+from worker.jobs import stream_publisher
 from worker.jobs.stream_publisher import JobEnd
 
 
@@ -226,3 +230,23 @@ def test_running_job_insists_on_consecutive_token_indices() -> None:
     generate(job, 11)
     with pytest.raises(ValueError, match="engine produced token index 3, expected 1"):
         job.add_tokens([TokenEntry(3, 12, "x")], now=1.0)
+
+
+def test_leases_are_renewed_an_eighth_of_a_lease_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    redis = fake_redis()
+    submit(redis, "job-1")
+    queue = make_queue(redis, lease_ms=8000)  # renewed at the first flush 1 s after the last
+    job = running(queue.claim(1)[0])
+    pub = make_publisher(queue)
+    leases = []
+    for offset_s in (0.0, 0.5, 1.1):
+        now = time.monotonic() + offset_s
+        monkeypatch.setattr(stream_publisher.time, "monotonic", lambda now=now: now)
+        redis.pexpire(KEYS.lease("job-1"), 5000)
+        generate(job, 11)
+        pub.append(job)
+        assert pub.flush().refused == set()
+        job.unpublished.clear()
+        leases.append(redis.pttl(KEYS.lease("job-1")) > 7000)
+    assert leases == [True, False, True]
+    assert [i.decode() for i, _ in redis.xrange(KEYS.stream("job-1"))] == ["0-1", "0-2", "0-3"]

@@ -1,0 +1,229 @@
+"""One blocking XREAD per API process for every token stream its subscribers follow.
+
+Without it each SSE subscriber held its own Redis connection blocked on its own XREAD: Redis paid a
+command per token per subscriber and a connection per subscriber. The hub keeps one dedicated
+connection blocked on one XREAD over all watched streams and fans each entry out in-process to the
+subscriptions of its stream.
+
+Joining: a stream nobody here watches yet is read by the hub from the subscriber's own id (the hub
+wakes its blocked XREAD with CLIENT UNBLOCK so the new stream is in the next one). A subscriber that
+joins a watched stream behind the hub's cursor reads the entries in between itself (`catch_up_to`,
+an XRANGE) and gets everything after the cursor from the hub: no gap. Entries can reach a
+subscriber twice (its own catch-up and the hub); the reader drops any id not above the last one it
+yielded, so none is seen twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import cast
+
+import redis.asyncio as aioredis
+import redis.exceptions
+
+from protocol.job_reader import RawEntry, XReadReply
+from protocol.stream_ids import entry_id_key
+
+log = logging.getLogger(__name__)
+
+# A wake sent just before Redis has the XREAD blocked finds nothing to unblock: try again shortly.
+_WAKE_TRIES = 3
+_WAKE_RETRY_S = 0.002
+
+
+class Subscription:
+    """One reader's share of the hub: entries of one stream after the hub's cursor, in order."""
+
+    def __init__(self, key: str, watch: _Watch, catch_up_to: str | None, max_pending: int) -> None:
+        self.key = key
+        self._watch = watch
+        # Entries up to this id (after the reader's own position) come from the reader's XRANGE.
+        self.catch_up_to = catch_up_to
+        self._max_pending = max_pending
+        self._pending: deque[RawEntry] = deque()
+        self._ready = asyncio.Event()
+        self._error: BaseException | None = None
+
+    def deliver(self, entry: RawEntry) -> None:
+        if len(self._pending) >= self._max_pending:
+            # A reader this far behind (its client reads slowly) re-reads from Redis instead of
+            # holding an unbounded backlog here.
+            self._pending.clear()
+            self.catch_up_to = self._watch.cursor
+            self._ready.set()
+            return
+        self._pending.append(entry)
+        self._ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.set()
+
+    def take_catch_up(self) -> str | None:
+        bound, self.catch_up_to = self.catch_up_to, None
+        return bound
+
+    def rearm(self, bound: str) -> None:
+        """The reader's catch-up read stopped short of `bound` (a page): it reads on later."""
+        if self.catch_up_to is None or entry_id_key(bound) > entry_id_key(self.catch_up_to):
+            self.catch_up_to = bound
+
+    async def next(self, timeout_s: float) -> list[RawEntry]:
+        """The entries the hub delivered since the last call; [] after `timeout_s` without any."""
+        if not self._pending and self._error is None and self.catch_up_to is None:
+            self._ready.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._ready.wait(), timeout_s)
+        if self._error is not None:
+            raise self._error
+        entries = list(self._pending)
+        self._pending.clear()
+        return entries
+
+
+@dataclass(slots=True, eq=False)
+class _Watch:
+    """A stream the hub reads: the last id it read, and who gets its entries."""
+
+    cursor: str
+    subscribers: set[Subscription] = field(default_factory=set)
+
+
+class StreamHub:
+    """Follows many streams on one connection; `subscribe` and `unsubscribe` at any time.
+
+    `reader` must be a client of its own (one connection): it stays blocked in XREAD. `control` is
+    the process's ordinary client, used for the rare CLIENT UNBLOCK.
+    """
+
+    def __init__(self, reader: aioredis.Redis, control: aioredis.Redis, block_ms: int,
+                 count: int = 256, max_pending: int = 4096, min_interval_ms: float = 0.0) -> None:
+        self._reader = reader
+        # An XREAD costs Redis O(streams watched): after one that brought entries, wait this long
+        # from its start before the next, so it gathers the steps of several workers.
+        self._min_interval_s = min_interval_ms / 1000
+        self._control = control
+        self._block_ms = block_ms
+        self._count = count
+        self._max_pending = max_pending
+        self._watches: dict[str, _Watch] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._client_id: int | None = None  # the reader connection's, for CLIENT UNBLOCK
+        self._in_flight: dict[str, _Watch] | None = None  # what the pending XREAD asked for
+        self._can_unblock = True
+        self._is_closed = False
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._watches)
+
+    async def subscribe(self, key: str, after_id: str) -> Subscription:
+        if self._is_closed:
+            raise redis.exceptions.ConnectionError("the stream hub is closed")
+        watch = self._watches.get(key)
+        is_new = watch is None
+        if watch is None:
+            watch = self._watches[key] = _Watch(cursor=after_id)
+        behind = entry_id_key(after_id) < entry_id_key(watch.cursor)
+        subscription = Subscription(key, watch, watch.cursor if behind else None,
+                                    self._max_pending)
+        watch.subscribers.add(subscription)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="stream-hub")
+        elif is_new:
+            await self._wake(key)
+        return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        watch = self._watches.get(subscription.key)
+        if watch is None or subscription not in watch.subscribers:
+            return
+        watch.subscribers.discard(subscription)
+        if not watch.subscribers:
+            del self._watches[subscription.key]  # the reader stops once nothing is watched
+
+    async def close(self) -> None:
+        self._is_closed = True
+        task = self._task
+        if task is not None and not task.done():
+            # Woken rather than cancelled: a cancel inside redis-py's blocked read takes seconds
+            # to unwind (it drops the connection), and may come back as an error of its own.
+            await self._unblock()
+            await asyncio.wait({task}, timeout=self._block_ms / 1000 + 1)
+            if not task.done():
+                task.cancel()
+        self._fail_all(redis.exceptions.ConnectionError("the stream hub is closed"))
+        await self._reader.aclose()
+
+    def _fail_all(self, error: BaseException) -> None:
+        watches, self._watches = self._watches, {}
+        for watch in watches.values():
+            for subscription in watch.subscribers:
+                subscription.fail(error)
+
+    async def _wake(self, key: str) -> None:
+        """Cut the pending XREAD short so the next one includes `key`."""
+        for _ in range(_WAKE_TRIES):
+            in_flight = self._in_flight
+            if in_flight is None or key in in_flight:
+                return  # no XREAD pending, or the pending one already reads this stream
+            if await self._unblock():
+                return
+            await asyncio.sleep(_WAKE_RETRY_S)
+
+    async def _unblock(self) -> bool:
+        """CLIENT UNBLOCK the reader: whether it was blocked (a server without the command, or a
+        reader whose id is not known yet, is left to its block timeout)."""
+        if self._client_id is None or not self._can_unblock:
+            return False
+        try:
+            return bool(await self._control.client_unblock(self._client_id))
+        except redis.exceptions.ResponseError:
+            self._can_unblock = False
+            return False
+
+    async def _run(self) -> None:
+        try:
+            while self._watches and not self._is_closed:
+                if self._client_id is None and self._can_unblock:
+                    try:
+                        self._client_id = int(await self._reader.client_id())
+                    except redis.exceptions.ResponseError:
+                        self._can_unblock = False
+                request = dict(self._watches)
+                started = time.monotonic()
+                self._in_flight = request
+                try:
+                    reply = await self._reader.xread(
+                        {key: watch.cursor for key, watch in request.items()},
+                        block=self._block_ms, count=self._count)
+                finally:
+                    self._in_flight = None
+                self._dispatch(request, cast(XReadReply, reply or []))
+                if reply and self._min_interval_s:
+                    await asyncio.sleep(self._min_interval_s - (time.monotonic() - started))
+        except Exception as exc:
+            # Every subscriber ends as a failed XREAD of its own would have ended it.
+            if not isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+                log.exception("stream hub reader failed")
+            self._client_id = None
+            self._fail_all(exc)
+
+    def _dispatch(self, request: dict[str, _Watch], reply: XReadReply) -> None:
+        for raw_key, entries in reply:
+            key = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
+            watch = request[key]
+            if self._watches.get(key) is not watch:
+                continue  # everyone left (and maybe others joined anew) while the XREAD was out
+            for entry_id, fields in entries:
+                raw_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+                if entry_id_key(raw_id) <= entry_id_key(watch.cursor):
+                    continue
+                watch.cursor = raw_id
+                for subscription in watch.subscribers:
+                    subscription.deliver((raw_id, fields))

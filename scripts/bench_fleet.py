@@ -1,0 +1,329 @@
+"""Redis CPU per generated token at fleet scale: synthetic workers, a real API, SSE subscribers.
+
+No model. Each synthetic worker is the real worker loop (BatchingWorker: JobQueue claims,
+StreamPublisher's one round trip per step, its Lua scripts and fencing) around a SyntheticEngine
+that gives every seat one token per step at a fixed step time. One API process (`python -m api`,
+a subprocess) serves the jobs; httpx clients keep `--concurrency` jobs in flight, each followed by
+`--subscribers` SSE readers. Redis' own CPU (INFO cpu: used_cpu_sys + used_cpu_user) is read
+before and after a measurement window, on a private redis-server.
+
+    python scripts/bench_fleet.py                       # both readers, side by side
+    python scripts/bench_fleet.py --reader hub --workers 2 --seats 32 --step-ms 20 --seconds 20
+
+Reported: us of Redis CPU per generated token (counted once, as one subscriber sees it), per
+token delivered (every subscriber), the generated tokens/s one Redis core would carry at that
+cost, and Redis commands per generated token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+from redis import Redis  # noqa: E402
+from redis.exceptions import ConnectionError as RedisConnectionError  # noqa: E402
+
+from protocol.generation import FinishReason, SamplingParams, TokenEntry  # noqa: E402
+from worker.engine.outputs import RequestOutput, StepOutput, StepStats  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "synthetic"
+
+
+class _Tokenizer:
+    eos_token = "</s>"
+    bos_token = "<s>"
+    chat_template = None
+
+    def encode(self, text: str) -> list[int]:
+        return [1 + (ord(c) % 100) for c in text]
+
+
+@dataclass(slots=True)
+class _Request:
+    max_tokens: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    is_aborted: bool = False
+
+
+class SyntheticEngine:
+    """The engine surface BatchingWorker uses: one token per seat every `step_s`, no model."""
+
+    def __init__(self, max_num_seqs: int, step_s: float) -> None:
+        self.tokenizer = _Tokenizer()
+        self.max_model_len = 1 << 16
+        self.model_dir = Path("/nonexistent-synthetic-model")
+        self._max_num_seqs = max_num_seqs
+        self._step_s = step_s
+        self._requests: dict[str, _Request] = {}
+        self._next_step_at = time.monotonic()
+
+    def generate(self, prompts: Sequence[str], sampling: SamplingParams) -> None:
+        return None  # the worker's warm-up: nothing to warm
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def num_free_slots(self) -> int:
+        return self._max_num_seqs - len(self._requests)
+
+    def num_free_kv_blocks(self) -> int:
+        return 1 << 20
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.tokenizer.encode(" ".join(m["content"] for m in messages))
+
+    def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
+                    output_token_ids: tuple[int, ...] = ()) -> None:
+        self._requests[request_id] = _Request(sampling.max_tokens, len(prompt_ids),
+                                              len(output_token_ids))
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._requests:
+            self._requests[request_id].is_aborted = True
+
+    def step(self) -> StepOutput:
+        now = time.monotonic()
+        if self._next_step_at > now:
+            time.sleep(self._next_step_at - now)
+        self._next_step_at = max(now, self._next_step_at) + self._step_s
+        outputs = []
+        for request_id, request in list(self._requests.items()):
+            if request.is_aborted:
+                del self._requests[request_id]
+                outputs.append(RequestOutput(request_id, [], FinishReason.CANCELED,
+                                             request.num_prompt_tokens, request.num_output_tokens))
+                continue
+            index = request.num_output_tokens
+            request.num_output_tokens += 1
+            reason = FinishReason.LENGTH if request.num_output_tokens >= request.max_tokens else None
+            if reason is not None:
+                del self._requests[request_id]
+            outputs.append(RequestOutput(request_id, [TokenEntry(index, 1000 + index % 500, " tok")],
+                                         reason, request.num_prompt_tokens,
+                                         request.num_output_tokens))
+        num = len(outputs)
+        stats = StepStats(num_seqs=num, num_scheduled_tokens=num, num_prefill_tokens=0,
+                          num_decode_tokens=num, num_kv_blocks_used=0, num_kv_blocks_total=1 << 20,
+                          num_running=len(self._requests), num_waiting=0,
+                          slot_utilisation=len(self._requests) / self._max_num_seqs,
+                          num_preemptions=0, step_time_s=self._step_s)
+        return StepOutput(outputs=outputs, preempted=[], stats=stats)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _start_redis() -> tuple[subprocess.Popen[bytes], str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        sys.exit("redis-server is not installed")
+    port, directory = _free_port(), tempfile.mkdtemp(prefix="bench-fleet-redis-")
+    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                                "--appendonly", "no", "--dir", directory],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    for _ in range(200):
+        try:
+            if Redis.from_url(url).ping():
+                return process, url
+        except RedisConnectionError:
+            time.sleep(0.05)
+    sys.exit("redis-server did not start")
+
+
+def _start_api(url: str, port: int, reader: str, interval_ms: float) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CARPOOL_REDIS_URL": url,
+           "CARPOOL_STREAM_HUB_INTERVAL_MS": str(interval_ms),
+           "CARPOOL_PORT": str(port), "CARPOOL_STREAM_HUB": "true" if reader == "hub" else "false",
+           "CARPOOL_LOG_LEVEL": "warning", "CARPOOL_MAX_QUEUE_DEPTH": "100000"}
+    process = subprocess.Popen([sys.executable, "-m", "api"], cwd=REPO, env=env)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code < 500:
+                return process
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    process.kill()
+    sys.exit("the API did not start")
+
+
+def _start_workers(url: str, args: argparse.Namespace) -> list[tuple[Any, threading.Thread]]:
+    from worker.jobs.batching_worker import BatchingWorker
+    from worker.jobs.settings import WorkerSettings
+
+    workers = []
+    for number in range(args.workers):
+        settings = WorkerSettings(model=MODEL, redis_url=url, name=f"synthetic-{number}",
+                                  max_num_seqs=args.seats, drain_seconds=0)
+        worker = BatchingWorker(settings, SyntheticEngine(args.seats, args.step_ms / 1000),  # type: ignore[arg-type]
+                                Redis.from_url(url), register_presence=False)
+        thread = threading.Thread(target=worker.run, name=settings.name, daemon=True)
+        thread.start()
+        workers.append((worker, thread))
+    return workers
+
+
+@dataclass(slots=True)
+class Counts:
+    generated: int = 0  # token events the first subscriber of each job received
+    delivered: int = 0  # token events all subscribers received
+    jobs_done: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+async def _follow(client: httpx.AsyncClient, job_id: str, counts: Counts, is_first: bool) -> None:
+    async with client.stream("GET", f"/v1/jobs/{job_id}/stream") as response:
+        if response.status_code != 200:
+            counts.errors.append(f"stream {response.status_code}")
+            return
+        async for line in response.aiter_lines():
+            if line == "event: token":
+                counts.delivered += 1
+                if is_first:
+                    counts.generated += 1
+            elif line == "event: done":
+                return
+
+
+async def _job_slot(client: httpx.AsyncClient, args: argparse.Namespace, counts: Counts,
+                    stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        response = await client.post("/v1/jobs", json={"prompt": "hello", "max_tokens": args.tokens})
+        if response.status_code != 202:
+            counts.errors.append(f"submit {response.status_code}: {response.text[:200]}")
+            await asyncio.sleep(0.5)
+            continue
+        job_id = response.json()["job_id"]
+        await asyncio.gather(*(_follow(client, job_id, counts, number == 0)
+                               for number in range(args.subscribers)))
+        counts.jobs_done += 1
+
+
+def _redis_cpu_s(redis: Redis) -> float:
+    info = redis.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
+def _command_stats(redis: Redis) -> dict[str, tuple[int, int]]:
+    """Per command: (calls, microseconds Redis spent executing them)."""
+    return {name.removeprefix("cmdstat_"): (int(stats["calls"]), int(stats["usec"]))
+            for name, stats in redis.info("commandstats").items()}
+
+
+async def _measure(base_url: str, redis: Redis, args: argparse.Namespace) -> dict[str, Any]:
+    counts = Counts()
+    stop = asyncio.Event()
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as client:
+        slots = [asyncio.create_task(_job_slot(client, args, counts, stop))
+                 for _ in range(args.concurrency)]
+        await asyncio.sleep(args.warmup)
+        cpu0, calls0, gen0, del0, t0 = (_redis_cpu_s(redis), _command_stats(redis),
+                                         counts.generated, counts.delivered, time.monotonic())
+        await asyncio.sleep(args.seconds)
+        cpu1, calls1, gen1, del1, t1 = (_redis_cpu_s(redis), _command_stats(redis),
+                                         counts.generated, counts.delivered, time.monotonic())
+        stop.set()
+        await asyncio.wait(slots, timeout=60)
+    generated, delivered = gen1 - gen0, del1 - del0
+    cpu_us = (cpu1 - cpu0) * 1e6
+    calls = {name: calls1[name][0] - calls0.get(name, (0, 0))[0] for name in calls1}
+    usec = {name: calls1[name][1] - calls0.get(name, (0, 0))[1] for name in calls1}
+    per_token = cpu_us / max(generated, 1)
+    command_us = sum(usec.values())
+    return {
+        "generated_tokens": generated, "delivered_tokens": delivered,
+        "window_s": round(t1 - t0, 2), "generated_tokens_per_s": round(generated / (t1 - t0), 1),
+        "redis_cpu_s": round(cpu1 - cpu0, 3),
+        "redis_cpu_us_per_generated_token": round(per_token, 2),
+        "redis_cpu_us_per_delivered_token": round(cpu_us / max(delivered, 1), 2),
+        "generated_tokens_per_s_per_redis_core": round(1e6 / per_token) if per_token else None,
+        # What commands cost inside Redis; the rest of its CPU is I/O and the event loop.
+        "command_us_per_generated_token": round(command_us / max(generated, 1), 2),
+        "command_us_per_generated_token_by_command": {
+            name: round(n / max(generated, 1), 2)
+            for name, n in sorted(usec.items(), key=lambda item: -item[1]) if n},
+        "commands_per_generated_token": {name: round(n / max(generated, 1), 3)
+                                         for name, n in sorted(calls.items()) if n},
+        "errors": counts.errors[:5],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reader", choices=["hub", "per-subscriber", "both"], default="both",
+                        help="how the API follows streams: its StreamHub, or an XREAD each")
+    parser.add_argument("--hub-interval-ms", type=float, default=0.0,
+                        help="the hub's least time between XREADs (stream_hub_interval_ms)")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--seats", type=int, default=32, help="max_num_seqs of each worker")
+    parser.add_argument("--step-ms", type=float, default=25.0, help="synthetic step time")
+    parser.add_argument("--tokens", type=int, default=200, help="max_tokens of each job")
+    parser.add_argument("--concurrency", type=int, default=0,
+                        help="jobs in flight (default: every seat, workers x seats)")
+    parser.add_argument("--subscribers", type=int, default=1, help="SSE readers per job")
+    parser.add_argument("--warmup", type=float, default=5.0)
+    parser.add_argument("--seconds", type=float, default=20.0, help="measurement window")
+    args = parser.parse_args()
+    args.concurrency = args.concurrency or args.workers * args.seats
+    readers = ["per-subscriber", "hub"] if args.reader == "both" else [args.reader]
+
+    server, url = _start_redis()
+    redis = Redis.from_url(url)
+    results = {}
+    try:
+        for reader in readers:
+            redis.flushdb()
+            workers = _start_workers(url, args)
+            port = _free_port()
+            api = _start_api(url, port, reader, args.hub_interval_ms)
+            try:
+                results[reader] = asyncio.run(_measure(f"http://127.0.0.1:{port}", redis, args))
+            finally:
+                api.terminate()
+                api.wait(timeout=30)
+                for worker, _ in workers:
+                    worker.request_stop(0, None)
+                for _, thread in workers:
+                    thread.join(timeout=30)
+            print(json.dumps({"reader": reader, **results[reader]}), flush=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    config = {k: getattr(args, k) for k in ("hub_interval_ms", "workers", "seats", "step_ms", "tokens", "concurrency",
+                                            "subscribers", "seconds")}
+    print(json.dumps({"config": config}))
+    print(f"{'reader':<16}{'tok/s':>9}{'us/gen tok':>12}{'us/deliv tok':>14}{'tok/s/core':>12}")
+    for reader, r in results.items():
+        print(f"{reader:<16}{r['generated_tokens_per_s']:>9}"
+              f"{r['redis_cpu_us_per_generated_token']:>12}"
+              f"{r['redis_cpu_us_per_delivered_token']:>14}"
+              f"{r['generated_tokens_per_s_per_redis_core']!s:>12}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""Redis CPU per token of the worker's publish alone: the append script over a full batch.
+
+A private redis-server; `--jobs` jobs claimed by one JobQueue; each step gives every job one token
+and sends it with StreamPublisher (one MULTI/EXEC: the append script, stats, metrics), as the
+worker loop does. Redis' CPU (INFO cpu) over `--steps` steps, divided by the tokens appended.
+
+    python scripts/bench_publish.py --jobs 64 --steps 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_fleet import _start_redis  # noqa: E402
+from redis import Redis  # noqa: E402
+
+from protocol import JobSpec, Keys, SamplingParams, TokenEntry, WorkerStats, submit_job  # noqa: E402
+from worker.jobs.job_queue import JobQueue  # noqa: E402
+from worker.jobs.job_scripts import JobScripts  # noqa: E402
+from worker.jobs.running_job import RunningJob  # noqa: E402
+from worker.jobs.stream_publisher import StreamPublisher  # noqa: E402
+
+
+def _cpu_s(redis: Redis) -> float:
+    info = redis.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--jobs", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=400)
+    args = parser.parse_args()
+    server, url = _start_redis()
+    try:
+        redis = Redis.from_url(url)
+        keys, scripts = Keys(), JobScripts()
+        scripts.load(redis)
+        for number in range(args.jobs):
+            submit_job(redis, JobSpec(job_id=f"job-{number}", model="synthetic", prompt="hello",
+                                      sampling=SamplingParams(max_tokens=args.steps + 1)), keys)
+        queue = JobQueue(redis, scripts, keys, "bench", lease_ms=30_000, execution_ttl_s=120,
+                         block_size=16)
+        jobs = [RunningJob(lease=c.lease, spec=c.spec, state=c.state, result_ttl=c.result_ttl,
+                           failure_ttl=c.failure_ttl, num_prompt_tokens=3, token_ids=[], texts=[],
+                           claimed_at=c.claimed_at) for c in queue.claim(args.jobs)]
+        assert len(jobs) == args.jobs
+        publisher = StreamPublisher(redis, scripts, keys, "bench", 30_000)
+        cpu0, started = _cpu_s(redis), time.monotonic()
+        for step in range(args.steps):
+            now = time.time()
+            for job in jobs:
+                job.add_tokens([TokenEntry(step, 1000 + step, " tok")], now)
+                publisher.append(job)
+            publisher.stats(WorkerStats(name="bench", model="synthetic", mode="continuous",
+                                        updated_at=now, num_running=len(jobs)), 30)
+            report = publisher.flush()
+            assert not report.refused
+            for job in jobs:
+                job.unpublished.clear()
+        cpu_us = (_cpu_s(redis) - cpu0) * 1e6
+        tokens = args.jobs * args.steps
+        print(json.dumps({"jobs": args.jobs, "steps": args.steps, "tokens": tokens,
+                          "wall_s": round(time.monotonic() - started, 2),
+                          "redis_cpu_us_per_token": round(cpu_us / tokens, 2),
+                          "tokens_per_s_per_redis_core": round(tokens / (cpu_us / 1e6))}))
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

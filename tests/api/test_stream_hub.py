@@ -1,0 +1,283 @@
+"""StreamHub: one XREAD per API process for all its subscribers, on a real redis-server.
+
+The SSE tests here run the app under uvicorn on a free port and read it with httpx over TCP, so
+that each stream is live while the next subscriber joins, and count the API's Redis connections
+with CLIENT LIST.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+import redis
+import redis.asyncio as aioredis
+import uvicorn
+from api_support import MODEL, word_tokenizer
+
+from api.app import create_app
+from api.settings import ApiSettings
+from api.stream_hub import StreamHub, Subscription
+from protocol import FinishReason, Keys, ModelCard, StreamEntry, stream_ids
+
+pytestmark = pytest.mark.anyio
+KEYS = Keys()
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _token(index: int) -> dict[str, str | int | float]:
+    return StreamEntry(kind=StreamEntry.TOKEN, index=index, token_id=100 + index,
+                       text=f"t{index}").to_fields()
+
+
+def _publish(sync: redis.Redis, job_id: str, start: int, stop: int) -> None:
+    for index in range(start, stop):
+        sync.xadd(KEYS.stream(job_id), _token(index), id=stream_ids.token_entry_id(index))
+
+
+def _publish_done(sync: redis.Redis, job_id: str, num_tokens: int) -> None:
+    entry = StreamEntry(kind=StreamEntry.DONE, finish_reason=FinishReason.STOP, prompt_tokens=2,
+                        completion_tokens=num_tokens)
+    sync.xadd(KEYS.stream(job_id), entry.to_fields(), id=stream_ids.done_entry_id(num_tokens))
+    sync.hset(KEYS.state(job_id), mapping={"status": "finished", "finish_reason": "stop",
+                                           "completion_tokens": num_tokens})
+
+
+def _register_model(sync: redis.Redis) -> None:
+    card = ModelCard(name=MODEL, max_model_len=32, eos_token="<|im_end|>", created_at=1.0)
+    sync.hset(KEYS.models(), MODEL, card.to_json())
+    sync.set(KEYS.model_tokenizer(MODEL), word_tokenizer().to_str())
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def _serve(settings: ApiSettings) -> AsyncIterator[str]:
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1",
+                                           port=settings.port, log_level="warning"))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{settings.port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+class Reader:
+    """One SSE subscriber: its events as (id, event, text) until the stream ends."""
+
+    def __init__(self, client: httpx.AsyncClient, job_id: str, last_event_id: str | None = None):
+        self.events: list[tuple[str, str, str | None]] = []
+        self.arrived = asyncio.Event()
+        headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+        self.task = asyncio.create_task(self._read(client, job_id, headers))
+
+    async def _read(self, client: httpx.AsyncClient, job_id: str, headers: dict[str, str]) -> None:
+        async with client.stream("GET", f"/v1/jobs/{job_id}/stream", headers=headers) as response:
+            assert response.status_code == 200
+            event: dict[str, str] = {}
+            async for line in response.aiter_lines():
+                if line.startswith(":"):
+                    continue
+                if line:
+                    name, _, value = line.partition(": ")
+                    event[name] = value
+                    continue
+                self.events.append((event["id"], event["event"],
+                                    json.loads(event["data"]).get("text")))
+                self.arrived.set()
+                event = {}
+
+    async def wait_for(self, num_events: int) -> None:
+        while len(self.events) < num_events:
+            self.arrived.clear()
+            await asyncio.wait_for(self.arrived.wait(), 5)
+
+
+def _expected(num_tokens: int, after: int = 0) -> list[tuple[str, str, str | None]]:
+    tokens = [(stream_ids.token_entry_id(i), "token", f"t{i}") for i in range(after, num_tokens)]
+    return [*tokens, (stream_ids.done_entry_id(num_tokens), "done", None)]
+
+
+def _num_clients(sync: redis.Redis) -> int:
+    return len(sync.client_list())
+
+
+@pytest.mark.parametrize("stream_hub", [True, False])
+async def test_many_subscribers_share_a_bounded_number_of_connections(
+        redis_url: str, stream_hub: bool) -> None:
+    num_jobs, readers_per_job = 12, 3
+    sync = redis.Redis.from_url(redis_url)
+    _register_model(sync)
+    settings = ApiSettings(redis_url=redis_url, port=_free_port(), stream_hub=stream_hub,
+                           stream_block_ms=5000, sse_keepalive_s=60)
+    baseline = _num_clients(sync)
+    async for base_url in _serve(settings):
+        async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+            job_ids = []
+            for _ in range(num_jobs):
+                response = await client.post("/v1/jobs", json={"prompt": "hello world"})
+                assert response.status_code == 202
+                job_ids.append(response.json()["job_id"])
+            readers: list[tuple[str, Reader]] = []
+            # One at a time, each live (it got token 0) before the next joins.
+            for job_id in job_ids:
+                for number in range(readers_per_job):
+                    if number == 0:
+                        _publish(sync, job_id, 0, 1)
+                    reader = Reader(client, job_id)
+                    await reader.wait_for(1)
+                    readers.append((job_id, reader))
+            api_connections = _num_clients(sync) - baseline
+            for job_id in job_ids:
+                _publish(sync, job_id, 1, 5)
+                _publish_done(sync, job_id, 5)
+            await asyncio.gather(*(reader.task for _, reader in readers))
+    for _, reader in readers:
+        assert reader.events == _expected(5)
+    if stream_hub:
+        # The pool's one (requests came one at a time), the hub's reader, RQ's sync client.
+        assert api_connections == 3
+    else:
+        assert api_connections >= num_jobs * readers_per_job  # one blocked XREAD each
+
+
+async def test_resume_joins_a_watched_stream_without_gap_or_duplicate(redis_url: str) -> None:
+    sync = redis.Redis.from_url(redis_url)
+    _register_model(sync)
+    settings = ApiSettings(redis_url=redis_url, port=_free_port(), stream_block_ms=5000)
+    async for base_url in _serve(settings):
+        async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+            job_id = (await client.post("/v1/jobs", json={"prompt": "hello"})).json()["job_id"]
+            first = Reader(client, job_id)
+            _publish(sync, job_id, 0, 6)
+            await first.wait_for(6)  # the hub's cursor for this stream is now 0-6
+            resumed = Reader(client, job_id, last_event_id="0-2")
+            await resumed.wait_for(4)  # 0-3..0-6: behind the hub, read by the resumer itself
+            _publish(sync, job_id, 6, 8)
+            _publish_done(sync, job_id, 8)
+            await asyncio.gather(first.task, resumed.task)
+    assert first.events == _expected(8)
+    assert resumed.events == _expected(8, after=2)
+
+
+def _hub(url: str, block_ms: int, max_pending: int = 4096,
+         min_interval_ms: float = 0.0) -> tuple[StreamHub, aioredis.Redis]:
+    control = aioredis.Redis.from_url(url, decode_responses=True)
+    reader = aioredis.Redis(connection_pool=control.connection_pool, single_connection_client=True)
+    return StreamHub(reader, control, block_ms, max_pending=max_pending,
+                     min_interval_ms=min_interval_ms), control
+
+
+async def _ids(subscription: Subscription) -> list[str]:
+    return [entry_id for entry_id, _ in await subscription.next(5.0)]
+
+
+async def test_a_new_stream_is_read_without_waiting_for_the_block_to_end(redis_url: str) -> None:
+    hub, control = _hub(redis_url, block_ms=10_000)
+    sync = redis.Redis.from_url(redis_url)
+    first = await hub.subscribe(KEYS.stream("a"), "0-0")
+    await asyncio.sleep(0.1)  # the hub is blocked on stream a alone
+    second = await hub.subscribe(KEYS.stream("b"), "0-0")
+    started = time.monotonic()
+    _publish(sync, "b", 0, 2)
+    assert await _ids(second) == ["0-1", "0-2"]
+    assert time.monotonic() - started < 2.0  # far less than the 10 s block
+    assert hub.num_streams == 2
+    hub.unsubscribe(first)
+    hub.unsubscribe(second)
+    assert hub.num_streams == 0
+    await hub.close()
+    await control.aclose()
+
+
+async def test_a_subscriber_behind_the_hub_catches_up_then_follows(redis_url: str) -> None:
+    hub, control = _hub(redis_url, block_ms=100)
+    sync = redis.Redis.from_url(redis_url)
+    key = KEYS.stream("a")
+    leader = await hub.subscribe(key, "0-0")
+    _publish(sync, "a", 0, 3)
+    assert await _ids(leader) == ["0-1", "0-2", "0-3"]
+    late = await hub.subscribe(key, "0-1")
+    assert late.take_catch_up() == "0-3"  # 0-2..0-3 are the late one's to read
+    _publish(sync, "a", 3, 4)
+    assert await _ids(late) == ["0-4"]
+    assert await _ids(leader) == ["0-4"]
+    await hub.close()
+    await control.aclose()
+
+
+async def test_a_subscriber_too_far_behind_drops_its_backlog_and_rereads(redis_url: str) -> None:
+    hub, control = _hub(redis_url, block_ms=100, max_pending=2)
+    sync = redis.Redis.from_url(redis_url)
+    subscription = await hub.subscribe(KEYS.stream("a"), "0-0")
+    await asyncio.sleep(0.05)
+    _publish(sync, "a", 0, 5)
+    deadline = time.monotonic() + 5
+    while subscription.catch_up_to is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    # 0-3 overflowed two pending entries: all three went (Redis holds them), the rest came after.
+    assert subscription.take_catch_up() == "0-3"
+    assert await _ids(subscription) == ["0-4", "0-5"]
+    await hub.close()
+    await control.aclose()
+
+
+async def test_redis_lost_fails_every_subscriber(redis_url: str) -> None:
+    control = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    reader = aioredis.Redis.from_url(redis_url, decode_responses=True)
+    hub = StreamHub(reader, control, block_ms=5000)
+    subscriptions = [await hub.subscribe(KEYS.stream(name), "0-0") for name in ("a", "b")]
+    await asyncio.sleep(0.1)
+    await control.client_kill_filter(_type="normal", skipme=True)
+    for subscription in subscriptions:
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await subscription.next(5.0)
+    assert hub.num_streams == 0
+    await hub.close()
+    await control.aclose()
+
+
+@pytest.mark.parametrize(("min_interval_ms", "num_xreads"), [(0, 5), (1000, 1)])
+async def test_a_least_interval_gathers_several_steps_in_one_xread(
+        redis_url: str, min_interval_ms: float, num_xreads: int) -> None:
+    hub, control = _hub(redis_url, block_ms=5000, min_interval_ms=min_interval_ms)
+    sync = redis.Redis.from_url(redis_url)
+    subscription = await hub.subscribe(KEYS.stream("a"), "0-0")
+    await asyncio.sleep(0.1)
+    sync.config_resetstat()
+    seen: list[str] = []
+    for index in range(5):  # five worker steps, 40 ms apart
+        _publish(sync, "a", index, index + 1)
+        await asyncio.sleep(0.04)
+    while len(seen) < 5:
+        seen += await _ids(subscription)
+    assert seen == ["0-1", "0-2", "0-3", "0-4", "0-5"]
+    # XREADs issued since the reset (the one blocked at the reset got step one): one after each
+    # step; or, with the interval, one for the other four steps (the next waits out the second).
+    assert sync.info("commandstats")["cmdstat_xread"]["calls"] == num_xreads
+    await hub.close()
+    await control.aclose()
+
+
+async def test_a_closed_hub_refuses_new_subscribers(redis_url: str) -> None:
+    hub, control = _hub(redis_url, block_ms=100)
+    await hub.close()
+    with pytest.raises(redis.exceptions.ConnectionError, match="the stream hub is closed"):
+        await hub.subscribe(KEYS.stream("a"), "0-0")
+    assert hub.num_streams == 0
+    await control.aclose()
