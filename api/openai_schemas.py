@@ -44,9 +44,20 @@ def _single_prompt(value: Any) -> Any:
     return value
 
 
+class TextContentPart(BaseModel):
+    """One part of a message's content given as a list (the only kind a text model reads)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"] = Field(description="Always 'text'.")
+    text: str = Field(description="The text.")
+
+
 def _text_content(value: Any) -> Any:
     # Content may be a list of parts; only text parts mean anything to a text model.
     if isinstance(value, list):
+        if not value:
+            raise ValueError("content given as a list needs at least one text part")
         texts = []
         for part in value:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
@@ -167,8 +178,10 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant"] = Field(
         description="developer is treated as system.")
-    content: Annotated[Text, BeforeValidator(_text_content), Field(
-        description="Text, or a list of text parts.")]
+    # The documented input is what _text_content takes, so the OpenAPI spec admits exactly that.
+    content: Annotated[Text, BeforeValidator(
+        _text_content, json_schema_input_type=Text | Annotated[list[TextContentPart], Field(min_length=1)]),
+        Field(description="Text, or a list of text parts.")]
     name: str | None = Field(None, description="Accepted and ignored.")
 
 

@@ -62,6 +62,8 @@ async def test_completions_rejects(client: httpx.AsyncClient, body: dict[str, An
      "messages.0.content", "only text content parts are supported (got 'image_url')"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
      "messages.0.content", "a text content part needs a string 'text'"),
+    ({"messages": [{"role": "user", "content": []}]},
+     "messages.0.content", "content given as a list needs at least one text part"),
     ({"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens", "greater than"),
     ({"messages": CHAT, "max_completion_tokens": CONTEXT}, "max_completion_tokens",
      "can be at most 26"),
