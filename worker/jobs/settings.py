@@ -74,8 +74,8 @@ class WorkerSettings(BaseSettings):
         "lease, so a short outage never costs the worker its leases).")
     log_level: str = "INFO"
     openmp: Literal["intel", "gnu"] = Field(
-        "intel", description="OpenMP runtime of the model's CPU threads: Intel's where the "
-        "intel-openmp package is installed (preloaded, as vLLM does), else torch's GNU one.")
+        "gnu", description="OpenMP runtime of the model's CPU threads: torch's GNU one, or Intel's "
+        "(preloaded from the intel-openmp package, as vLLM does; opt-in, see openmp_runtime).")
 
     @model_validator(mode="after")
     def _check(self) -> WorkerSettings:

@@ -7,6 +7,10 @@ torch's, oneDNN's and the C++ kernels'. vLLM's CPU backend preloads it the same 
 OpenMP, pair by pair (`LD_PRELOAD=.../libiomp5.so python scripts/bench_engine.py --num-requests 128
 --modes continuous --baselines none --no-profile --threads 2`). It must be in place when the
 process starts, so the worker re-executes itself once with LD_PRELOAD set.
+
+Opt-in (CARPOOL_OPENMP=intel), not the default: with it on, one run of the integration suite saw
+two workers stop serving without a word in their logs, which no later run reproduced; two OpenMP
+runtimes in one process (libtorch still links GNU's) is the suspect until that is understood.
 """
 
 from __future__ import annotations
