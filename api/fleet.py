@@ -29,7 +29,8 @@ DEFAULT_COUNTERS = ("generated_tokens_total", "prompt_tokens_total", "jobs_preem
 
 @dataclass(frozen=True, slots=True)
 class FleetSnapshot:
-    queue_depths: dict[Priority, int]
+    queue_depths: dict[Priority, int]  # over every model
+    model_queue_depths: dict[str, dict[Priority, int]]  # per model ever registered
     jobs_by_status: dict[JobStatus, int]
     workers: list[WorkerStats]
     counters: dict[str, float]
@@ -66,20 +67,32 @@ async def live_workers(redis: aioredis.Redis, keys: Keys) -> list[WorkerStats]:
     return sorted(workers, key=lambda worker: worker.name)
 
 
+async def known_models(redis: aioredis.Redis, keys: Keys) -> list[str]:
+    """Every model ever registered here (`Keys.models`), live or not, sorted."""
+    names = await redis.hkeys(keys.models())
+    return sorted(name.decode() if isinstance(name, bytes) else name for name in names)
+
+
 async def snapshot(redis: aioredis.Redis, keys: Keys) -> FleetSnapshot:
-    queue_names = {priority: keys.queue_name(priority) for priority in Priority.ordered()}
+    models = await known_models(redis, keys)
+    queue_names = [(model, priority, keys.queue_name(model, priority))
+                   for model in models for priority in Priority.ordered()]
     async with redis.pipeline(transaction=False) as pipe:
-        for name in queue_names.values():
+        for _, _, name in queue_names:
             pipe.llen(RQKeys.queue(name))
         for registry in _REGISTRY_BY_STATUS.values():
-            for name in queue_names.values():
+            for _, _, name in queue_names:
                 pipe.zcard(registry(name))
         pipe.hgetall(keys.counters())
         for histogram in HISTOGRAMS:
             pipe.hgetall(keys.histogram(histogram))
         replies = await pipe.execute()
     num_queues = len(queue_names)
-    depths = dict(zip(queue_names, replies[:num_queues]))
+    depths = {priority: 0 for priority in Priority.ordered()}
+    model_depths: dict[str, dict[Priority, int]] = {model: {} for model in models}
+    for (model, priority, _), depth in zip(queue_names, replies[:num_queues]):
+        depths[priority] += depth
+        model_depths[model][priority] = depth
     jobs = {JobStatus.QUEUED: sum(depths.values())}
     for i, status in enumerate(_REGISTRY_BY_STATUS):
         start = num_queues * (i + 1)
@@ -88,6 +101,6 @@ async def snapshot(redis: aioredis.Redis, keys: Keys) -> FleetSnapshot:
     counters = {name: 0.0 for name in DEFAULT_COUNTERS}
     counters.update({name: float(value) for name, value in rest[0].items()})
     histograms = dict(zip(HISTOGRAMS, rest[1:]))
-    return FleetSnapshot(queue_depths=depths, jobs_by_status=jobs,
-                         workers=await live_workers(redis, keys), counters=counters,
-                         histograms=histograms)
+    return FleetSnapshot(queue_depths=depths, model_queue_depths=model_depths,
+                         jobs_by_status=jobs, workers=await live_workers(redis, keys),
+                         counters=counters, histograms=histograms)

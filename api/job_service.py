@@ -24,7 +24,6 @@ from api.queue_admission import QueueAdmission
 from api.tokenizer_cache import TokenizerCache
 from protocol import JobSpec, JobState, JobStatus, Keys, ModelCard, Priority, SamplingParams
 from protocol.job_submission import cancel_job, submit_job
-from protocol.rq_keys import RQKeys
 
 # Tokenizing this much text on the event loop would stall other requests: use a thread.
 _THREAD_TOKENIZE_CHARS = 8192
@@ -74,18 +73,11 @@ class JobService:
         self._tokenizers = tokenizers
         self._admission = QueueAdmission(aio, keys, max_queue_depth, retry_after_s)
 
-    async def queue_depths(self) -> dict[Priority, int]:
-        async with self._aio.pipeline(transaction=False) as pipe:
-            for priority in Priority.ordered():
-                pipe.llen(RQKeys.queue(self._keys.queue_name(priority)))
-            depths = await pipe.execute()
-        return dict(zip(Priority.ordered(), depths))
-
     async def submit(self, request: GenerationRequest) -> AcceptedJob:
         card = await self._models.resolve(request.model)
         prompt_tokens, is_exact = await self._count_prompt(card, request)
         max_tokens = self._check_lengths(card, request, prompt_tokens, is_exact)
-        async with self._admission.admit() as admission:
+        async with self._admission.admit(card.name) as admission:
             spec = JobSpec(
                 job_id=new_job_id(), model=card.name, prompt=request.prompt,
                 messages=request.messages,

@@ -65,6 +65,11 @@ def render(snapshot: FleetSnapshot) -> str:
     out.family(PREFIX + "queue_depth", "gauge", "Jobs waiting in each priority queue.")
     for priority, depth in snapshot.queue_depths.items():
         out.sample(PREFIX + "queue_depth", depth, {"priority": priority.value})
+    out.family(PREFIX + "model_queue_depth", "gauge", "Jobs waiting per model and priority.")
+    for model, model_depths in snapshot.model_queue_depths.items():
+        for priority, depth in model_depths.items():
+            out.sample(PREFIX + "model_queue_depth", depth,
+                       {"model": model, "priority": priority.value})
 
     out.family(PREFIX + "jobs", "gauge",
                "Jobs by status (queued: on a queue; others: in RQ's registries, while retained).")

@@ -1,4 +1,4 @@
-"""QueueAdmission: the queue depth limit, exact over every API process."""
+"""QueueAdmission: the queue depth limit of each model, exact over every API process."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ import anyio
 import redis.asyncio as aioredis
 
 from api.errors import QueueFullError
-from protocol import Keys, Priority
+from protocol import Keys
 from protocol.rq_keys import RQKeys
 
 # An admission whose submission never enqueued (its process died) stops counting after this long:
 # far beyond a submission's few Redis round trips and its socket timeout.
 ADMISSION_TTL_MS = 60_000
 
-# KEYS: admissions, then the RQ queues. ARGV: admission id, max depth, ttl_ms.
+# KEYS: the model's admissions, then its RQ queues. ARGV: admission id, max depth, ttl_ms.
 # Returns {1 admitted | 0 refused, depth counted (queued jobs + admissions not enqueued yet)}.
 _ADMIT_LUA = """
 local t = redis.call('TIME')
@@ -33,7 +33,8 @@ return {1, depth}
 
 
 class QueueAdmission:
-    """Admits a submission only while the queues hold fewer than `max_queue_depth` jobs.
+    """Admits a submission only while its model's queues hold fewer than `max_queue_depth` jobs
+    (per model: a model whose workers are gone fills its own queues, not the others').
 
     Checked naively (read the depth, then enqueue), a burst reads the same depth everywhere and all
     of it gets in, and a per-process count of enqueues in flight cannot see the other API
@@ -51,20 +52,20 @@ class QueueAdmission:
         self._retry_after_s = retry_after_s
         self._ttl_ms = ttl_ms
         self._script = redis.register_script(_ADMIT_LUA)
-        self._script_keys = [keys.admissions(),
-                             *(RQKeys.queue(keys.queue_name(p)) for p in Priority.ordered())]
 
     @asynccontextmanager
-    async def admit(self) -> AsyncIterator[str]:
+    async def admit(self, model: str) -> AsyncIterator[str]:
         """Enqueue inside this block, passing the admission id it gives to submit_job; raises
         QueueFullError (429) instead when the queue is full."""
         admission = uuid.uuid4().hex
-        reply = await self._script(keys=self._script_keys,
+        script_keys = [self._keys.admissions(model),
+                       *(RQKeys.queue(name) for name in self._keys.queue_names(model))]
+        reply = await self._script(keys=script_keys,
                                    args=[admission, self.max_queue_depth, self._ttl_ms])
         is_admitted, depth = (int(value) for value in cast("list[int]", reply))
         if not is_admitted:
             raise QueueFullError(
-                f"The job queue is full ({depth} jobs waiting, the limit is "
+                f"The job queue of model '{model}' is full ({depth} jobs waiting, the limit is "
                 f"{self.max_queue_depth}); retry later", self._retry_after_s)
         try:
             yield admission
@@ -73,7 +74,7 @@ class QueueAdmission:
             # If the enqueue did land, it already removed the admission and this is a no-op.
             with anyio.CancelScope(shield=True):
                 try:
-                    await self._redis.zrem(self._keys.admissions(), admission)
+                    await self._redis.zrem(self._keys.admissions(model), admission)
                 except Exception:  # Redis gone: the admission lapses by itself
                     pass
             raise

@@ -32,7 +32,8 @@ JobId = Annotated[str, Path(min_length=1, max_length=128, description="The job's
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorDetail, "description": "Missing or wrong API key."},
-    404: {"model": ErrorDetail, "description": "No such job, or another key's job."},
+    404: {"model": ErrorDetail, "description": "No such job, or another key's job; on submit: "
+                                               "no model of that name was ever served here."},
     503: {"model": ErrorDetail, "description": "Redis is unreachable (see Retry-After)."},
 }
 # The same, spelled out for the stream route: given a model, FastAPI documents an error under the

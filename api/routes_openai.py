@@ -45,6 +45,7 @@ Context = Annotated[AppContext, Depends(get_context)]
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": OpenAIError, "description": what} for code, what in (
         (400, "Invalid request (the message names the field)."), (401, "Missing or wrong API key."),
+        (404, "No model of that name was ever served here."),
         (413, "Body over the size limit."),
         (429, "Queue full (see Retry-After)."), (500, "The job failed."),
         (503, "Redis unreachable or no model registered yet (see Retry-After)."))
@@ -53,15 +54,15 @@ _STREAM_DOC = {"content": {"text/event-stream": {}},
                "description": "With `stream: true`: chunks as `data:` lines, then `data: [DONE]`."}
 
 
-@router.get("/models", response_model=ModelList, summary="Models the workers serve")
+@router.get("/models", response_model=ModelList, summary="Models live workers serve now")
 async def list_models(ctx: Context) -> ModelList:
-    return ModelList(data=[_model_object(card) for card in await ctx.models.cards()])
+    return ModelList(data=[_model_object(card) for card in await ctx.models.live_cards()])
 
 
 @router.get("/models/{model}", response_model=ModelObject, summary="One served model",
             responses={404: {"model": OpenAIError}})
 async def get_model(model: Annotated[str, Path()], ctx: Context) -> ModelObject:
-    for card in await ctx.models.cards():
+    for card in await ctx.models.live_cards():
         if card.name == model:
             return _model_object(card)
     raise NotFoundError(f"The model '{model}' does not exist", param="model", code="model_not_found")

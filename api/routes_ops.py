@@ -28,6 +28,9 @@ class Health(BaseModel):
     redis: bool = Field(description="Whether Redis answered.")
     workers: int = Field(description="Workers that reported in the last few seconds.")
     models: list[str] = Field(description="Models those workers serve.")
+    models_without_workers: list[str] = Field(
+        default_factory=list, description="Models served here before that no live worker serves "
+        "now: their jobs are accepted and wait in their queues until one starts.")
 
 
 @open_router.get("/healthz", response_model=Health, summary="Liveness and readiness",
@@ -36,6 +39,7 @@ async def healthz(ctx: Context) -> JSONResponse:
     try:
         # One round trip (which also shows Redis answers): probes must stay cheap under load.
         workers = await fleet.live_workers(ctx.aio, ctx.keys)
+        known = await fleet.known_models(ctx.aio, ctx.keys)
     except redis.exceptions.RedisError as exc:
         # Unreachable, or answering with an error (protected mode's DENIED, LOADING, NOAUTH):
         # either way not ready, and a probe must say so rather than fail with a 500.
@@ -43,8 +47,9 @@ async def healthz(ctx: Context) -> JSONResponse:
         body = Health(status="redis_unreachable", redis=False, workers=0, models=[])
         return JSONResponse(body.model_dump(), status_code=503,
                             headers={"Retry-After": str(ctx.settings.retry_after_s)})
+    served = {worker.model for worker in workers}
     body = Health(status="ok" if workers else "no_workers", redis=True, workers=len(workers),
-                  models=sorted({worker.model for worker in workers}))
+                  models=sorted(served), models_without_workers=sorted(set(known) - served))
     return JSONResponse(body.model_dump())
 
 
@@ -65,6 +70,9 @@ async def stats(ctx: Context) -> dict[str, Any]:
         # The short name loadgen reads (loadgen/load_generator.py).
         "preemptions": counters.get("jobs_preempted_total", 0),
         "queue_depth": {priority.value: depth for priority, depth in snap.queue_depths.items()},
+        "queue_depth_by_model": {
+            model: {priority.value: depth for priority, depth in depths.items()}
+            for model, depths in snap.model_queue_depths.items()},
         "jobs": {status.value: count for status, count in snap.jobs_by_status.items()},
         "workers": [
             {field: getattr(worker, field) for field in worker.__dataclass_fields__}

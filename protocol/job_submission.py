@@ -1,6 +1,6 @@
 """Submitting and canceling jobs: the two writes the API makes (sync, redis-py + rq; no torch).
 
-A Carpool job is an RQ job on the queue of its priority (`Keys.queue_name`), serialized with
+A Carpool job is an RQ job on the queue of its model and priority (`Keys.queue_name`), serialized with
 rq's JSONSerializer (never pickle), whose single argument is the JobSpec as a JSON object, plus
 Carpool's JobState hash. `submit_job` writes both in one MULTI/EXEC; `cancel_job` is one Lua
 script, so a worker taking the job at the same moment sees either the job or the cancellation.
@@ -19,7 +19,7 @@ from rq.serializers import JSONSerializer
 
 from protocol.keys import RQ_JOB_FUNCTION, Keys
 from protocol.messages import JobSpec, JobState, JobStatus, Priority
-from protocol.rq_keys import RQKeys
+from protocol.rq_keys import KeyTemplate, RQKeys
 
 # How long a finished job's RQ hash, result, JobState and token stream stay readable.
 DEFAULT_RESULT_TTL = 24 * 3600
@@ -30,9 +30,10 @@ DEFAULT_FAILURE_TTL = 7 * 24 * 3600
 DEFAULT_JOB_TIMEOUT = 600
 
 
-def queue_for(redis: Redis, priority: Priority, keys: Keys = Keys()) -> Queue:
-    """The RQ queue that holds jobs of `priority` (JSON serializer, like every Carpool queue)."""
-    return Queue(keys.queue_name(priority), connection=redis, serializer=JSONSerializer)
+def queue_for(redis: Redis, model: str, priority: Priority, keys: Keys = Keys()) -> Queue:
+    """The RQ queue that holds `model`'s jobs of `priority` (JSON serializer, like every Carpool
+    queue)."""
+    return Queue(keys.queue_name(model, priority), connection=redis, serializer=JSONSerializer)
 
 
 def submit_job(
@@ -45,9 +46,11 @@ def submit_job(
     timeout: int = DEFAULT_JOB_TIMEOUT,
     admission: str | None = None,
 ) -> Job:
-    """Enqueue `spec` as an RQ job on its priority's queue and record its JobState (queued).
+    """Enqueue `spec` as an RQ job on its model's queue of its priority and record its JobState
+    (queued).
 
-    One MULTI/EXEC writes the RQ job hash, the queue entry, the JobState hash and, when the spec
+    One MULTI/EXEC writes the RQ job hash, the queue entry and its wake-up (`Keys.wakeups`),
+    the JobState hash and, when the spec
     has an owner, the owner's index (`Keys.jobs_by_owner`: a sorted set job_id -> created_at).
     `spec.job_id` becomes the RQ job id; it must be new (letters, digits, '_' and '-'), since an
     existing job with that id would be overwritten. The result and the token stream are kept
@@ -75,10 +78,11 @@ def submit_jobs(
     `admission`: a reservation in `Keys.admissions` that admitted them; it ends in the same
     transaction, so the jobs count toward the queue depth once, as a reservation or queued."""
     jobs = []
-    queues = {p: queue_for(redis, p, keys) for p in {spec.priority for spec in specs}}
+    queues = {(spec.model, spec.priority): queue_for(redis, spec.model, spec.priority, keys)
+              for spec in specs}
     with redis.pipeline(transaction=True) as pipe:
         for spec in specs:
-            queue = queues[spec.priority]
+            queue = queues[spec.model, spec.priority]
             state = JobState(job_id=spec.job_id, status=JobStatus.QUEUED, owner=spec.owner,
                              model=spec.model, created_at=spec.created_at)
             jobs.append(queue.enqueue_call(
@@ -91,20 +95,23 @@ def submit_jobs(
                 description=f"generate {spec.sampling.max_tokens} tokens with {spec.model}",
                 pipeline=pipe,
             ))
+            pipe.lpush(keys.wakeups(queue.name), 1)
             # A dict[str, str] is a valid mapping; redis-py's Mapping key type is invariant.
             pipe.hset(keys.state(spec.job_id),
                       mapping=cast("Mapping[FieldT, EncodableT]", state.to_fields()))
             if spec.owner:
                 pipe.zadd(keys.jobs_by_owner(spec.owner), {spec.job_id: spec.created_at})
         if admission is not None:
-            pipe.zrem(keys.admissions(), admission)
+            for model in {spec.model for spec in specs}:
+                pipe.zrem(keys.admissions(model), admission)
         pipe.execute()
     return jobs
 
 
-# KEYS: canceled set, JobState hash, token stream, RQ job hash, fence counter, then per
-# priority (highest first) the RQ queue key and its CanceledJobRegistry key.
-# ARGV: job_id, fallback TTL for the ended job's keys, then the queue names in KEYS' order.
+# KEYS: canceled set, JobState hash, token stream, RQ job hash, fence counter.
+# ARGV: job_id, fallback TTL for the ended job's keys, then the (prefix, suffix) templates
+# around a queue name of the RQ queue key (3) and its CanceledJobRegistry key (5). The job's
+# queue is its RQ `origin`, known only in-script (see worker/jobs/job_scripts.py on templates).
 # The final entry's fields mirror StreamEntry.to_fields (kind "done"); tests parse it back.
 _CANCEL_LUA = """
 local job_id = ARGV[1]
@@ -122,14 +129,9 @@ if status == 'running' then
 end
 -- queued or preempted: take it off its queue if it is still there.
 local origin = redis.call('HGET', KEYS[4], 'origin')
-local num_queues = #ARGV - 2
-local queue_index = nil
-for i = 1, num_queues do
-  if ARGV[2 + i] == origin then queue_index = i end
-end
 local removed = 0
-if queue_index then
-  removed = redis.call('LREM', KEYS[5 + 2 * queue_index - 1], 1, job_id)
+if origin then
+  removed = redis.call('LREM', ARGV[3] .. origin .. ARGV[4], 1, job_id)
 end
 if removed == 0 then
   -- A worker popped it and is claiming it right now: its claim sees the flag and ends it.
@@ -166,7 +168,7 @@ redis.call('HSET', KEYS[2], 'status', 'canceled', 'finish_reason', 'canceled',
            'finished_at', now_s, 'completion_tokens', num_tokens,
            'text', table.concat(text), 'token_ids', token_json)
 redis.call('HSET', KEYS[4], 'status', 'canceled')
-redis.call('ZADD', KEYS[5 + 2 * queue_index], now[1], job_id)
+redis.call('ZADD', ARGV[5] .. origin .. ARGV[6], now[1], job_id)
 redis.call('SREM', KEYS[1], job_id)
 if ttl > 0 then
   for i = 2, 5 do redis.call('EXPIRE', KEYS[i], ttl) end
@@ -188,13 +190,11 @@ def cancel_job(redis: Redis, job_id: str, keys: Keys = Keys()) -> JobStatus | No
     - already finished/failed/canceled: nothing changes; returns that status.
     """
     script = redis.register_script(_CANCEL_LUA)
-    priorities = Priority.ordered()
     script_keys = [keys.canceled(), keys.state(job_id), keys.stream(job_id), RQKeys.job(job_id),
                    keys.fence(job_id)]
-    for priority in priorities:
-        name = keys.queue_name(priority)
-        script_keys += [RQKeys.queue(name), RQKeys.canceled(name)]
-    args: list[EncodableT] = [job_id, DEFAULT_RESULT_TTL, *(keys.queue_name(p) for p in priorities)]
+    templates = [KeyTemplate.of(RQKeys.queue("\x00")), KeyTemplate.of(RQKeys.canceled("\x00"))]
+    args: list[EncodableT] = [job_id, DEFAULT_RESULT_TTL,
+                              *(part for t in templates for part in (t.prefix, t.suffix))]
     status = script(keys=script_keys, args=args, client=redis)
     if status is None:
         return None

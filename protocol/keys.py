@@ -21,13 +21,21 @@ RQ_JOB_FUNCTION = "worker.rq_entry.generate"
 class Keys:
     prefix: str = "carpool"
 
-    # RQ queue names (RQ itself prefixes them with rq:queue:). Listed highest priority first,
-    # the order in which workers take jobs.
-    def queue_name(self, priority: Priority) -> str:
-        return f"{self.prefix}-{priority.value}"
+    # RQ queue names (RQ itself prefixes them with rq:queue:), one per model and priority, so a
+    # worker only ever pops jobs for the model it serves. Listed highest priority first, the
+    # order in which workers take jobs. The priority is the last '-' part, so names never clash.
+    def queue_name(self, model: str, priority: Priority) -> str:
+        return f"{self.prefix}-{model}-{priority.value}"
 
-    def queue_names(self) -> list[str]:
-        return [self.queue_name(p) for p in Priority.ordered()]
+    def queue_names(self, model: str) -> list[str]:
+        return [self.queue_name(model, p) for p in Priority.ordered()]
+
+    def wakeups(self, queue_name: str) -> str:
+        """List: one element pushed with every job put on the RQ queue `queue_name`; idle workers
+        block on it (BLPOP), then claim from the queue itself. Popping a wake-up takes no job off
+        a queue, so a worker killed right after it loses nothing; the claim trims the list to the
+        queue's length, so stale wake-ups never pile up."""
+        return f"{self.prefix}:queue:{queue_name}:wakeups"
 
     # Per job.
     def state(self, job_id: str) -> str:
@@ -51,10 +59,11 @@ class Keys:
         """Sorted set job_id -> lease deadline (ms since epoch): where recovery looks for lapsed jobs."""
         return f"{self.prefix}:leases"
 
-    def admissions(self) -> str:
-        """Sorted set: reservation id -> expiry (ms, Redis clock) of each submission admitted past
-        the queue depth limit and not enqueued yet; it counts toward the depth until then."""
-        return f"{self.prefix}:admissions"
+    def admissions(self, model: str) -> str:
+        """Sorted set: reservation id -> expiry (ms, Redis clock) of each submission for `model`
+        admitted past its queue depth limit and not enqueued yet; it counts toward the depth
+        until then."""
+        return f"{self.prefix}:model:{model}:admissions"
 
     def canceled(self) -> str:
         """Set of job ids whose cancellation was requested; workers check their batch against it."""
@@ -65,7 +74,9 @@ class Keys:
 
     # Workers and models.
     def models(self) -> str:
-        """Hash model name -> ModelCard JSON, written by workers at start."""
+        """Hash model name -> ModelCard JSON, written by workers at start and never removed: the
+        models ever served here, whose jobs queue even while no worker serves them. Which of
+        them are live is read from the live workers' stats (`worker_stats`, a TTL'd hash)."""
         return f"{self.prefix}:models"
 
     def model_tokenizer(self, model: str) -> str:

@@ -123,13 +123,16 @@ def spec_of(**fields: object) -> JobSpec:
     return JobSpec.from_dict(fields)
 
 
-def enqueue_raw(redis: object, payload: object, job_id: str, keys: Keys = Keys(),
+def enqueue_raw(redis: object, payload: object, job_id: str, model: str, keys: Keys = Keys(),
                 priority: Priority = Priority.NORMAL) -> None:
-    """Queue a job whose payload no API would write (bad values, not a JobSpec at all), with its
-    JobState, the way submit_job does: for the worker's own checks."""
+    """Queue a job whose payload no API would write (bad values, not a JobSpec at all) on
+    `model`'s queue, with its JobState and wake-up, the way submit_job does: for the worker's own
+    checks."""
     from rq import Queue
     from rq.serializers import JSONSerializer
 
-    Queue(keys.queue_name(priority), connection=redis, serializer=JSONSerializer).enqueue_call(
+    queue_name = keys.queue_name(model, priority)
+    Queue(queue_name, connection=redis, serializer=JSONSerializer).enqueue_call(
         RQ_JOB_FUNCTION, args=[payload], job_id=job_id)
+    redis.lpush(keys.wakeups(queue_name), 1)
     redis.hset(keys.state(job_id), mapping=JobState(job_id=job_id, status=JobStatus.QUEUED).to_fields())

@@ -4,7 +4,7 @@ Carpool workers never call it: they take jobs off the queues into their batch. I
 plain RQ worker can run a job too, unbatched, one request through the engine:
 
     rq worker --serializer rq.serializers.JSONSerializer -w rq.worker.SimpleWorker \
-        --url redis://... carpool-high carpool-normal carpool-low
+        --url redis://... carpool-MODEL-high carpool-MODEL-normal carpool-MODEL-low
 
 It runs the job through the batching worker's own path (`BatchingWorker.run_adopted`): the same
 claim (fence, lease, resume from the stream), the same fenced appends, cancel checks and finish
@@ -38,7 +38,9 @@ def generate(spec_data: dict[str, Any], keys_prefix: str = "carpool") -> dict[st
     redis = rq_job.connection
     overrides: dict[str, Any] = {"keys_prefix": keys_prefix, "max_num_seqs": 1}
     if isinstance(spec_data, dict) and isinstance(spec_data.get("model"), str) and spec_data["model"]:
-        overrides["model"] = spec_data["model"]  # else CARPOOL_MODEL; the claim fails a bad payload
+        # else CARPOOL_MODEL; the claim fails a bad payload. The job's name for the model is
+        # the served name, so the adopted job's queue is among the worker's own.
+        overrides["model"] = overrides["served_model_name"] = spec_data["model"]
     if rq_job.worker_name:
         overrides["name"] = rq_job.worker_name
     settings = WorkerSettings(**overrides)

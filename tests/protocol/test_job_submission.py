@@ -36,12 +36,12 @@ def test_submit_enqueues_an_rq_json_job_on_its_priority_queue(
     assert fetched.func_name == RQ_JOB_FUNCTION
     assert fetched.args == [spec.to_dict()]
     assert fetched.result_ttl == DEFAULT_RESULT_TTL and fetched.failure_ttl == DEFAULT_FAILURE_TTL
-    assert fetched.origin == "carpool-high"
-    high = Queue("carpool-high", connection=fake_redis, serializer=JSONSerializer)
+    assert fetched.origin == "carpool-tiny-high"
+    high = Queue("carpool-tiny-high", connection=fake_redis, serializer=JSONSerializer)
     assert high.job_ids == ["job-1"]
-    assert Queue("carpool-normal", connection=fake_redis).count == 0
+    assert Queue("carpool-tiny-normal", connection=fake_redis).count == 0
     # rq info lists queues from rq:queues
-    assert RQKeys.queue("carpool-high").encode() in fake_redis.smembers(RQKeys.queues_set())
+    assert RQKeys.queue("carpool-tiny-high").encode() in fake_redis.smembers(RQKeys.queues_set())
 
 
 def test_submit_writes_the_job_state_and_owner_index(fake_redis: fakeredis.FakeRedis) -> None:
@@ -67,7 +67,7 @@ def test_cancel_a_queued_job_removes_it_and_ends_its_stream(
     submit_job(fake_redis, make_spec("job-1"))
     submit_job(fake_redis, make_spec("job-2"))
     assert cancel_job(fake_redis, "job-1") is JobStatus.CANCELED
-    queue = Queue("carpool-normal", connection=fake_redis, serializer=JSONSerializer)
+    queue = Queue("carpool-tiny-normal", connection=fake_redis, serializer=JSONSerializer)
     assert queue.job_ids == ["job-2"]
     reader = JobReader(fake_redis)
     read = reader.read("job-1")
@@ -78,7 +78,7 @@ def test_cancel_a_queued_job_removes_it_and_ends_its_stream(
     assert state.finished_at > 0
     job = Job.fetch("job-1", fake_redis, serializer=JSONSerializer)
     assert job.get_status() == RQJobStatus.CANCELED
-    assert "job-1" in CanceledJobRegistry("carpool-normal", connection=fake_redis)
+    assert "job-1" in CanceledJobRegistry("carpool-tiny-normal", connection=fake_redis)
     assert not fake_redis.sismember(KEYS.canceled(), "job-1")
     assert 0 < fake_redis.ttl(KEYS.stream("job-1")) <= DEFAULT_RESULT_TTL
     # Final: a second cancel changes nothing.
@@ -105,7 +105,7 @@ def test_cancel_a_preempted_job_keeps_its_tokens_as_the_partial_result(
 
 def test_cancel_a_running_job_only_flags_it(fake_redis: fakeredis.FakeRedis) -> None:
     submit_job(fake_redis, make_spec("job-1"))
-    fake_redis.lpop(RQKeys.queue("carpool-normal"))
+    fake_redis.lpop(RQKeys.queue("carpool-tiny-normal"))
     fake_redis.hset(KEYS.state("job-1"), "status", "running")
     assert cancel_job(fake_redis, "job-1") is JobStatus.RUNNING
     assert fake_redis.sismember(KEYS.canceled(), "job-1")
@@ -116,7 +116,7 @@ def test_cancel_a_running_job_only_flags_it(fake_redis: fakeredis.FakeRedis) -> 
 def test_cancel_a_job_being_claimed_flags_it_for_the_claimer(
         fake_redis: fakeredis.FakeRedis) -> None:
     submit_job(fake_redis, make_spec("job-1"))
-    fake_redis.lpop(RQKeys.queue("carpool-normal"))  # popped by a worker, not yet claimed
+    fake_redis.lpop(RQKeys.queue("carpool-tiny-normal"))  # popped by a worker, not yet claimed
     assert cancel_job(fake_redis, "job-1") is JobStatus.QUEUED
     assert fake_redis.sismember(KEYS.canceled(), "job-1")
 
@@ -139,6 +139,6 @@ def test_submit_jobs_queues_many_in_one_transaction(fake_redis: fakeredis.FakeRe
     specs = [make_spec(f"job-{i}", Priority.LOW if i % 2 else Priority.NORMAL) for i in range(4)]
     jobs = submit_jobs(fake_redis, specs)
     assert [job.id for job in jobs] == ["job-0", "job-1", "job-2", "job-3"]
-    assert Queue("carpool-normal", connection=fake_redis).job_ids == ["job-0", "job-2"]
-    assert Queue("carpool-low", connection=fake_redis).job_ids == ["job-1", "job-3"]
+    assert Queue("carpool-tiny-normal", connection=fake_redis).job_ids == ["job-0", "job-2"]
+    assert Queue("carpool-tiny-low", connection=fake_redis).job_ids == ["job-1", "job-3"]
     assert all(JobReader(fake_redis).state(s.job_id).status is JobStatus.QUEUED for s in specs)

@@ -21,7 +21,7 @@ def test_a_plain_rq_worker_runs_a_job_and_streams_it(tiny_llama_dir: Path) -> No
     spec = JobSpec(job_id="plain-1", model=str(tiny_llama_dir), prompt="Hello there",
                    sampling=SamplingParams(max_tokens=6, temperature=0.0))
     submit_job(redis, spec)
-    worker = SimpleWorker(Keys().queue_names(), connection=redis, serializer=JSONSerializer)
+    worker = SimpleWorker(Keys().queue_names(str(tiny_llama_dir)), connection=redis, serializer=JSONSerializer)
     assert worker.work(burst=True)
     engine = rq_entry._engines[str(tiny_llama_dir)]
     (reference,) = engine.generate(["Hello there"], SamplingParams(max_tokens=6, temperature=0.0))
@@ -40,8 +40,8 @@ def test_a_plain_rq_worker_runs_a_job_and_streams_it(tiny_llama_dir: Path) -> No
 def test_a_bad_job_fails_on_a_plain_rq_worker_with_the_message(tiny_llama_dir: Path) -> None:
     redis = fake_redis()
     enqueue_raw(redis, {"job_id": "plain-2", "model": str(tiny_llama_dir), "prompt": "x",
-                        "sampling": {"temperature": -2.0}}, "plain-2")
-    SimpleWorker(Keys().queue_names(), connection=redis, serializer=JSONSerializer).work(burst=True)
+                        "sampling": {"temperature": -2.0}}, "plain-2", str(tiny_llama_dir))
+    SimpleWorker(Keys().queue_names(str(tiny_llama_dir)), connection=redis, serializer=JSONSerializer).work(burst=True)
     job = Job.fetch("plain-2", redis, serializer=JSONSerializer)
     assert job.get_status() == RQJobStatus.FAILED
     assert "malformed job: temperature must be at least 0.0, got -2.0" in job.latest_result().exc_string

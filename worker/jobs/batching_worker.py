@@ -6,7 +6,8 @@ Each iteration:
   2. one engine step;
   3. one publish: tokens + lease renewals + finishes + requeues of preempted jobs + cancel
      checks + stats + metrics (+ RQ heartbeat and recovery when due).
-Idle, it blocks on the queues (BLPOP with a timeout, so heartbeats and recovery keep running).
+Idle, it blocks on its queues' wake-up lists (BLPOP with a timeout, so heartbeats and recovery
+keep running), then claims. A worker serves one model and takes jobs only off that model's queues.
 SIGTERM drains: no new jobs, running ones get `drain_seconds` to finish, the rest are requeued.
 Redis unreachable (restart, failover, network): every Redis step retries with capped exponential
 backoff and jitter, logging each retry; jobs are dropped only once their leases must have lapsed.
@@ -15,6 +16,7 @@ backoff and jitter, logging each retry; jobs are dropped only once their leases 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -65,12 +67,13 @@ class BatchingWorker:
         self.keys = Keys(settings.keys_prefix)
         self.name = settings.name
         self.scripts = JobScripts()
-        self.queue = JobQueue(redis, self.scripts, self.keys, self.name, settings.lease_ms,
+        self.queue = JobQueue(redis, self.scripts, self.keys, self.name,
+                              settings.served_model_name, settings.lease_ms,
                               settings.execution_ttl_seconds, settings.block_size)
         # rq's Worker adjusts its client's socket timeout for its own BLPOPs: give it its own.
         # rq_entry runs inside an rq worker, which keeps its own presence: no second one.
         self.presence = RQPresence(presence_redis or Redis.from_url(settings.redis_url), self.name,
-                                   self.keys.queue_names(),
+                                   self.queue.queue_names,
                                    ttl_seconds=int(max(settings.heartbeat_seconds * 3, 30))
                                    ) if register_presence else None
         self.publisher = StreamPublisher(redis, self.scripts, self.keys, self.name,
@@ -102,7 +105,7 @@ class BatchingWorker:
             self.presence.register_birth()
         self._publish_model()
         log.info("worker %s serving %s on %s", self.name, self.settings.served_model_name,
-                 ", ".join(self.keys.queue_names()))
+                 ", ".join(self.queue.queue_names))
         try:
             self._loop()
         finally:
@@ -115,7 +118,7 @@ class BatchingWorker:
         """Run one job that an rq worker already took off `queue_name`, to its end, through the
         batch's own claim, publish and finish (worker.rq_entry; no other job is taken)."""
         self.scripts.load(self.redis)
-        adopt = (job_id, self.keys.queue_names().index(queue_name))
+        adopt = (job_id, self.queue.queue_names.index(queue_name))
         self._admit(self.queue.claim(0, None, adopt=adopt))
         while self.jobs or self._pending:
             self._publish(self.engine.step() if self.engine.has_unfinished() else None)
@@ -191,24 +194,19 @@ class BatchingWorker:
 
     def _wait_for_jobs(self) -> list[ClaimedJob]:
         try:
-            popped = self.queue.wait(self.settings.idle_block_seconds)
+            woken = self.queue.wait(self.settings.idle_block_seconds)
         except _REDIS_DOWN as exc:
             self._redis_unreachable("waiting for jobs", exc)
             return []
         self._redis_reachable()
-        if popped is None:
+        if not woken:
             return []
-        # The id is off its queue now and only this claim records it anywhere: giving up here
-        # would lose the job, so retry until Redis answers. (A claim that ran but whose reply
-        # was lost is harmless to repeat: the job is claimed again, under a new lease.)
-        while True:
-            try:
-                claims = self.queue.claim(max(1, self._free_slots()), None, adopt=popped)
-            except _REDIS_DOWN as exc:
-                self._redis_unreachable(f"claiming popped job {popped[0]}", exc)
-                continue
-            self._redis_reachable()
-            return claims
+        if self.settings.fault == "kill_after_wake":
+            # Test hook: die between the blocking wait and the claim (tests/integration).
+            os.kill(os.getpid(), signal.SIGKILL)
+        # The job is still on its queue: a claim lost to Redis dropping is retried at the next
+        # iteration boundary (or taken by another worker meanwhile).
+        return self._claim_now()
 
     def _redis_unreachable(self, doing: str, exc: Exception) -> None:
         delay = self._backoff.next_delay()

@@ -1,4 +1,5 @@
-"""Taking jobs off the RQ queues into a worker's batch (the claim), highest priority first.
+"""Taking jobs off the RQ queues of one model into a worker's batch (the claim), highest
+priority first.
 
 Non-blocking at an iteration boundary (the batch must not wait); blocking only while the worker
 is idle. Each claim is one Lua script that pops, fences, leases and records the job as started
@@ -6,10 +7,13 @@ the way an rq worker does, so a crash can never leave a job popped but unrecorde
 LMOVEs into an intermediate list to cover the gap between its pop and its bookkeeping; an atomic
 script has no such gap, so Carpool never uses the intermediate lists.)
 
-The idle wait is a BLPOP over the queues in priority order followed at once by the claim of the
-popped id; a SIGKILL in the microseconds between the two is the one way to lose a queued job,
-the same window rq's own multi-queue BLPOP has. (Redis dropping in between is not: the worker
-keeps the popped id and retries its claim until Redis answers.)
+The idle wait blocks on the queues' wake-up lists (`Keys.wakeups`: one element pushed with every
+job), not on the queues: a BLPOP there takes no job, and the claim that follows is the same
+atomic script. A worker killed between the two loses a wake-up, never a job: it stays at the
+head of its queue and the next claim of any worker (at its next boundary, or after an idle
+worker's wait times out) takes it. (A BLPOP on the queues themselves, as rq's multi-queue wait
+does, leaves a popped id owned by nobody in that gap; BLMOVE into an in-flight list would close
+it for one queue only, since it waits on one source list.)
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ def decode_spec(job_id: str, raw_data: bytes, redis: Redis) -> JobSpec:
 
 class JobQueue:
     def __init__(self, redis: Redis, scripts: JobScripts, keys: Keys, worker_name: str,
-                 lease_ms: int, execution_ttl_s: int, block_size: int) -> None:
+                 model: str, lease_ms: int, execution_ttl_s: int, block_size: int) -> None:
         self.redis = redis
         self.scripts = scripts
         self.keys = keys
@@ -89,8 +93,10 @@ class JobQueue:
         self.lease_ms = lease_ms
         self.execution_ttl_s = execution_ttl_s
         self.block_size = block_size
-        self.queue_names = keys.queue_names()
+        # Only the served model's queues: another model's jobs are never taken here.
+        self.queue_names = keys.queue_names(model)
         self.queue_keys = [RQKeys.queue(name) for name in self.queue_names]
+        self.wakeup_keys = [keys.wakeups(name) for name in self.queue_names]
         templates: list[KeyTemplate] = [
             KeyTemplate.of(keys.state("\x00")), KeyTemplate.of(keys.stream("\x00")),
             KeyTemplate.of(keys.lease("\x00")), KeyTemplate.of(keys.fence("\x00")),
@@ -99,13 +105,14 @@ class JobQueue:
         self._template_args = [part for t in templates for part in (t.prefix, t.suffix)]
         self._script_keys = [keys.leases(), keys.canceled(), RQKeys.worker_executions(worker_name),
                              RQKeys.worker(worker_name), *self.queue_keys,
-                             *(RQKeys.started(name) for name in self.queue_names)]
+                             *(RQKeys.started(name) for name in self.queue_names),
+                             *self.wakeup_keys]
 
     def claim(self, max_jobs: int, free_kv_blocks: int | None = None,
               adopt: tuple[str, int] | None = None) -> list[ClaimedJob]:
         """Take up to `max_jobs` jobs without blocking, stopping at the first one that needs
         more than `free_kv_blocks` (None: no limit). `adopt` = (job_id, queue index) of a job
-        already popped by `wait`, claimed first."""
+        already taken off its queue (by an rq worker: worker.rq_entry), claimed first."""
         if max_jobs <= 0 and adopt is None:
             return []
         now = time.time()
@@ -125,14 +132,10 @@ class JobQueue:
             reply = self.scripts.call(self.redis, "claim", self._script_keys, args)
         return [self._claimed(row, now) for row in reply]
 
-    def wait(self, timeout_s: float) -> tuple[str, int] | None:
-        """Block until a job is queued (BLPOP over the queues, highest priority first); returns
-        (job_id, queue index), which must go straight to `claim(adopt=...)`."""
-        reply = self.redis.blpop(self.queue_keys, timeout=timeout_s)
-        if reply is None:
-            return None
-        queue_key, job_id = _text(reply[0]), _text(reply[1])
-        return job_id, self.queue_keys.index(queue_key)
+    def wait(self, timeout_s: float) -> bool:
+        """Block until a job is queued (a wake-up popped: True) or `timeout_s` passed (False).
+        Nothing is taken off a queue: `claim` takes the jobs, highest priority first."""
+        return self.redis.blpop(self.wakeup_keys, timeout=timeout_s) is not None
 
     def _claimed(self, row: list[Any], now: float) -> ClaimedJob:
         job_id, queue_index, fence, execution_id, data, result_ttl, failure_ttl, state_flat, \

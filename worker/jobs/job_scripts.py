@@ -54,7 +54,8 @@ end
 """
 
 # KEYS: leases, canceled, this worker's RQ executions set, RQ worker hash,
-#       then P queue keys, then P StartedJobRegistry keys (priority order).
+#       then P queue keys, then P StartedJobRegistry keys, then P wake-up lists (priority order;
+#       the queues of the one model this worker serves).
 # ARGV: worker_name, lease_ms, max_jobs, free_kv_blocks (-1: no limit), block_size,
 #       adopt_job_id (already popped; '' for none), adopt_queue_index (1-based),
 #       execution_ttl_s, rq_now (rq's UTC format), now_s (epoch float), execution_id_prefix, P,
@@ -131,6 +132,16 @@ while #claimed < max_jobs and qi <= P do
     end
     redis.call('LPOP', KEYS[4 + qi])
     claim(head, qi)
+  end
+end
+-- One wake-up per job still queued: a wake-up whose job was taken here (or canceled) would
+-- only wake an idle worker for nothing.
+for i = 1, P do
+  local queued = redis.call('LLEN', KEYS[4 + i])
+  if queued == 0 then
+    redis.call('DEL', KEYS[4 + 2 * P + i])
+  else
+    redis.call('LTRIM', KEYS[4 + 2 * P + i], 0, queued - 1)
   end
 end
 if #claimed > 0 then redis.call('HSET', KEYS[4], 'state', 'busy') end
@@ -262,7 +273,7 @@ return outcome
 """
 
 # KEYS: lease, leases, state, rq job, queue (the job's origin), started registry, rq execution,
-#       rq executions, worker executions, stream.
+#       rq executions, worker executions, stream, the queue's wake-up list.
 # ARGV: token, job_id, composite, execution_id, prompt_tokens, count_as_preemption (1|0).
 # Returns 1 (back at the queue's front), 0 (refused: not the lease holder).
 REQUEUE = _COMMON + """
@@ -276,13 +287,14 @@ drop_execution(KEYS[7], KEYS[6], KEYS[8], KEYS[9], ARGV[3], ARGV[4])
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[2])
 redis.call('LPUSH', KEYS[5], ARGV[2])
+redis.call('LPUSH', KEYS[11], 1)
 return 1
 """
 
 # KEYS: leases.
 # ARGV: max_jobs, templates (prefix, suffix): state 2, stream 4, lease 6, rq job 8,
 #       rq execution 10, rq executions 12, rq queue 14, started 16, failed 18,
-#       worker executions 20; composite separator 22.
+#       worker executions 20, wake-ups (around the queue name) 22; composite separator 24.
 # Returns the ids put back at the front of their queue.
 RECOVER = _COMMON + """
 local function key(i, id) return ARGV[i] .. id .. ARGV[i + 1] end
@@ -302,7 +314,7 @@ for _, job_id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT
     local rq_job = key(8, job_id)
     local composite = redis.call('HGET', state, 'execution') or ''
     if composite ~= '' then
-      local execution_id = string.sub(composite, #job_id + #ARGV[22] + 1)
+      local execution_id = string.sub(composite, #job_id + #ARGV[24] + 1)
       local worker = redis.call('HGET', state, 'worker') or ''
       drop_execution(key(10, composite), key(16, origin), key(12, job_id), key(20, worker),
                      composite, execution_id)
@@ -318,6 +330,7 @@ for _, job_id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT
     redis.call('HSET', state, 'status', new_status, 'execution', '')
     redis.call('HINCRBY', state, 'num_recoveries', 1)
     redis.call('LPUSH', key(14, origin), job_id)
+    redis.call('LPUSH', key(22, origin), 1)
     redis.call('ZREM', KEYS[1], job_id)
     recovered[#recovered + 1] = job_id
   end

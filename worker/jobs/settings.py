@@ -73,6 +73,9 @@ class WorkerSettings(BaseSettings):
         2.0, gt=0, description="Longest wait between Redis retries (and at most a quarter "
         "lease, so a short outage never costs the worker its leases).")
     log_level: str = "INFO"
+    fault: Literal["", "kill_after_wake"] = Field(
+        "", description="Fault injection for tests only: kill_after_wake SIGKILLs the worker "
+        "right after its idle wait returns, before it claims (the old job-loss window).")
     openmp: Literal["intel", "gnu"] = Field(
         "gnu", description="OpenMP runtime of the model's CPU threads: torch's GNU one, or Intel's "
         "(preloaded from the intel-openmp package, as vLLM does; opt-in, see openmp_runtime).")

@@ -98,7 +98,8 @@ class StreamPublisher:
                      RQKeys.execution_template(), RQKeys.executions_template(),
                      KeyTemplate.of(RQKeys.queue("\x00")), KeyTemplate.of(RQKeys.started("\x00")),
                      KeyTemplate.of(RQKeys.failed("\x00")),
-                     KeyTemplate.of(RQKeys.worker_executions("\x00"))]
+                     KeyTemplate.of(RQKeys.worker_executions("\x00")),
+                     KeyTemplate.of(k.wakeups("\x00"))]
         return [part for t in templates for part in (t.prefix, t.suffix)] + [
             RQKeys.composite_separator()]
 
@@ -185,7 +186,7 @@ class StreamPublisher:
                 RQKeys.started(lease.queue_name),
                 RQKeys.execution(lease.job_id, lease.execution_id),
                 RQKeys.executions(lease.job_id), RQKeys.worker_executions(self.worker_name),
-                self.keys.stream(lease.job_id)]
+                self.keys.stream(lease.job_id), self.keys.wakeups(lease.queue_name)]
         args: list[EncodableT] = [lease.token, lease.job_id, lease.composite, lease.execution_id,
                                   job.num_prompt_tokens, 1 if count_as_preemption else 0]
         self._calls.append(_ScriptCall("requeue", lease.job_id, "requeue", keys, args))

@@ -35,7 +35,7 @@ def make_queue(redis: Redis, worker: str = "w1", lease_ms: int = 10_000,
                scripts: JobScripts | None = None) -> JobQueue:
     scripts = scripts or JobScripts()
     scripts.load(redis)
-    return JobQueue(redis, scripts, KEYS, worker, lease_ms, execution_ttl_s=120,
+    return JobQueue(redis, scripts, KEYS, worker, "tiny", lease_ms, execution_ttl_s=120,
                     block_size=BLOCK_SIZE)
 
 

@@ -106,7 +106,7 @@ def test_a_zombie_whose_lease_was_taken_over_cannot_write() -> None:
     assert redis.xrange(KEYS.stream("job-1")) == before
     assert redis.get(KEYS.lease("job-1")) == b"2"
     assert JobReader(redis).state("job-1").worker == "other"
-    assert Queue("carpool-normal", connection=redis).count == 0
+    assert Queue("carpool-tiny-normal", connection=redis).count == 0
     # The new owner continues at index 1.
     owner = running(claim)
     generate(owner, 12)
@@ -117,7 +117,7 @@ def test_a_zombie_whose_lease_was_taken_over_cannot_write() -> None:
 
 def test_finish_records_the_result_everywhere_rq_looks() -> None:
     redis = fake_redis()
-    Worker(["carpool-normal"], name="w1", connection=redis).register_birth()
+    Worker(["carpool-tiny-normal"], name="w1", connection=redis).register_birth()
     submit(redis, "job-1")
     queue = make_queue(redis, worker="w1")
     claim = queue.claim(1)[0]
@@ -144,8 +144,8 @@ def test_finish_records_the_result_everywhere_rq_looks() -> None:
     assert (value["created_at"], value["finished_at"]) == (1000.0, 3000.0)
     result = rq_job.latest_result()
     assert result.type == Result.Type.SUCCESSFUL and result.execution_id == claim.lease.execution_id
-    assert "job-1" in FinishedJobRegistry("carpool-normal", connection=redis)
-    assert StartedJobRegistry("carpool-normal", connection=redis).get_job_ids() == []
+    assert "job-1" in FinishedJobRegistry("carpool-tiny-normal", connection=redis)
+    assert StartedJobRegistry("carpool-tiny-normal", connection=redis).get_job_ids() == []
     assert rq_job.get_executions() == []
     execution_key = RQKeys.execution("job-1", claim.lease.execution_id)
     assert redis.exists(KEYS.lease("job-1"), execution_key) == 0
@@ -173,7 +173,7 @@ def test_the_finish_guard_turns_a_late_finish_of_a_canceled_job_into_canceled() 
         kind="done", finish_reason=FinishReason.CANCELED, prompt_tokens=3, completion_tokens=1))
     assert JobReader(redis).state("job-1").status is JobStatus.CANCELED
     assert Job.fetch("job-1", redis).get_status() == RQJobStatus.CANCELED
-    assert "job-1" in CanceledJobRegistry("carpool-normal", connection=redis)
+    assert "job-1" in CanceledJobRegistry("carpool-tiny-normal", connection=redis)
     assert not redis.sismember(KEYS.canceled(), "job-1")
     # And nothing can finish it again.
     pub.finish(job, JobEnd(JobStatus.FINISHED, FinishReason.STOP))
@@ -195,7 +195,7 @@ def test_a_failed_job_carries_its_message_to_rq_jobstate_and_stream() -> None:
     rq_job = Job.fetch("job-1", redis, serializer=JSONSerializer)
     assert rq_job.get_status() == RQJobStatus.FAILED
     assert rq_job.latest_result().exc_string == "prompt too long"
-    assert "job-1" in FailedJobRegistry("carpool-normal", connection=redis)
+    assert "job-1" in FailedJobRegistry("carpool-tiny-normal", connection=redis)
 
 
 def test_requeue_puts_the_job_at_the_front_and_the_next_claim_resumes_it() -> None:
@@ -209,12 +209,13 @@ def test_requeue_puts_the_job_at_the_front_and_the_next_claim_resumes_it() -> No
     pub.flush()
     pub.requeue(job, count_as_preemption=True)
     assert pub.flush().requeued == {"job-1"}
-    assert Queue("carpool-normal", connection=redis).job_ids == ["job-1", "job-2"]
+    assert Queue("carpool-tiny-normal", connection=redis).job_ids == ["job-1", "job-2"]
+    assert redis.llen(KEYS.wakeups("carpool-tiny-normal")) == 2  # idle workers wake for it
     state = JobReader(redis).state("job-1")
     assert (state.status, state.num_preemptions, state.prompt_tokens) == (
         JobStatus.PREEMPTED, 1, 5)
     assert Job.fetch("job-1", redis).get_status() == RQJobStatus.QUEUED
-    assert StartedJobRegistry("carpool-normal", connection=redis).get_job_ids() == []
+    assert StartedJobRegistry("carpool-tiny-normal", connection=redis).get_job_ids() == []
     assert redis.exists(KEYS.lease("job-1")) == 0
     (again,) = make_queue(redis, worker="w2").claim(1)
     assert (again.lease.job_id, again.lease.token) == ("job-1", "2")

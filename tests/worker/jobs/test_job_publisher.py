@@ -27,7 +27,7 @@ def test_everything_one_iteration_publishes_is_one_round_trip(
     submit(redis, "a", "b", "c", "d")
     queue = make_queue(redis, worker="w1")
     a, b, c, d = (running(claim) for claim in queue.claim(4))
-    presence = RQPresence(redis, "w1", KEYS.queue_names(), ttl_seconds=30)
+    presence = RQPresence(redis, "w1", KEYS.queue_names("tiny"), ttl_seconds=30)
     presence.register_birth()
     pub = StreamPublisher(redis, queue.scripts, KEYS, "w1", queue.lease_ms, presence)
     for job in (a, b, c):
@@ -84,7 +84,7 @@ def test_histograms_are_cumulative_and_counters_add_up() -> None:
 def test_stats_expire_and_the_rq_heartbeat_keeps_the_worker_listed() -> None:
     redis = fake_redis()
     queue = make_queue(redis, worker="w1")
-    presence = RQPresence(redis, "w1", KEYS.queue_names(), ttl_seconds=30)
+    presence = RQPresence(redis, "w1", KEYS.queue_names("tiny"), ttl_seconds=30)
     presence.register_birth()
     pub = StreamPublisher(redis, queue.scripts, KEYS, "w1", queue.lease_ms, presence)
     stats = WorkerStats(name="w1", model="tiny", mode="static", num_kv_blocks_total=8,
@@ -95,7 +95,7 @@ def test_stats_expire_and_the_rq_heartbeat_keeps_the_worker_listed() -> None:
     assert WorkerStats.from_fields(redis.hgetall(KEYS.worker_stats("w1"))) == stats
     assert 0 < redis.pttl(KEYS.worker_stats("w1")) <= 10_000
     (worker,) = Worker.all(connection=redis)
-    assert worker.name == "w1" and worker.queue_names() == KEYS.queue_names()
+    assert worker.name == "w1" and worker.queue_names() == KEYS.queue_names("tiny")
     assert 60 < redis.ttl(worker.key) <= 90
 
 

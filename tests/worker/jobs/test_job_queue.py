@@ -14,8 +14,9 @@ from rq.serializers import JSONSerializer
 
 from protocol import JobReader, JobStatus, Priority, StreamEntry, cancel_job, stream_ids
 from protocol.rq_keys import RQKeys
-from tests.worker.jobs.job_support import KEYS, fake_redis, make_queue, make_spec, submit
-from worker.jobs.job_queue import decode_spec
+from tests.worker.jobs.job_support import BLOCK_SIZE, KEYS, fake_redis, make_queue, make_spec, submit
+from worker.jobs.job_queue import JobQueue, decode_spec
+from worker.jobs.job_scripts import JobScripts
 
 
 def test_claim_takes_higher_priorities_first_and_fifo_within_one() -> None:
@@ -34,15 +35,15 @@ def test_claim_records_the_job_as_started_the_rq_way() -> None:
     submit(redis, "job-1")
     (claim,) = make_queue(redis, worker="w1").claim(4)
     assert claim.spec == make_spec("job-1")
-    assert (claim.lease.token, claim.lease.queue_name) == ("1", "carpool-normal")
+    assert (claim.lease.token, claim.lease.queue_name) == ("1", "carpool-tiny-normal")
     job = Job.fetch("job-1", redis, serializer=JSONSerializer)
     assert job.get_status() == RQJobStatus.STARTED
     assert job.worker_name == "w1" and job.started_at is not None
-    assert StartedJobRegistry("carpool-normal", connection=redis).get_job_ids() == ["job-1"]
+    assert StartedJobRegistry("carpool-tiny-normal", connection=redis).get_job_ids() == ["job-1"]
     (execution,) = job.get_executions()
     assert (execution.id, execution.worker_name) == (claim.lease.execution_id, "w1")
     assert redis.smembers(RQKeys.worker_executions("w1")) == {claim.lease.composite.encode()}
-    assert Queue("carpool-normal", connection=redis).count == 0
+    assert Queue("carpool-tiny-normal", connection=redis).count == 0
     state = JobReader(redis).state("job-1")
     assert (state.status, state.worker, state.execution) == (
         JobStatus.RUNNING, "w1", claim.lease.composite)
@@ -54,7 +55,7 @@ def test_claim_records_the_job_as_started_the_rq_way() -> None:
 
 def test_claim_sets_the_rq_worker_busy_for_rq_info() -> None:
     redis = fake_redis()
-    worker = Worker(["carpool-normal"], name="w1", connection=redis)
+    worker = Worker(["carpool-tiny-normal"], name="w1", connection=redis)
     worker.register_birth()
     submit(redis, "job-1")
     make_queue(redis, worker="w1").claim(1)
@@ -70,7 +71,7 @@ def test_claim_stops_at_a_job_that_does_not_fit_the_kv_budget() -> None:
     redis.hset(KEYS.state("big"), "prompt_tokens", 40)  # 41 tokens: 3 blocks of 16
     queue = make_queue(redis)
     assert queue.claim(4, free_kv_blocks=2) == []
-    assert Queue("carpool-high", connection=redis).job_ids == ["big", "small"]
+    assert Queue("carpool-tiny-high", connection=redis).job_ids == ["big", "small"]
     assert [c.lease.job_id for c in queue.claim(4, free_kv_blocks=4)] == ["big", "small"]
 
 
@@ -107,20 +108,45 @@ def test_claim_skips_jobs_canceled_while_queued() -> None:
     assert [c.lease.job_id for c in make_queue(redis).claim(2)] == ["job-2"]
 
 
-def test_wait_blocks_until_a_job_arrives_then_adopt_claims_it_first() -> None:
-    server_redis = fake_redis()
-    queue = make_queue(server_redis)
-    submit(server_redis, "later", priority=Priority.LOW)
-    server_redis.lpop(RQKeys.queue("carpool-low"))
-    assert queue.wait(0.05) is None
-    timer = threading.Timer(0.1, lambda: submit(server_redis, "job-1"))
+def test_wait_blocks_on_wakeups_and_takes_no_job_off_a_queue() -> None:
+    redis = fake_redis()
+    queue = make_queue(redis)
+    assert queue.wait(0.05) is False
+    timer = threading.Timer(0.1, lambda: submit(redis, "job-1"))
     timer.start()
-    popped = queue.wait(2.0)
+    assert queue.wait(2.0) is True
     timer.join()
-    assert popped == ("job-1", 1)
-    submit(server_redis, "job-2")
-    claims = queue.claim(4, adopt=popped)
-    assert [c.lease.job_id for c in claims] == ["job-1", "job-2"]
+    # A worker killed here loses nothing: the job is still queued, for whoever claims first.
+    assert Queue("carpool-tiny-normal", connection=redis).job_ids == ["job-1"]
+    submit(redis, "job-2", "job-3")
+    submit(redis, "job-4", priority=Priority.HIGH)
+    assert [c.lease.job_id for c in queue.claim(2)] == ["job-4", "job-1"]
+    # The claim leaves one wake-up per job still queued (job-2 and job-3), none for the rest.
+    assert redis.llen(KEYS.wakeups("carpool-tiny-normal")) == 2
+    assert not redis.exists(KEYS.wakeups("carpool-tiny-high"))
+    assert [c.lease.job_id for c in queue.claim(4)] == ["job-2", "job-3"]
+    assert not redis.exists(KEYS.wakeups("carpool-tiny-normal"))
+    assert queue.wait(0.05) is False
+
+
+def test_a_worker_claims_only_its_own_models_jobs() -> None:
+    redis = fake_redis()
+    submit(redis, "other-1", model="other")
+    submit(redis, "mine-1")
+    submit(redis, "other-2", model="other", priority=Priority.HIGH)
+    mine = make_queue(redis)
+    assert [c.lease.job_id for c in mine.claim(4)] == ["mine-1"]
+    assert mine.wait(0.05) is False  # the other model's wake-ups are not this worker's
+    assert Queue("carpool-other-normal", connection=redis).job_ids == ["other-1"]
+    scripts = JobScripts()
+    scripts.load(redis)
+    theirs = JobQueue(redis, scripts, KEYS, "w2", "other", 10_000, execution_ttl_s=120,
+                      block_size=BLOCK_SIZE)
+    assert theirs.wait(0.05) is True
+    claims = theirs.claim(4)
+    assert [(c.lease.job_id, c.lease.queue_name) for c in claims] == [
+        ("other-2", "carpool-other-high"), ("other-1", "carpool-other-normal")]
+    assert [c.spec.model for c in claims] == ["other", "other"]
 
 
 def test_decode_spec_explains_bad_payloads() -> None:

@@ -40,15 +40,17 @@ def test_a_lapsed_lease_puts_the_job_back_at_the_front() -> None:
     expire_lease(redis, "job-2")
     survivor = make_queue(redis, worker="survivor")
     assert sorted(_recover(survivor)) == ["job-1", "job-2"]
-    assert Queue("carpool-normal", connection=redis).job_ids[-1] == "job-3"
-    assert set(Queue("carpool-normal", connection=redis).job_ids[:2]) == {"job-1", "job-2"}
+    assert Queue("carpool-tiny-normal", connection=redis).job_ids[-1] == "job-3"
+    assert set(Queue("carpool-tiny-normal", connection=redis).job_ids[:2]) == {"job-1", "job-2"}
+    # Each requeued job rang for idle workers (job-3's wake-up was trimmed by the claim).
+    assert redis.llen(KEYS.wakeups("carpool-tiny-normal")) == 3
     reader = JobReader(redis)
     # job-1 has tokens in its stream: preempted (resumes); job-2 had none: queued.
     assert (reader.state("job-1").status, reader.state("job-2").status) == (
         JobStatus.PREEMPTED, JobStatus.QUEUED)
     assert reader.state("job-1").num_recoveries == 1
     assert Job.fetch("job-1", redis).get_status() == RQJobStatus.QUEUED
-    assert StartedJobRegistry("carpool-normal", connection=redis).get_job_ids() == []
+    assert StartedJobRegistry("carpool-tiny-normal", connection=redis).get_job_ids() == []
     assert redis.zcard(KEYS.leases()) == 0
     assert _recover(survivor) == []
 
@@ -70,13 +72,13 @@ def test_recovery_undoes_rqs_abandoned_job_cleanup() -> None:
     make_queue(redis, worker="dead").claim(1)
     expire_lease(redis, "job-1")
     # An rq worker's maintenance ran first and moved the abandoned job to the FailedJobRegistry.
-    StartedJobRegistry("carpool-normal", connection=redis).cleanup(timestamp=10**10)
+    StartedJobRegistry("carpool-tiny-normal", connection=redis).cleanup(timestamp=10**10)
     assert Job.fetch("job-1", redis).get_status() == RQJobStatus.FAILED
     assert _recover(make_queue(redis, worker="survivor")) == ["job-1"]
     assert Job.fetch("job-1", redis).get_status() == RQJobStatus.QUEUED
-    assert "job-1" not in FailedJobRegistry("carpool-normal", connection=redis)
+    assert "job-1" not in FailedJobRegistry("carpool-tiny-normal", connection=redis)
     assert redis.ttl("rq:job:job-1") == -1
-    assert Queue("carpool-normal", connection=redis).job_ids == ["job-1"]
+    assert Queue("carpool-tiny-normal", connection=redis).job_ids == ["job-1"]
 
 
 def test_ended_jobs_just_leave_the_leases_set() -> None:
@@ -87,4 +89,4 @@ def test_ended_jobs_just_leave_the_leases_set() -> None:
     expire_lease(redis, "job-1")
     assert _recover(make_queue(redis)) == []
     assert redis.zcard(KEYS.leases()) == 0
-    assert Queue("carpool-normal", connection=redis).count == 0
+    assert Queue("carpool-tiny-normal", connection=redis).count == 0

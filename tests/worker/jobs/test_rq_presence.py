@@ -18,7 +18,7 @@ from worker.jobs.rq_presence import RQPresence
 
 def _crashed_namesake(redis: Redis, hostname: str, pid: int) -> None:
     """A worker named w1 that registered, heartbeated just now and never registered a death."""
-    namesake = Worker(KEYS.queue_names(), name="w1", connection=redis)
+    namesake = Worker(KEYS.queue_names("tiny"), name="w1", connection=redis)
     namesake.register_birth()
     redis.hset(namesake.key, mapping={"hostname": hostname, "pid": pid})
 
@@ -30,7 +30,7 @@ def _dead_pid() -> int:
 
 
 def _register(redis: Redis) -> RQPresence:
-    presence = RQPresence(redis, "w1", KEYS.queue_names(), ttl_seconds=30)
+    presence = RQPresence(redis, "w1", KEYS.queue_names("tiny"), ttl_seconds=30)
     presence.register_birth()
     return presence
 
