@@ -38,8 +38,9 @@ class FleetSnapshot:
 
 
 # One round trip however many workers there are: RQ's worker registry (every Carpool worker
-# registers there under its own name), then each member's stats hash. KEYS: the registry. ARGV:
-# the members' prefix (rq:worker:), then the prefix and suffix of a stats key around the name.
+# registers there under its own name), then each member's stats hash, and the names of the models
+# ever registered. KEYS: the registry, the models hash. ARGV: the members' prefix (rq:worker:),
+# then the prefix and suffix of a stats key around the name.
 _LIVE_WORKERS_LUA = """
 local found = {}
 for _, member in ipairs(redis.call('SMEMBERS', KEYS[1])) do
@@ -47,12 +48,14 @@ for _, member in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   local fields = redis.call('HGETALL', ARGV[2] .. name .. ARGV[3])
   if #fields > 0 then found[#found + 1] = fields end
 end
-return found
+return {found, redis.call('HKEYS', KEYS[2])}
 """
 
 
-async def live_workers(redis: aioredis.Redis, keys: Keys) -> list[WorkerStats]:
-    """Workers whose TTL'd stats hash still exists, i.e. that reported recently.
+async def live_workers_and_models(redis: aioredis.Redis, keys: Keys
+                                  ) -> tuple[list[WorkerStats], list[str]]:
+    """Workers whose TTL'd stats hash still exists, i.e. that reported recently, and every model
+    ever registered (sorted), in one round trip.
 
     A registered worker without stats died without unregistering (SIGKILL) or is not a Carpool
     worker. (A SCAN for the stats keys walked the whole keyspace, every job's keys, at each
@@ -60,17 +63,26 @@ async def live_workers(redis: aioredis.Redis, keys: Keys) -> list[WorkerStats]:
     """
     stats_prefix, _, stats_suffix = keys.worker_stats("\x00").partition("\x00")
     script = redis.register_script(_LIVE_WORKERS_LUA)
-    replies = await script(keys=[RQKeys.workers_set()],
-                           args=[RQKeys.worker(""), stats_prefix, stats_suffix])
+    replies, models = await script(keys=[RQKeys.workers_set(), keys.models()],
+                                   args=[RQKeys.worker(""), stats_prefix, stats_suffix])
     workers = [WorkerStats.from_fields(dict(zip(fields[::2], fields[1::2])))
                for fields in replies]
-    return sorted(workers, key=lambda worker: worker.name)
+    return sorted(workers, key=lambda worker: worker.name), sorted(_text(m) for m in models)
+
+
+async def live_workers(redis: aioredis.Redis, keys: Keys) -> list[WorkerStats]:
+    """Workers that reported recently (see live_workers_and_models)."""
+    workers, _ = await live_workers_and_models(redis, keys)
+    return workers
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 async def known_models(redis: aioredis.Redis, keys: Keys) -> list[str]:
     """Every model ever registered here (`Keys.models`), live or not, sorted."""
-    names = await redis.hkeys(keys.models())
-    return sorted(name.decode() if isinstance(name, bytes) else name for name in names)
+    return sorted(_text(name) for name in await redis.hkeys(keys.models()))
 
 
 async def snapshot(redis: aioredis.Redis, keys: Keys) -> FleetSnapshot:

@@ -38,8 +38,7 @@ class Health(BaseModel):
 async def healthz(ctx: Context) -> JSONResponse:
     try:
         # One round trip (which also shows Redis answers): probes must stay cheap under load.
-        workers = await fleet.live_workers(ctx.aio, ctx.keys)
-        known = await fleet.known_models(ctx.aio, ctx.keys)
+        workers, known = await fleet.live_workers_and_models(ctx.aio, ctx.keys)
     except redis.exceptions.RedisError as exc:
         # Unreachable, or answering with an error (protected mode's DENIED, LOADING, NOAUTH):
         # either way not ready, and a probe must say so rather than fail with a 500.

@@ -74,8 +74,8 @@ class Harness:
             self.sync.set(self.keys.model_tokenizer(name), word_tokenizer().to_str())
         return card
 
-    def add_worker(self, name: str = "w1", **numbers: float) -> WorkerStats:
-        stats = WorkerStats(name=name, model=MODEL, mode="continuous", updated_at=time.time(),
+    def add_worker(self, name: str = "w1", model: str = MODEL, **numbers: float) -> WorkerStats:
+        stats = WorkerStats(name=name, model=model, mode="continuous", updated_at=time.time(),
                             **numbers)  # type: ignore[arg-type]
         self.sync.hset(self.keys.worker_stats(name), mapping=stats.to_fields())
         self.sync.expire(self.keys.worker_stats(name), 30)
@@ -118,10 +118,10 @@ class Harness:
         self.publish_tokens(job_id, texts)
         self.publish_done(job_id, len(texts), reason, prompt_tokens, text="".join(texts))
 
-    async def take_job(self, timeout_s: float = 5.0) -> str:
-        """Wait for the next job on any queue (highest priority first) and take it off, as a
+    async def take_job(self, timeout_s: float = 5.0, model: str = MODEL) -> str:
+        """Wait for the next job on any of `model`'s queues (highest priority first) and take it off, as a
         worker's dequeue would."""
-        queues = [RQKeys.queue(name) for name in self.keys.queue_names()]
+        queues = [RQKeys.queue(name) for name in self.keys.queue_names(model)]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for queue in queues:

@@ -21,12 +21,15 @@ pytestmark = pytest.mark.anyio
 
 async def test_healthz_counts_live_workers(harness: Harness, client: httpx.AsyncClient) -> None:
     assert (await client.get("/healthz")).json() == {
-        "status": "no_workers", "redis": True, "workers": 0, "models": []}
+        "status": "no_workers", "redis": True, "workers": 0, "models": [],
+        "models_without_workers": ["tiny"]}
+    harness.register_model("second")
     harness.add_worker("w1")
     harness.add_worker("w2")
     response = await client.get("/healthz")
     assert response.status_code == 200
-    assert response.json() == {"status": "ok", "redis": True, "workers": 2, "models": ["tiny"]}
+    assert response.json() == {"status": "ok", "redis": True, "workers": 2, "models": ["tiny"],
+                               "models_without_workers": ["second"]}
 
 
 async def test_healthz_skips_registered_workers_without_stats(harness: Harness,
@@ -146,7 +149,8 @@ async def test_healthz_answers_503_when_redis_answers_with_an_error(
     async def refused(*args: object) -> list[object]:
         raise redis.exceptions.ResponseError("DENIED Redis is running in protected mode")
 
-    monkeypatch.setattr(fleet, "live_workers", refused)
+    monkeypatch.setattr(fleet, "live_workers_and_models", refused)
     health = await client.get("/healthz")
     assert health.status_code == 503
-    assert health.json() == {"status": "redis_unreachable", "redis": False, "workers": 0, "models": []}
+    assert health.json() == {"status": "redis_unreachable", "redis": False, "workers": 0,
+                             "models": [], "models_without_workers": []}

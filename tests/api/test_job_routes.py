@@ -43,7 +43,7 @@ async def test_submit_enqueues_the_spec_on_its_priority_queue(harness: Harness,
                                                               client: httpx.AsyncClient) -> None:
     job = await _submit(client, priority="high", temperature=0.5, top_p=0.9, top_k=7, seed=3,
                         stop="world", max_tokens=4)
-    queue_key = RQKeys.queue(harness.keys.queue_name(Priority.HIGH))
+    queue_key = RQKeys.queue(harness.keys.queue_name(MODEL, Priority.HIGH))
     assert harness.sync.lrange(queue_key, 0, -1) == [job["job_id"]]
     rq_job = Job.fetch(str(job["job_id"]), connection=harness.context.sync, serializer=JSONSerializer)
     spec = rq_job.args[0]
@@ -133,7 +133,7 @@ async def test_cancel_a_queued_job(harness: Harness, client: httpx.AsyncClient) 
     assert response.json() == {"job_id": job_id, "object": "job", "status": "canceled",
                                "canceled": True}
     assert harness.state(job_id).status is JobStatus.CANCELED
-    assert harness.sync.llen(RQKeys.queue(harness.keys.queue_name(Priority.NORMAL))) == 0
+    assert harness.sync.llen(RQKeys.queue(harness.keys.queue_name(MODEL, Priority.NORMAL))) == 0
     events = (await client.get(f"/v1/jobs/{job_id}/stream")).text
     assert '"finish_reason": "canceled"' in events
 
@@ -141,7 +141,7 @@ async def test_cancel_a_queued_job(harness: Harness, client: httpx.AsyncClient) 
 async def test_cancel_a_running_job_asks_its_worker(harness: Harness,
                                                     client: httpx.AsyncClient) -> None:
     job_id = str((await _submit(client))["job_id"])
-    harness.sync.lpop(RQKeys.queue(harness.keys.queue_name(Priority.NORMAL)))  # a worker took it
+    harness.sync.lpop(RQKeys.queue(harness.keys.queue_name(MODEL, Priority.NORMAL)))  # a worker took it
     harness.publish_tokens(job_id, ["x"])
     response = await client.delete(f"/v1/jobs/{job_id}")
     assert response.status_code == 202
@@ -170,13 +170,13 @@ async def test_full_queue_answers_429_with_retry_after() -> None:
         response = await client.post("/v1/jobs", json={"prompt": "hello"})
         assert response.status_code == 429
         assert response.headers["retry-after"] == "7"
-        assert response.json() == {"detail": "The job queue is full (2 jobs waiting, the limit is "
+        assert response.json() == {"detail": "The job queue of model 'tiny' is full (2 jobs waiting, the limit is "
                                              "2); retry later"}
         openai = await client.post("/v1/completions", json={"prompt": "hello"})
         assert openai.status_code == 429
         assert openai.json()["error"]["code"] == "queue_full"
         # A job leaving the queue makes room again.
-        harness.sync.lpop(RQKeys.queue(harness.keys.queue_name(Priority.HIGH)))
+        harness.sync.lpop(RQKeys.queue(harness.keys.queue_name(MODEL, Priority.HIGH)))
         assert (await client.post("/v1/jobs", json={"prompt": "hello"})).status_code == 202
 
 
@@ -192,7 +192,7 @@ async def test_a_concurrent_burst_cannot_overshoot_the_queue_limit() -> None:
     statuses = sorted(response.status_code for response in responses)
     assert statuses == [202] * 5 + [429] * 35
     assert all(r.headers["retry-after"] == "2" for r in responses if r.status_code == 429)
-    assert sum(harness.sync.llen(RQKeys.queue(name)) for name in harness.keys.queue_names()) == 5
+    assert sum(harness.sync.llen(RQKeys.queue(name)) for name in harness.keys.queue_names(MODEL)) == 5
 
 
 async def test_context_sized_default_is_not_needed_for_jobs(client: httpx.AsyncClient) -> None:

@@ -34,9 +34,13 @@ def _data_lines(text: str) -> list[Any]:
     return out
 
 
-async def test_models_lists_the_registered_cards(harness: Harness,
-                                                 client: httpx.AsyncClient) -> None:
+async def test_models_lists_the_cards_of_models_a_live_worker_serves(
+        harness: Harness, client: httpx.AsyncClient) -> None:
     harness.register_model("second", context=64, created_at=9.0)
+    harness.register_model("unserved", created_at=5.0)  # its workers are gone
+    harness.add_worker("w1")
+    harness.add_worker("w2", model="second")
+    harness.add_worker("w3", model="second")
     response = await client.get("/v1/models")
     assert response.json() == {"object": "list", "data": [
         {"id": MODEL, "object": "model", "created": 1, "owned_by": "carpool",
@@ -49,6 +53,10 @@ async def test_models_lists_the_registered_cards(harness: Harness,
     assert (await client.get("/v1/models/second")).json()["max_model_len"] == 64
     missing = await client.get("/v1/models/nope")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert (await client.get("/v1/models/unserved")).status_code == 404
+    # The card expires with its last worker's heartbeat (the TTL'd stats hash).
+    harness.sync.delete(harness.keys.worker_stats("w2"), harness.keys.worker_stats("w3"))
+    assert [m["id"] for m in (await client.get("/v1/models")).json()["data"]] == [MODEL]
 
 
 async def test_completion_waits_for_the_job(harness: Harness, client: httpx.AsyncClient) -> None:

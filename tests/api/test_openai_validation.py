@@ -36,7 +36,6 @@ def _error(response: httpx.Response) -> dict[str, Any]:
     ({"prompt": "x", "top_p": 0.0}, "top_p", "greater than 0"),
     ({"prompt": "x", "top_k": -1}, "top_k", "greater than or equal to 0"),
     ({"prompt": "x", "stop": ["1", "2", "3", "4", "5"]}, "stop", "at most 4 items"),
-    ({"prompt": "x", "model": "gpt-4"}, "model", "The model 'gpt-4' does not exist"),
     ({"prompt": "x", "n": 3}, "n", "only n = 1 is accepted"),
     ({"prompt": "x", "best_of": 2}, "best_of", "only best_of = 1"),
     ({"prompt": "x", "logprobs": 1}, "logprobs", "log probabilities are not available"),
@@ -132,11 +131,22 @@ async def test_body_not_sent_as_json_is_400_naming_the_content_type(
         "(got Content-Type 'application/x-www-form-urlencoded')")
 
 
+async def test_a_model_never_served_is_404_in_openais_shape(client: httpx.AsyncClient) -> None:
+    for path, body in (("/v1/completions", {"prompt": "x", "model": "gpt-4"}),
+                       ("/v1/chat/completions", {"messages": CHAT, "model": "gpt-4"})):
+        response = await client.post(path, json=body)
+        assert response.status_code == 404, response.text
+        assert response.json() == {"error": {
+            "message": "The model 'gpt-4' does not exist; known models: tiny",
+            "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+
+
 async def test_unknown_model_echo_is_escaped_json(client: httpx.AsyncClient) -> None:
     response = await client.post(
         "/v1/chat/completions", headers={"Content-Type": "application/json"},
         content=b'{"model": "\\ud800", "messages": [{"role": "user", "content": "x"}]}')
-    assert _error(response)["param"] == "model"
+    assert response.status_code == 404
+    assert response.json()["error"]["param"] == "model"
     assert b"\\ud800" in response.content
 
 

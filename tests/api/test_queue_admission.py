@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import anyio.to_thread
@@ -37,7 +38,7 @@ def _spec(job_id: str) -> JobSpec:
 
 
 def _queued(sync: redis.Redis) -> int:
-    return sum(int(sync.llen(RQKeys.queue(name))) for name in KEYS.queue_names())
+    return sum(int(sync.llen(RQKeys.queue(name))) for name in KEYS.queue_names("tiny"))
 
 
 async def test_refuses_at_the_limit_with_retry_after() -> None:
@@ -46,35 +47,50 @@ async def test_refuses_at_the_limit_with_retry_after() -> None:
     submit_job(sync, _spec("b"))
     admission = QueueAdmission(aio, KEYS, 2, 5)
     with pytest.raises(QueueFullError) as caught:
-        async with admission.admit():
+        async with admission.admit("tiny"):
             pytest.fail("admitted past the limit")
-    assert caught.value.message == ("The job queue is full (2 jobs waiting, the limit is 2); "
+    assert caught.value.message == ("The job queue of model 'tiny' is full (2 jobs waiting, the limit is 2); "
                                     "retry later")
     assert caught.value.headers == {"Retry-After": "5"}
+
+
+async def test_each_model_has_its_own_limit() -> None:
+    aio, sync = _fake()
+    submit_job(sync, _spec("a"))
+    submit_job(sync, _spec("b"))
+    admission = QueueAdmission(aio, KEYS, 2, 5)
+    # tiny's queues are full; a model whose jobs wait elsewhere is not held back by them.
+    async with admission.admit("other") as place:
+        submit_job(sync, dataclasses.replace(_spec("c"), model="other"), admission=place)
+    assert sync.llen(RQKeys.queue(KEYS.queue_name("other", Priority.NORMAL))) == 1
+    assert sync.zcard(KEYS.admissions("other")) == 0
+    with pytest.raises(QueueFullError):
+        async with admission.admit("tiny"):
+            pytest.fail("admitted past the limit")
 
 
 async def test_admissions_not_enqueued_yet_count_toward_the_depth() -> None:
     aio, sync = _fake()
     admission = QueueAdmission(aio, KEYS, 2, 1)
-    async with admission.admit() as first, admission.admit() as second:
+    async with admission.admit("tiny") as first, admission.admit("tiny") as second:
         assert first != second
         with pytest.raises(QueueFullError):
-            async with admission.admit():
+            async with admission.admit("tiny"):
                 pass
         submit_job(sync, _spec("a"), admission=first)
         submit_job(sync, _spec("b"), admission=second)
     assert _queued(sync) == 2
-    assert sync.zcard(KEYS.admissions()) == 0  # each left with its enqueue
+    assert sync.zcard(KEYS.admissions("tiny")) == 0  # each left with its enqueue
 
 
 async def test_a_submission_that_failed_gives_its_place_back() -> None:
     aio, sync = _fake()
     admission = QueueAdmission(aio, KEYS, 1, 1)
     with pytest.raises(RuntimeError):
-        async with admission.admit():
+        async with admission.admit("tiny"):
             raise RuntimeError("enqueue failed")
-    assert sync.zcard(KEYS.admissions()) == 0
-    async with admission.admit() as place:
+    assert sync.zcard(KEYS.admissions("tiny")) == 0
+    async with admission.admit("tiny") as place:
         submit_job(sync, _spec("a"), admission=place)
     assert _queued(sync) == 1
 
@@ -82,14 +98,14 @@ async def test_a_submission_that_failed_gives_its_place_back() -> None:
 async def test_an_admission_never_enqueued_lapses() -> None:
     aio, sync = _fake()
     admission = QueueAdmission(aio, KEYS, 1, 1, ttl_ms=100)
-    async with admission.admit():
+    async with admission.admit("tiny"):
         pass  # a process that died here: no enqueue, no release
-    assert sync.zcard(KEYS.admissions()) == 1
+    assert sync.zcard(KEYS.admissions("tiny")) == 1
     with pytest.raises(QueueFullError):
-        async with admission.admit():
+        async with admission.admit("tiny"):
             pass
     time.sleep(0.15)
-    async with admission.admit() as place:
+    async with admission.admit("tiny") as place:
         submit_job(sync, _spec("a"), admission=place)
     assert _queued(sync) == 1
 
@@ -105,7 +121,7 @@ async def test_a_burst_over_several_api_processes_stops_exactly_at_the_limit(
     async def submit(number: int) -> None:
         process = number % 3
         try:
-            async with admissions[process].admit() as place:
+            async with admissions[process].admit("tiny") as place:
                 await anyio.to_thread.run_sync(
                     lambda: submit_job(clients[process][1], _spec(f"job-{number}"),
                                        admission=place))
@@ -117,7 +133,7 @@ async def test_a_burst_over_several_api_processes_stops_exactly_at_the_limit(
     sync = clients[0][1]
     assert sorted(outcomes) == ["full"] * 23 + ["queued"] * 7
     assert _queued(sync) == 7
-    assert sync.zcard(KEYS.admissions()) == 0
+    assert sync.zcard(KEYS.admissions("tiny")) == 0
     for aio, sync_client in clients:
         await aio.aclose()
         sync_client.close()
