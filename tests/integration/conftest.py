@@ -61,6 +61,7 @@ class WorkerProcess:
     name: str
     args: list[str]
     log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
     process: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -69,7 +70,8 @@ class WorkerProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "worker", "--name", self.name, *self.args],
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"})
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false",
+                 **self.env})
 
     def wait_ready(self, redis: Redis, deadline: float, since: float = 0.0) -> None:
         """Until the worker publishes stats (stamped at or after `since`: a restarted worker's
@@ -117,12 +119,15 @@ class Fleet:
     def __post_init__(self) -> None:
         self.redis = Redis.from_url(self.redis_url)
 
-    def start(self, *specs: tuple[str, list[str]]) -> list[WorkerProcess]:
+    def start(self, *specs: tuple[str, list[str]], model_dir: Path | None = None,
+              env: dict[str, str] | None = None) -> list[WorkerProcess]:
+        """Workers serving `model_dir` (default: the fleet's model), with extra environment."""
         started = []
         for name, extra in specs:
             worker = WorkerProcess(
-                name, ["--model", str(self.model_dir), "--redis-url", self.redis_url, *FP32, *extra],
-                self.log_dir / f"{name}.log")
+                name, ["--model", str(model_dir or self.model_dir), "--redis-url", self.redis_url,
+                       *FP32, *extra],
+                self.log_dir / f"{name}.log", env=env or {})
             worker.start()
             started.append(worker)
         deadline = time.monotonic() + READY_TIMEOUT_S

@@ -35,6 +35,11 @@ SOLO_ARGS = ["--max-num-seqs", "1", "--lease-seconds", "3", "--drain-seconds", "
              "--idle-block-seconds", "0.5", "--num-threads", "1"]
 
 
+def _normal(fleet: Fleet) -> str:
+    """The tiny model's normal-priority queue."""
+    return KEYS.queue_name(fleet.model_dir.name, Priority.NORMAL)
+
+
 @pytest.fixture(scope="module")
 def solo(fleet: Fleet) -> Fleet:
     fleet.start(("solo", SOLO_ARGS))
@@ -55,7 +60,7 @@ def test_cancel_stops_a_queued_job_and_a_running_one(solo: Fleet, reference_engi
     wait_until(lambda: _tokens_at_least(solo, running.job_id, 5), 60, "tokens", solo.logs)
     # Queued: gone from the queue at once, its stream ends with `canceled`.
     assert cancel_job(solo.redis, queued.job_id) is JobStatus.CANCELED
-    assert Queue("carpool-normal", connection=solo.redis).count == 0
+    assert Queue(_normal(solo), connection=solo.redis).count == 0
     assert solo.redis.xrange(KEYS.stream(queued.job_id))[0][0] == b"0-1"
     # Running: stopped at the next iteration boundary.
     assert cancel_job(solo.redis, running.job_id) is JobStatus.RUNNING
@@ -64,7 +69,7 @@ def test_cancel_stops_a_queued_job_and_a_running_one(solo: Fleet, reference_engi
     for spec in (running, queued):
         assert states[spec.job_id].status is JobStatus.CANCELED
         assert Job.fetch(spec.job_id, solo.redis).get_status() == RQJobStatus.CANCELED
-        assert spec.job_id in CanceledJobRegistry("carpool-normal", connection=solo.redis)
+        assert spec.job_id in CanceledJobRegistry(_normal(solo), connection=solo.redis)
     assert reader.read(queued.job_id).tokens == []
     tokens = reader.token_ids(running.job_id)
     assert 5 <= len(tokens) < 600
@@ -109,7 +114,7 @@ def test_sigterm_drains_requeues_the_rest_and_a_new_worker_resumes(
     state = JobReader(solo.redis).state(spec.job_id)
     # 1 s of grace was not enough for 600 tokens: back at the front, its tokens kept.
     assert state.status is JobStatus.PREEMPTED
-    assert Queue("carpool-normal", connection=solo.redis).job_ids == [spec.job_id]
+    assert Queue(_normal(solo), connection=solo.redis).job_ids == [spec.job_id]
     assert Job.fetch(spec.job_id, solo.redis).get_status() == RQJobStatus.QUEUED
     assert "solo" not in {w.name for w in Worker.all(connection=solo.redis)}
     num_before = solo.redis.xlen(KEYS.stream(spec.job_id))

@@ -13,7 +13,7 @@ from rq.job import JobStatus as RQJobStatus
 from rq.registry import FailedJobRegistry, FinishedJobRegistry
 from rq.serializers import JSONSerializer
 
-from protocol import FinishReason, JobReader, JobSpec, JobStatus, ModelCard, submit_jobs
+from protocol import FinishReason, JobReader, JobSpec, JobStatus, ModelCard, Priority, submit_jobs
 from protocol.keys import RQ_JOB_FUNCTION
 from tests.conftest import enqueue_raw
 from tests.integration.conftest import (
@@ -33,6 +33,11 @@ PAIR_ARGS = ["--max-num-seqs", "4", "--lease-seconds", "3", "--idle-block-second
              "--num-threads", "1"]
 
 
+def _normal(fleet: Fleet) -> str:
+    """The tiny model's normal-priority queue."""
+    return KEYS.queue_name(fleet.model_dir.name, Priority.NORMAL)
+
+
 @pytest.fixture(scope="module")
 def pair(fleet: Fleet) -> Fleet:
     fleet.start(("alpha", PAIR_ARGS), ("beta", PAIR_ARGS))
@@ -42,7 +47,9 @@ def pair(fleet: Fleet) -> Fleet:
 def test_workers_show_in_rq_info_and_publish_their_model(pair: Fleet) -> None:
     workers = {w.name: w for w in Worker.all(connection=pair.redis)}
     assert set(workers) == {"alpha", "beta"}
-    assert workers["alpha"].queue_names() == ["carpool-high", "carpool-normal", "carpool-low"]
+    model = pair.model_dir.name
+    assert workers["alpha"].queue_names() == [
+        f"carpool-{model}-high", f"carpool-{model}-normal", f"carpool-{model}-low"]
     info = subprocess.run([sys.executable, "-m", "rq.cli", "info", "--url", pair.redis_url],
                           capture_output=True, text=True, timeout=60)
     assert "alpha" in info.stdout and "beta" in info.stdout, info.stdout + info.stderr
@@ -70,8 +77,8 @@ def test_two_workers_share_one_queue_and_run_every_job_once(
         assert job.return_value()["token_ids"] == expected[spec.job_id]
         assert job.return_value()["usage"]["completion_tokens"] == len(expected[spec.job_id])
         assert state.first_token_at >= state.started_at > 0 and state.finished_at > 0
-    assert Queue("carpool-normal", connection=pair.redis).count == 0
-    assert FinishedJobRegistry("carpool-normal", connection=pair.redis).count == 12
+    assert Queue(_normal(pair), connection=pair.redis).count == 0
+    assert FinishedJobRegistry(_normal(pair), connection=pair.redis).count == 12
     counts = {w.name: w.successful_job_count for w in Worker.all(connection=pair.redis)}
     assert sum(counts.values()) == 12 and min(counts.values()) > 0
 
@@ -82,8 +89,6 @@ def test_bad_jobs_fail_with_a_clear_message_and_the_worker_keeps_serving(
     long_prompt = " ".join(["hello"] * 1100)
     num_long = len(reference_engine.tokenizer.encode(long_prompt))  # type: ignore[attr-defined]
     bad = {
-        "unknown-model": (JobSpec(job_id=new_id(), model="gpt-9", prompt="hi"),
-                          "unknown model 'gpt-9': worker {w} serves '" + model + "'"),
         "too-long": (JobSpec(job_id=new_id(), model=model, prompt=long_prompt),
                      f"prompt ({num_long} tokens) leaves no room to generate within "
                      "max_model_len=1024; at most 1023 tokens fit"),
@@ -96,10 +101,10 @@ def test_bad_jobs_fail_with_a_clear_message_and_the_worker_keeps_serving(
     submit_jobs(pair.redis, [spec for spec, _ in bad.values()])
     for name, (sampling, _) in raw.items():
         enqueue_raw(pair.redis, {"job_id": raw_ids[name], "model": model, "prompt": "hi",
-                                 "sampling": sampling}, raw_ids[name])
+                                 "sampling": sampling}, raw_ids[name], model)
     # A payload no API would write: an RQ job whose argument is not a JobSpec.
     malformed_id = new_id()
-    Queue("carpool-normal", connection=pair.redis, serializer=JSONSerializer).enqueue_call(
+    Queue(_normal(pair), connection=pair.redis, serializer=JSONSerializer).enqueue_call(
         RQ_JOB_FUNCTION, args=[42], job_id=malformed_id)
     submit_jobs(pair.redis, good)
     ids = [spec.job_id for spec, _ in bad.values()] + list(raw_ids.values()) + [malformed_id] + \
@@ -120,7 +125,7 @@ def test_bad_jobs_fail_with_a_clear_message_and_the_worker_keeps_serving(
         assert states[raw_ids[name]].error == f"malformed job: {message}"
     assert states[malformed_id].error == "malformed job: job spec must be a JSON object, got int"
     assert Job.fetch(malformed_id, pair.redis).get_status() == RQJobStatus.FAILED
-    assert FailedJobRegistry("carpool-normal", connection=pair.redis).count == 5
+    assert FailedJobRegistry(_normal(pair), connection=pair.redis).count == 4
     expected = expected_tokens(reference_engine, good)
     for spec in good:
         assert states[spec.job_id].status is JobStatus.FINISHED
@@ -183,5 +188,5 @@ def test_sigkill_mid_stream_loses_no_job(pair: Fleet, reference_engine: object) 
         assert Job.fetch(spec.job_id, pair.redis).get_status() == RQJobStatus.FINISHED
     for job_id in victims_jobs:
         assert states[job_id].num_recoveries == 1
-    assert FailedJobRegistry("carpool-normal", connection=pair.redis).count == 5  # bad jobs only
+    assert FailedJobRegistry(_normal(pair), connection=pair.redis).count == 4  # bad jobs only
     assert pair.redis.zcard(KEYS.leases()) == 0

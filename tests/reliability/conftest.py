@@ -97,7 +97,8 @@ def describe(fleet: Fleet, job_ids: list[str]) -> str:
         states = read_states(fleet.redis, job_ids)
         by_status = Counter((s.status.value, s.worker) if s else ("missing", "")
                             for s in states.values())
-        queues = {name: fleet.redis.llen(RQKeys.queue(name)) for name in KEYS.queue_names()}
+        queues = {name: fleet.redis.llen(RQKeys.queue(name))
+                  for name in KEYS.queue_names(fleet.model_dir.name)}
         now_ms = time.time() * 1000
         leases = {job_id.decode()[:8]: round((deadline - now_ms) / 1000, 1) for job_id, deadline
                   in fleet.redis.zrange(KEYS.leases(), 0, -1, withscores=True)}

@@ -72,6 +72,7 @@ class LoadStack:
     worker: WorkerProcess
     redis: Redis
     redis_url: str
+    model: str
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,7 @@ def stack(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
                                retry_after_s=str(RETRY_AFTER_S))
         api.wait_healthy(min_workers=1)
         yield LoadStack(api=api, worker=worker, redis=Redis.from_url(server.url),
-                        redis_url=server.url)
+                        redis_url=server.url, model=tiny_llama_dir.name)
     finally:
         if api is not None:
             api.stop()
@@ -142,10 +143,10 @@ async def _submit(client: httpx.AsyncClient, burst: Burst) -> None:
         burst.retry_after[response.headers.get("retry-after")] += 1
 
 
-async def _sample_queue_depth(redis_url: str, stop: asyncio.Event) -> int:
-    """The most jobs waiting at once over all priority queues, sampled every 5 ms."""
+async def _sample_queue_depth(redis_url: str, model: str, stop: asyncio.Event) -> int:
+    """The most jobs waiting at once over the model's priority queues, sampled every 5 ms."""
     redis = aioredis.Redis.from_url(redis_url)
-    queues = [RQKeys.queue(name) for name in KEYS.queue_names()]
+    queues = [RQKeys.queue(name) for name in KEYS.queue_names(model)]
     peak = 0
     try:
         while not stop.is_set():
@@ -159,12 +160,13 @@ async def _sample_queue_depth(redis_url: str, stop: asyncio.Event) -> int:
     return peak
 
 
-async def _load(api_url: str, redis_url: str) -> tuple[list[Subscription], Burst, int]:
+async def _load(api_url: str, redis_url: str, model: str
+                ) -> tuple[list[Subscription], Burst, int]:
     timeout = httpx.Timeout(30.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=api_url, timeout=timeout, limits=limits) as client:
         stop_sampling = asyncio.Event()
-        sampler = asyncio.create_task(_sample_queue_depth(redis_url, stop_sampling))
+        sampler = asyncio.create_task(_sample_queue_depth(redis_url, model, stop_sampling))
         # The streamed jobs go in one by one (each must be accepted), and their subscribers
         # connect as soon as each is: they follow the tokens live, from the first.
         subscriptions: list[Subscription] = []
@@ -227,7 +229,7 @@ def test_api_stays_responsive_and_bounded_under_streams_and_a_burst(stack: LoadS
     started = time.monotonic()
     try:
         subscriptions, burst, peak_depth = asyncio.run(
-            asyncio.wait_for(_load(api.url, stack.redis_url), LOAD_TIMEOUT_S))
+            asyncio.wait_for(_load(api.url, stack.redis_url, stack.model), LOAD_TIMEOUT_S))
     finally:
         latencies, failed_probes = prober.stop()
     load_s = time.monotonic() - started

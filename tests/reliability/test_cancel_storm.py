@@ -128,6 +128,6 @@ def test_a_cancel_storm_leaks_no_block_no_job_and_no_stream_entry(
             stats.num_kv_blocks_total) == (0, 0, 0, 0, TIGHT_NUM_KV_BLOCKS), stats
     assert fleet.redis.zcard(KEYS.leases()) == 0
     assert fleet.redis.scard(KEYS.canceled()) == 0  # every flag was consumed by an end
-    assert not any(fleet.redis.llen(RQKeys.queue(name)) for name in KEYS.queue_names())
+    assert not any(fleet.redis.llen(RQKeys.queue(name)) for name in KEYS.queue_names(fleet.model_dir.name))
     figures.extra["canceled"] = num_canceled
     figures.report()
