@@ -68,3 +68,14 @@ IgnoreEos = Annotated[bool, Field(
 MaxTokens = Annotated[int, Field(
     strict=True, ge=1,
     description="Most tokens to generate, 1 up to the model's context length minus the prompt.")]
+# A week: past that a deadline is a typo, not a plan (and finished jobs are kept a day).
+MAX_DEADLINE_S = 7 * 24 * 3600.0
+QueueTimeoutS = Annotated[float | None, Field(
+    strict=True, gt=0.0, le=MAX_DEADLINE_S,
+    description="Seconds the job may wait for a worker, from submission: a job not started by "
+                "then is never started (it ends with finish_reason 'expired'). Default: none.")]
+DeadlineS = Annotated[float | None, Field(
+    strict=True, gt=0.0, le=MAX_DEADLINE_S,
+    description="Seconds the whole job may take, from submission: past it the job is never "
+                "started, or ends at the next step with what it generated so far "
+                "(finish_reason 'expired'). Default: none.")]

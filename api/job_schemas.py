@@ -7,9 +7,11 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.fields import (
+    DeadlineS,
     IgnoreEos,
     MaxTokens,
     NonEmptyText,
+    QueueTimeoutS,
     Seed,
     StopStrings,
     Temperature,
@@ -50,6 +52,8 @@ class JobCreate(BaseModel):
     stop: StopStrings = []
     ignore_eos: IgnoreEos = False
     priority: Priority = Field(Priority.NORMAL, description="Queue to wait in: high, normal or low.")
+    queue_timeout_s: QueueTimeoutS = None
+    deadline_s: DeadlineS = None
 
     @model_validator(mode="after")
     def _one_input(self) -> JobCreate:
@@ -87,6 +91,9 @@ class JobTimings(BaseModel):
     queued_s: float | None = Field(description="From submission to a worker first taking it.")
     time_to_first_token_s: float | None = Field(description="From submission to the first token.")
     e2e_s: float | None = Field(description="From submission to the end.")
+    queue_deadline_at: float | None = Field(
+        None, description="Not started by then, it never starts (queue_timeout_s).")
+    deadline_at: float | None = Field(None, description="Past it, the job ends (deadline_s).")
 
 
 class JobView(BaseModel):
@@ -97,7 +104,8 @@ class JobView(BaseModel):
     text: str = Field(description="The text generated so far (all of it once the job ended).")
     num_tokens: int = Field(description="Tokens generated so far.")
     finish_reason: FinishReason | None = Field(
-        description="Once ended: stop (EOS or a stop string), length, canceled or error.")
+        description="Once ended: stop (EOS or a stop string), length, canceled, error or "
+                    "expired (its deadline or queue timeout passed).")
     error: str | None = Field(description="Why the job failed, when it did.")
     usage: Usage | None = Field(description="Token counts, once the job ended.")
     num_preemptions: int = Field(description="Times the job was preempted and resumed.")

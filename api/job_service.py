@@ -41,6 +41,8 @@ class GenerationRequest:
     # Everything else the sampler honours; its max_tokens is set once the context is known.
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: Priority = Priority.NORMAL
+    queue_timeout_s: float | None = None  # seconds from submission; None: no limit
+    deadline_s: float | None = None
     # The names the client used, so errors name its fields.
     input_param: str = "prompt"
     max_tokens_param: str = "max_tokens"
@@ -57,6 +59,10 @@ def sampling_of(body: BaseModel) -> SamplingParams:
     (max_tokens aside, which the job service resolves against the model's context)."""
     names = SamplingParams.field_names() - {"max_tokens"}
     return SamplingParams.from_fields(body.model_dump(include=set(names)))
+
+
+def _after(start: float, seconds: float | None) -> float:
+    return start + seconds if seconds else 0.0
 
 
 def new_job_id() -> str:
@@ -78,11 +84,14 @@ class JobService:
         prompt_tokens, is_exact = await self._count_prompt(card, request)
         max_tokens = self._check_lengths(card, request, prompt_tokens, is_exact)
         async with self._admission.admit(card.name) as admission:
+            created_at = time.time()
             spec = JobSpec(
                 job_id=new_job_id(), model=card.name, prompt=request.prompt,
                 messages=request.messages,
                 sampling=dataclasses.replace(request.sampling, max_tokens=max_tokens),
-                priority=request.priority, owner=request.owner, created_at=time.time(),
+                priority=request.priority, owner=request.owner, created_at=created_at,
+                queue_deadline_at=_after(created_at, request.queue_timeout_s),
+                deadline_at=_after(created_at, request.deadline_s),
             )
             # RQ is sync: run it in a worker thread rather than block the event loop.
             await anyio.to_thread.run_sync(partial(submit_job, self._sync, spec, self._keys,

@@ -29,6 +29,7 @@ _COUNTER_HELP = {
     "prompt_tokens": "Prompt tokens of the jobs workers started.",
     "jobs_preempted": "Jobs preempted (KV cache full) and put back on the queue.",
     "jobs_recovered": "Jobs requeued after their worker's lease lapsed.",
+    "jobs_expired": "Jobs ended by their deadline or queue timeout (finish reason expired).",
     "fenced_writes": "Writes refused because the worker had lost its claim on the job.",
 }
 _WORKER_GAUGES = (

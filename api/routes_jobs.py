@@ -55,6 +55,7 @@ async def create_job(body: JobCreate, request: Request, response: Response, owne
         owner=owner, model=body.model, prompt=body.prompt,
         messages=[m.model_dump() for m in body.messages] if body.messages else None,
         max_tokens=body.max_tokens, sampling=sampling_of(body), priority=body.priority,
+        queue_timeout_s=body.queue_timeout_s, deadline_s=body.deadline_s,
         input_param="prompt" if body.prompt is not None else "messages",
     ))
     spec = accepted.spec
@@ -174,6 +175,7 @@ def _job_view(state: JobState, text: str, num_tokens: int, stream_url: str) -> J
             first_token_at=at(state.first_token_at), finished_at=at(state.finished_at),
             queued_s=since_created(state.started_at),
             time_to_first_token_s=since_created(state.first_token_at),
-            e2e_s=since_created(state.finished_at)),
+            e2e_s=since_created(state.finished_at),
+            queue_deadline_at=at(state.queue_deadline_at), deadline_at=at(state.deadline_at)),
         stream_url=stream_url,
     )

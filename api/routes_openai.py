@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 
 from api.auth import caller_owner
 from api.context import AppContext, get_context
+from api.deadline_headers import deadlines_of
 from api.errors import OPENAI_TAG, JobFailedError, NotFoundError, openai_error_body
 from api.job_service import AcceptedJob, GenerationRequest, sampling_of
 from api.openai_chunks import ChunkWriter, openai_finish_reason, usage_dict
@@ -74,7 +75,7 @@ async def create_completion(body: CompletionRequest, request: Request, owner: Ow
                             ctx: Context) -> Response:
     accepted = await ctx.jobs.submit(GenerationRequest(
         owner=owner, model=body.model, prompt=body.prompt, max_tokens=body.max_tokens,
-        **_sampling(body)))
+        **_sampling(body), **deadlines_of(request.headers)))
     return await _answer(ctx, request, accepted, is_chat=False, include_usage=body.include_usage,
                          stream=body.stream)
 
@@ -88,7 +89,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                 for m in body.messages]
     accepted = await ctx.jobs.submit(GenerationRequest(
         owner=owner, model=body.model, messages=messages, max_tokens=max_tokens,
-        input_param="messages", max_tokens_param=max_tokens_param, **_sampling(body)))
+        input_param="messages", max_tokens_param=max_tokens_param, **_sampling(body),
+        **deadlines_of(request.headers)))
     return await _answer(ctx, request, accepted, is_chat=True, include_usage=body.include_usage,
                          stream=body.stream)
 

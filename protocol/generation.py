@@ -27,6 +27,7 @@ class FinishReason(str, Enum):
     LENGTH = "length"  # max_tokens, or the context (max_model_len, or a KV pool too small for it)
     CANCELED = "canceled"  # canceled by its client, or aborted in the engine
     ERROR = "error"  # the job failed; the final stream entry carries the message
+    EXPIRED = "expired"  # its deadline (or, before it started, its queue timeout) passed
 
     @property
     def openai_name(self) -> str:

@@ -84,7 +84,9 @@ def submit_jobs(
         for spec in specs:
             queue = queues[spec.model, spec.priority]
             state = JobState(job_id=spec.job_id, status=JobStatus.QUEUED, owner=spec.owner,
-                             model=spec.model, created_at=spec.created_at)
+                             model=spec.model, created_at=spec.created_at,
+                             queue_deadline_at=spec.queue_deadline_at,
+                             deadline_at=spec.deadline_at)
             jobs.append(queue.enqueue_call(
                 RQ_JOB_FUNCTION,
                 args=[spec.to_dict()],

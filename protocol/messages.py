@@ -46,6 +46,19 @@ class JobSpec:
     priority: Priority = Priority.NORMAL
     owner: str = ""  # the API key's id that submitted it ("" when the API runs open)
     created_at: float = field(default_factory=time.time)
+    # Seconds since the epoch, 0 = none. Past `queue_deadline_at` a job that has not started is
+    # never started; past `deadline_at` it is never started, or ends at the next step boundary
+    # (finish reason EXPIRED, keeping what it generated).
+    queue_deadline_at: float = 0.0
+    deadline_at: float = 0.0
+
+    def expiry(self, now: float, has_started: bool) -> str:
+        """Why the job must end now without (more) generation: "" while within its deadlines."""
+        if self.deadline_at and now >= self.deadline_at:
+            return "deadline"
+        if not has_started and self.queue_deadline_at and now >= self.queue_deadline_at:
+            return "queue timeout"
+        return ""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data: the single argument recorded on the RQ job."""
@@ -86,6 +99,11 @@ class JobSpec:
         fields["sampling"] = SamplingParams.from_dict(merged)
         if (fields.get("prompt") is None) == (fields.get("messages") is None):
             raise ValueError("job spec needs exactly one of 'prompt' and 'messages'")
+        for name in ("queue_deadline_at", "deadline_at"):
+            value = fields.get(name, 0.0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"job spec's {name} must be a number of seconds since the "
+                                 f"epoch (0: none), got {value!r}")
         return cls(**fields)
 
     def to_json(self) -> str:
@@ -178,6 +196,8 @@ class JobState:
     first_token_at: float = 0.0
     finished_at: float = 0.0
     num_recoveries: int = 0  # times recovery requeued it after its worker's lease lapsed
+    queue_deadline_at: float = 0.0  # the JobSpec's deadlines, for status readers
+    deadline_at: float = 0.0
     # The final result (set with the final status): generated text and token ids.
     text: str = ""
     token_ids: tuple[int, ...] = ()
@@ -330,6 +350,7 @@ COUNTERS = (
     "jobs_finished_total",
     "jobs_failed_total",
     "jobs_canceled_total",
+    "jobs_expired_total",  # ended by their deadline or queue timeout (finish reason expired)
     "jobs_preempted_total",  # put back on the queue by a worker (KV pressure or drain)
     "jobs_recovered_total",  # put back on the queue by recovery after their lease lapsed
     "fenced_writes_total",  # appends refused because the worker no longer held the lease

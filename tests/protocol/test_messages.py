@@ -25,10 +25,24 @@ def test_job_spec_round_trips_through_dict_and_json() -> None:
     ({"job_id": "j", "model": "m"}, "exactly one of 'prompt' and 'messages'"),
     ({"job_id": "j", "model": "m", "prompt": "x", "messages": []}, "exactly one of"),
     ({"job_id": "j", "model": "m", "prompt": "x", "priority": "urgent"}, "unknown priority"),
+    ({"job_id": "j", "model": "m", "prompt": "x", "deadline_at": "soon"},
+     "deadline_at must be a number of seconds since the epoch"),
+    ({"job_id": "j", "model": "m", "prompt": "x", "queue_deadline_at": -1},
+     "queue_deadline_at must be a number"),
 ])
 def test_job_spec_rejects_malformed_payloads_with_value_error(data: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         JobSpec.from_dict(data)  # type: ignore[arg-type]
+
+
+def test_job_spec_expiry_says_which_limit_passed() -> None:
+    spec = JobSpec(job_id="j", model="m", prompt="x", queue_deadline_at=100.0, deadline_at=200.0)
+    assert JobSpec.from_dict(spec.to_dict()) == spec
+    assert spec.expiry(99.0, has_started=False) == ""
+    assert spec.expiry(100.0, has_started=False) == "queue timeout"
+    assert spec.expiry(150.0, has_started=True) == ""  # the queue timeout binds only unstarted
+    assert spec.expiry(200.0, has_started=True) == "deadline"
+    assert JobSpec(job_id="j", model="m", prompt="x").expiry(1e12, has_started=False) == ""
 
 
 def test_job_spec_from_json_rejects_bad_json() -> None:

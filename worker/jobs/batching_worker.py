@@ -1,8 +1,9 @@
 """The worker loop: RQ jobs in, engine steps, token streams out, one Redis round trip a step.
 
 Each iteration:
-  1. boundary: end jobs flagged canceled (engine.abort frees their blocks), then take as many
-     queued jobs as free slots and KV blocks allow (non-blocking claim);
+  1. boundary: end jobs flagged canceled or past their deadline (engine.abort frees their
+     blocks), then take as many queued jobs as free slots and KV blocks allow (non-blocking
+     claim; a claimed job already past its deadline or queue timeout ends without starting);
   2. one engine step;
   3. one publish: tokens + lease renewals + finishes + requeues of preempted jobs + cancel
      checks + stats + metrics (+ RQ heartbeat and recovery when due).
@@ -121,6 +122,7 @@ class BatchingWorker:
         adopt = (job_id, self.queue.queue_names.index(queue_name))
         self._admit(self.queue.claim(0, None, adopt=adopt))
         while self.jobs or self._pending:
+            self._expire_overdue()
             self._publish(self.engine.step() if self.engine.has_unfinished() else None)
 
     def _warm_up(self) -> None:
@@ -161,6 +163,7 @@ class BatchingWorker:
                 return
             if not draining:
                 self._admit(self._claim_now())
+            self._expire_overdue()
             output = self.engine.step() if self.engine.has_unfinished() else None
             if output is not None and output.stats.step_time_s > self.settings.lease_seconds / 2:
                 log.warning("a step took %.2fs, over half the %.1fs lease: leases may lapse "
@@ -230,6 +233,8 @@ class BatchingWorker:
                 self._end_later(job, JobEnd(JobStatus.CANCELED, FinishReason.CANCELED))
             elif claim.spec is None:
                 self._fail(job, claim.error)
+            elif why := claim.spec.expiry(claim.claimed_at, has_started=_has_started(claim)):
+                self._expire(job, why)
             else:
                 self._start(job, claim.spec)
 
@@ -268,6 +273,20 @@ class BatchingWorker:
         self.jobs[job.job_id] = job
         if job.token_ids:
             log.info("job %s resumed at token %d", job.job_id, job.num_tokens)
+
+    def _expire_overdue(self) -> None:
+        """Step boundary: running jobs past their deadline end now, keeping their tokens."""
+        now = time.time()
+        for job_id, job in list(self.jobs.items()):
+            if job.spec is not None and job.spec.expiry(now, has_started=True):
+                del self.jobs[job_id]
+                self.engine.abort(job_id)  # frees its KV blocks at this boundary
+                self._expire(job, "deadline")
+
+    def _expire(self, job: RunningJob, why: str) -> None:
+        log.info("job %s expired (%s) after %d tokens", job.job_id, why, job.num_tokens)
+        self.publisher.count("jobs_expired_total")
+        self._end_later(job, JobEnd(JobStatus.FINISHED, FinishReason.EXPIRED))
 
     def _fail(self, job: RunningJob, message: str) -> None:
         log.warning("job %s failed: %s", job.job_id, message)
@@ -401,3 +420,9 @@ class BatchingWorker:
             max_num_seqs=self.engine.limits.max_num_seqs, updated_at=now,
             num_jobs=0 if drained else len(self.jobs) + len(self._pending))
 
+
+def _has_started(claim: ClaimedJob) -> bool:
+    """Whether an earlier claim started the job: the claim script stamps `started_at` with this
+    claim's time (`claimed_at`, passed to it as repr, so equal when it was this claim) only on
+    the first one."""
+    return bool(claim.tokens) or claim.state.started_at != claim.claimed_at

@@ -11,7 +11,16 @@ from pathlib import Path
 import fakeredis
 import pytest
 
-from protocol import JobReader, JobSpec, JobStatus, SamplingParams, WorkerStats, cancel_job, submit_jobs
+from protocol import (
+    FinishReason,
+    JobReader,
+    JobSpec,
+    JobStatus,
+    SamplingParams,
+    WorkerStats,
+    cancel_job,
+    submit_jobs,
+)
 from protocol.rq_keys import RQKeys
 from tests.worker.jobs.job_support import KEYS
 
@@ -133,3 +142,50 @@ def test_a_claim_lost_to_redis_dropping_after_a_wakeup_loses_no_job(running: Run
     state = _wait(lambda: (s := reader.state(spec.job_id)) and s.status.is_final and s)
     assert len(failed) == 1
     assert state.status is JobStatus.FINISHED and len(state.token_ids) == 6
+
+
+@pytest.mark.parametrize("running", ["continuous"], indirect=True)
+def test_a_job_past_its_queue_timeout_or_deadline_is_never_started(running: Running) -> None:
+    model = running.worker.settings.served_model_name
+    late, overdue, fine = _specs(model, 3)
+    past = time.time() - 1
+    late = dataclasses.replace(late, queue_deadline_at=past)
+    overdue = dataclasses.replace(overdue, deadline_at=past)
+    fine = dataclasses.replace(fine, queue_deadline_at=time.time() + 600,
+                               deadline_at=time.time() + 600)
+    submit_jobs(running.redis, [late, overdue, fine])
+    reader = JobReader(running.redis)
+    states = _wait(lambda: (s := [reader.state(x.job_id) for x in (late, overdue, fine)]) and
+                   all(st.status.is_final for st in s) and s)
+    for state in states[:2]:
+        assert (state.status, state.finish_reason, state.token_ids) == (
+            JobStatus.FINISHED, FinishReason.EXPIRED, ())
+        assert [e.kind for e in reader.read(state.job_id).entries] == ["done"]
+        assert reader.read(state.job_id).done.finish_reason is FinishReason.EXPIRED
+    assert (states[2].finish_reason, len(states[2].token_ids)) == (FinishReason.LENGTH, 6)
+    counters = running.redis.hgetall(KEYS.counters())
+    assert int(counters[b"jobs_expired_total"]) == 2
+
+
+@pytest.mark.parametrize("running", ["continuous"], indirect=True)
+def test_a_running_job_past_its_deadline_ends_at_a_step_boundary_and_frees_its_blocks(
+        running: Running) -> None:
+    (spec,) = _specs(running.worker.settings.served_model_name, 1, max_tokens=900)
+    spec = dataclasses.replace(spec, sampling=dataclasses.replace(spec.sampling, ignore_eos=True),
+                               deadline_at=time.time() + 1.5,
+                               queue_deadline_at=time.time() + 0.5)
+    submit_jobs(running.redis, [spec])
+    reader = JobReader(running.redis)
+    state = _wait(lambda: (s := reader.state(spec.job_id)) and s.status.is_final and s)
+    # The queue timeout no longer applies once it started; the deadline ended it mid-generation.
+    assert (state.status, state.finish_reason) == (JobStatus.FINISHED, FinishReason.EXPIRED)
+    assert 0 < len(state.token_ids) < 900
+    assert state.finished_at >= spec.deadline_at
+    read = reader.read(spec.job_id)
+    assert [e.token_id for e in read.tokens] == list(state.token_ids)
+    assert read.done.finish_reason is FinishReason.EXPIRED
+    assert read.done.completion_tokens == len(state.token_ids)
+    stats = _wait(lambda: (s := WorkerStats.from_fields(
+        running.redis.hgetall(KEYS.worker_stats(running.worker.name)))).num_running == 0
+        and s.num_kv_blocks_used == 0 and s)
+    assert running.worker.engine.num_free_kv_blocks() == stats.num_kv_blocks_total
