@@ -65,7 +65,8 @@ class JobCreate(BaseModel):
 class JobAccepted(BaseModel):
     job_id: str = Field(description="The job's id, for /v1/jobs/{job_id}.")
     object: Literal["job"] = Field(default="job", description="Always 'job'.")
-    status: JobStatus = Field(description="'queued': it waits for a worker.")
+    status: JobStatus = Field(description="'queued': it waits for a worker (for a repeated "
+                                          "Idempotency-Key: the first job's status now).")
     model: str = Field(description="The model that will run it.")
     priority: Priority = Field(description="The queue it waits in.")
     prompt_tokens: int | None = Field(None, description="Prompt length in the model's tokens "

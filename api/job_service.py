@@ -16,14 +16,23 @@ import anyio.to_thread
 import redis
 import redis.asyncio as aioredis
 from pydantic import BaseModel
+from rq.exceptions import NoSuchJobError
+from rq.job import Job
+from rq.serializers import JSONSerializer
 
 from api.chat_template import ChatTemplateError, render_chat
-from api.errors import InvalidRequestError, NotFoundError
+from api.errors import ConflictError, InvalidRequestError, NotFoundError
+from api.idempotency_key import IDEMPOTENCY_HEADER
 from api.model_registry import ModelRegistry
 from api.queue_admission import QueueAdmission
 from api.tokenizer_cache import TokenizerCache
 from protocol import JobSpec, JobState, JobStatus, Keys, ModelCard, Priority, SamplingParams
-from protocol.job_submission import cancel_job, submit_job
+from protocol.job_submission import (
+    DuplicateSubmission,
+    Idempotency,
+    cancel_job,
+    submit_job,
+)
 
 # Tokenizing this much text on the event loop would stall other requests: use a thread.
 _THREAD_TOKENIZE_CHARS = 8192
@@ -43,6 +52,7 @@ class GenerationRequest:
     priority: Priority = Priority.NORMAL
     queue_timeout_s: float | None = None  # seconds from submission; None: no limit
     deadline_s: float | None = None
+    idempotency_key: str | None = None  # the Idempotency-Key header
     # The names the client used, so errors name its fields.
     input_param: str = "prompt"
     max_tokens_param: str = "max_tokens"
@@ -52,6 +62,7 @@ class GenerationRequest:
 class AcceptedJob:
     spec: JobSpec
     prompt_tokens: int | None  # None when no tokenizer is published for the model
+    is_replay: bool = False  # the first job of a repeated Idempotency-Key, not a new one
 
 
 def sampling_of(body: BaseModel) -> SamplingParams:
@@ -71,18 +82,36 @@ def new_job_id() -> str:
 
 class JobService:
     def __init__(self, aio: aioredis.Redis, sync: redis.Redis, keys: Keys, models: ModelRegistry,
-                 tokenizers: TokenizerCache, max_queue_depth: int, retry_after_s: int) -> None:
+                 tokenizers: TokenizerCache, max_queue_depth: int, retry_after_s: int,
+                 idempotency_ttl_s: int = 24 * 3600) -> None:
         self._aio = aio
         self._sync = sync
         self._keys = keys
         self._models = models
         self._tokenizers = tokenizers
         self._admission = QueueAdmission(aio, keys, max_queue_depth, retry_after_s)
+        self._idempotency_ttl_s = idempotency_ttl_s
 
     async def submit(self, request: GenerationRequest) -> AcceptedJob:
         card = await self._models.resolve(request.model)
         prompt_tokens, is_exact = await self._count_prompt(card, request)
         max_tokens = self._check_lengths(card, request, prompt_tokens, is_exact)
+        idempotency = None
+        if request.idempotency_key is not None:
+            idempotency = Idempotency(self._keys.idempotency(request.owner, request.idempotency_key),
+                                      self._idempotency_ttl_s)
+            # A retry finds its first job here, even while the queue is full.
+            first = await self._aio.get(idempotency.key)
+            if first is not None:
+                return await self._replay(
+                    first.decode() if isinstance(first, bytes) else first, prompt_tokens)
+        try:
+            return await self._enqueue(card, request, max_tokens, prompt_tokens, idempotency)
+        except DuplicateSubmission as duplicate:  # a concurrent twin enqueued first
+            return await self._replay(duplicate.job_id, prompt_tokens)
+
+    async def _enqueue(self, card: ModelCard, request: GenerationRequest, max_tokens: int,
+                       prompt_tokens: int | None, idempotency: Idempotency | None) -> AcceptedJob:
         async with self._admission.admit(card.name) as admission:
             created_at = time.time()
             spec = JobSpec(
@@ -95,8 +124,21 @@ class JobService:
             )
             # RQ is sync: run it in a worker thread rather than block the event loop.
             await anyio.to_thread.run_sync(partial(submit_job, self._sync, spec, self._keys,
-                                                   admission=admission))
+                                                   admission=admission, idempotency=idempotency))
         return AcceptedJob(spec, prompt_tokens)
+
+    async def _replay(self, job_id: str, prompt_tokens: int | None) -> AcceptedJob:
+        """The job a repeated Idempotency-Key made first, as its submission accepted it."""
+        try:
+            job = await anyio.to_thread.run_sync(
+                partial(Job.fetch, job_id, connection=self._sync, serializer=JSONSerializer))
+            spec = JobSpec.from_dict(job.args[0])
+        except (NoSuchJobError, ValueError, IndexError) as exc:
+            raise ConflictError(
+                f"This Idempotency-Key made job '{job_id}', which is no longer kept; use a new "
+                f"key to submit again", param=IDEMPOTENCY_HEADER,
+                code="idempotency_key_reused") from exc
+        return AcceptedJob(spec, prompt_tokens, is_replay=True)
 
     async def state(self, job_id: str, owner: str) -> JobState:
         """The job's state; 404 for unknown jobs and for jobs of another key alike."""

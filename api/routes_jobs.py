@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from api.auth import caller_owner
 from api.context import AppContext, get_context
 from api.errors import InvalidRequestError
+from api.idempotency_key import REPLAYED_HEADER, idempotency_key_of
 from api.job_schemas import ErrorDetail, JobAccepted, JobCanceled, JobCreate, JobTimings, JobView, Usage
 from api.job_service import GenerationRequest, sampling_of
 from api.job_stream import JobStream, StreamEvent
@@ -56,12 +57,17 @@ async def create_job(body: JobCreate, request: Request, response: Response, owne
         messages=[m.model_dump() for m in body.messages] if body.messages else None,
         max_tokens=body.max_tokens, sampling=sampling_of(body), priority=body.priority,
         queue_timeout_s=body.queue_timeout_s, deadline_s=body.deadline_s,
+        idempotency_key=idempotency_key_of(request.headers),
         input_param="prompt" if body.prompt is not None else "messages",
     ))
     spec = accepted.spec
     status_url = str(request.url_for("get_job", job_id=spec.job_id))
     response.headers["Location"] = status_url
-    return JobAccepted(job_id=spec.job_id, status=JobStatus.QUEUED, model=spec.model,
+    status = JobStatus.QUEUED
+    if accepted.is_replay:
+        response.headers[REPLAYED_HEADER] = "true"
+        status = (await ctx.jobs.state(spec.job_id, owner)).status
+    return JobAccepted(job_id=spec.job_id, status=status, model=spec.model,
                        priority=spec.priority, prompt_tokens=accepted.prompt_tokens,
                        max_tokens=spec.sampling.max_tokens, status_url=status_url,
                        stream_url=str(request.url_for("stream_job", job_id=spec.job_id)))

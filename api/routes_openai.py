@@ -22,6 +22,7 @@ from api.auth import caller_owner
 from api.context import AppContext, get_context
 from api.deadline_headers import deadlines_of
 from api.errors import OPENAI_TAG, JobFailedError, NotFoundError, openai_error_body
+from api.idempotency_key import REPLAYED_HEADER, idempotency_key_of
 from api.job_service import AcceptedJob, GenerationRequest, sampling_of
 from api.openai_chunks import ChunkWriter, openai_finish_reason, usage_dict
 from api.openai_schemas import (
@@ -75,7 +76,8 @@ async def create_completion(body: CompletionRequest, request: Request, owner: Ow
                             ctx: Context) -> Response:
     accepted = await ctx.jobs.submit(GenerationRequest(
         owner=owner, model=body.model, prompt=body.prompt, max_tokens=body.max_tokens,
-        **_sampling(body), **deadlines_of(request.headers)))
+        **_sampling(body), **deadlines_of(request.headers),
+        idempotency_key=idempotency_key_of(request.headers)))
     return await _answer(ctx, request, accepted, is_chat=False, include_usage=body.include_usage,
                          stream=body.stream)
 
@@ -90,7 +92,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     accepted = await ctx.jobs.submit(GenerationRequest(
         owner=owner, model=body.model, messages=messages, max_tokens=max_tokens,
         input_param="messages", max_tokens_param=max_tokens_param, **_sampling(body),
-        **deadlines_of(request.headers)))
+        **deadlines_of(request.headers), idempotency_key=idempotency_key_of(request.headers)))
     return await _answer(ctx, request, accepted, is_chat=True, include_usage=body.include_usage,
                          stream=body.stream)
 
@@ -110,6 +112,8 @@ async def _answer(ctx: AppContext, request: Request, accepted: AcceptedJob, *, i
                          response_id=("chatcmpl-" if is_chat else "cmpl-") + spec.job_id,
                          created=int(spec.created_at), model=spec.model, include_usage=include_usage)
     headers = {"X-Carpool-Job-Id": spec.job_id}
+    if accepted.is_replay:
+        headers[REPLAYED_HEADER] = "true"
     if stream:
         return EventStreamResponse(_stream_chunks(ctx, spec.job_id, writer), headers=headers,
                                    on_abandon=partial(_cancel_abandoned, ctx, spec.job_id))

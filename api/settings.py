@@ -27,6 +27,9 @@ class ApiSettings(BaseSettings):
         1000, ge=1, description="Jobs waiting over all priority queues before submissions get 429."
     )
     retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 429 and 503 answers.")
+    idempotency_ttl_s: int = Field(
+        24 * 3600, ge=1, le=30 * 24 * 3600,
+        description="How long an Idempotency-Key keeps answering with its first job.")
     max_body_bytes: int = Field(
         2 * 1024 * 1024, ge=1024,
         description="Largest request body accepted; a larger one is answered 413 unread. Two MiB "

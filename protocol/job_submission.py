@@ -9,9 +9,11 @@ script, so a worker taking the job at the same moment sees either the job or the
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import cast
 
 from redis import Redis
+from redis.exceptions import WatchError
 from redis.typing import EncodableT, FieldT
 from rq import Queue
 from rq.job import Job
@@ -30,6 +32,22 @@ DEFAULT_FAILURE_TTL = 7 * 24 * 3600
 DEFAULT_JOB_TIMEOUT = 600
 
 
+@dataclass(frozen=True, slots=True)
+class Idempotency:
+    """A submission that must happen once per key (`Keys.idempotency`) within `ttl_s`."""
+
+    key: str
+    ttl_s: int
+
+
+class DuplicateSubmission(Exception):
+    """The idempotency key already names a job: nothing was enqueued."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"already submitted as job {job_id}")
+        self.job_id = job_id
+
+
 def queue_for(redis: Redis, model: str, priority: Priority, keys: Keys = Keys()) -> Queue:
     """The RQ queue that holds `model`'s jobs of `priority` (JSON serializer, like every Carpool
     queue)."""
@@ -45,6 +63,7 @@ def submit_job(
     failure_ttl: int = DEFAULT_FAILURE_TTL,
     timeout: int = DEFAULT_JOB_TIMEOUT,
     admission: str | None = None,
+    idempotency: Idempotency | None = None,
 ) -> Job:
     """Enqueue `spec` as an RQ job on its model's queue of its priority and record its JobState
     (queued).
@@ -59,7 +78,7 @@ def submit_job(
     Read it back with `Job.fetch(job_id, redis, serializer=JSONSerializer)` or `JobReader`.
     """
     (job,) = submit_jobs(redis, [spec], keys, result_ttl=result_ttl, failure_ttl=failure_ttl,
-                         timeout=timeout, admission=admission)
+                         timeout=timeout, admission=admission, idempotency=idempotency)
     return job
 
 
@@ -72,15 +91,38 @@ def submit_jobs(
     failure_ttl: int = DEFAULT_FAILURE_TTL,
     timeout: int = DEFAULT_JOB_TIMEOUT,
     admission: str | None = None,
+    idempotency: Idempotency | None = None,
 ) -> list[Job]:
     """`submit_job` for several specs in ONE MULTI/EXEC: all are queued, or none.
 
     `admission`: a reservation in `Keys.admissions` that admitted them; it ends in the same
-    transaction, so the jobs count toward the queue depth once, as a reservation or queued."""
+    transaction, so the jobs count toward the queue depth once, as a reservation or queued.
+    `idempotency`: the transaction also records the first spec's job id under its key, and runs
+    only while that key is unset (WATCH): raises DuplicateSubmission, enqueueing nothing, when
+    it names a job already, however many submissions race."""
+    while True:
+        try:
+            return _submit_once(redis, specs, keys, result_ttl, failure_ttl, timeout, admission,
+                                idempotency)
+        except WatchError:
+            continue  # the key changed under us: the next round sees who set it
+
+
+def _submit_once(redis: Redis, specs: list[JobSpec], keys: Keys, result_ttl: int,
+                 failure_ttl: int, timeout: int, admission: str | None,
+                 idempotency: Idempotency | None) -> list[Job]:
     jobs = []
     queues = {(spec.model, spec.priority): queue_for(redis, spec.model, spec.priority, keys)
               for spec in specs}
     with redis.pipeline(transaction=True) as pipe:
+        if idempotency is not None:
+            pipe.watch(idempotency.key)  # type: ignore[no-untyped-call]  # redis-py: unannotated
+            existing = pipe.get(idempotency.key)
+            if existing is not None:
+                raise DuplicateSubmission(
+                    existing.decode() if isinstance(existing, bytes) else str(existing))
+            pipe.multi()
+            pipe.set(idempotency.key, specs[0].job_id, ex=idempotency.ttl_s)
         for spec in specs:
             queue = queues[spec.model, spec.priority]
             state = JobState(job_id=spec.job_id, status=JobStatus.QUEUED, owner=spec.owner,

@@ -72,6 +72,11 @@ class Keys:
     def jobs_by_owner(self, owner: str) -> str:
         return f"{self.prefix}:owner:{owner}:jobs"
 
+    def idempotency(self, owner: str, idempotency_key: str) -> str:
+        """String with a TTL: the job id the owner's first submission with this Idempotency-Key
+        made (written in the enqueue's own transaction)."""
+        return f"{self.prefix}:owner:{owner}:idempotency:{idempotency_key}"
+
     # Workers and models.
     def models(self) -> str:
         """Hash model name -> ModelCard JSON, written by workers at start and never removed: the
