@@ -115,6 +115,25 @@ class JobView(BaseModel):
     stream_url: str = Field(description="Server-Sent Events of its tokens (resumable).")
 
 
+class JobSummary(BaseModel):
+    job_id: str = Field(description="The job's id.")
+    object: Literal["job"] = Field(default="job", description="Always 'job'.")
+    status: JobStatus = Field(description="queued, running, preempted, finished, failed or canceled.")
+    model: str = Field(description="The model it asked for.")
+    created_at: float = Field(description="When it was submitted (seconds since the epoch).")
+    finished_at: float | None = Field(description="When it ended (None: not yet).")
+    finish_reason: FinishReason | None = Field(description="Once ended: why.")
+    completion_tokens: int = Field(description="Tokens generated (counted once it ended).")
+    status_url: str = Field(description="GET it for the job's full status and text.")
+
+
+class JobList(BaseModel):
+    object: Literal["list"] = Field(default="list", description="Always 'list'.")
+    data: list[JobSummary] = Field(description="Your jobs, newest first.")
+    has_more: bool = Field(description="Whether older jobs follow.")
+    next_after: str | None = Field(description="Pass as `after` for the next page (None: none).")
+
+
 class JobCanceled(BaseModel):
     job_id: str = Field(description="The job's id.")
     object: Literal["job"] = Field(default="job", description="Always 'job'.")

@@ -16,7 +16,18 @@ from api.auth import caller_owner
 from api.context import AppContext, get_context
 from api.errors import InvalidRequestError
 from api.idempotency_key import REPLAYED_HEADER, idempotency_key_of
-from api.job_schemas import ErrorDetail, JobAccepted, JobCanceled, JobCreate, JobTimings, JobView, Usage
+from api.job_listing import JobListing
+from api.job_schemas import (
+    ErrorDetail,
+    JobAccepted,
+    JobCanceled,
+    JobCreate,
+    JobList,
+    JobSummary,
+    JobTimings,
+    JobView,
+    Usage,
+)
 from api.job_service import GenerationRequest, sampling_of
 from api.job_stream import JobStream, StreamEvent
 from api.sse import EventStreamResponse, sse_comment, sse_event
@@ -71,6 +82,26 @@ async def create_job(body: JobCreate, request: Request, response: Response, owne
                        priority=spec.priority, prompt_tokens=accepted.prompt_tokens,
                        max_tokens=spec.sampling.max_tokens, status_url=status_url,
                        stream_url=str(request.url_for("stream_job", job_id=spec.job_id)))
+
+
+@router.get("", response_model=JobList, summary="Your jobs, newest first",
+            responses={**_ERRORS, 422: {"description": "Invalid query parameter."}})
+async def list_jobs(
+        request: Request, owner: Owner, ctx: Context,
+        limit: Annotated[int, Query(ge=1, le=100, description="Jobs per page.")] = 20,
+        after: Annotated[str | None, Query(
+            min_length=1, max_length=128,
+            description="The `next_after` of the previous page.")] = None,
+        status: Annotated[JobStatus | None, Query(description="Only jobs of this status.")] = None,
+) -> JobList:
+    page = await JobListing(ctx.aio, ctx.keys).page(owner, limit, after, status)
+    return JobList(data=[JobSummary(
+        job_id=state.job_id, status=state.status, model=state.model, created_at=state.created_at,
+        finished_at=state.finished_at or None, finish_reason=state.finish_reason,
+        completion_tokens=state.completion_tokens,
+        status_url=str(request.url_for("get_job", job_id=state.job_id)))
+        for state in page.jobs],
+        has_more=page.has_more, next_after=page.last_scanned if page.has_more else None)
 
 
 @router.get("/{job_id}", response_model=JobView, summary="A job's status and text so far",

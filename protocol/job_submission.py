@@ -69,8 +69,8 @@ def submit_job(
     (queued).
 
     One MULTI/EXEC writes the RQ job hash, the queue entry and its wake-up (`Keys.wakeups`),
-    the JobState hash and, when the spec
-    has an owner, the owner's index (`Keys.jobs_by_owner`: a sorted set job_id -> created_at).
+    the JobState hash and the owner's index (`Keys.jobs_by_owner`: a sorted set
+    job_id -> created_at; owner "" when the API runs open).
     `spec.job_id` becomes the RQ job id; it must be new (letters, digits, '_' and '-'), since an
     existing job with that id would be overwritten. The result and the token stream are kept
     `result_ttl` seconds after the job ends (`failure_ttl` when it failed).
@@ -143,8 +143,8 @@ def _submit_once(redis: Redis, specs: list[JobSpec], keys: Keys, result_ttl: int
             # A dict[str, str] is a valid mapping; redis-py's Mapping key type is invariant.
             pipe.hset(keys.state(spec.job_id),
                       mapping=cast("Mapping[FieldT, EncodableT]", state.to_fields()))
-            if spec.owner:
-                pipe.zadd(keys.jobs_by_owner(spec.owner), {spec.job_id: spec.created_at})
+            # Every owner, "" (an open API) too: GET /v1/jobs lists from it.
+            pipe.zadd(keys.jobs_by_owner(spec.owner), {spec.job_id: spec.created_at})
         if admission is not None:
             for model in {spec.model for spec in specs}:
                 pipe.zrem(keys.admissions(model), admission)
