@@ -79,3 +79,9 @@ DeadlineS = Annotated[float | None, Field(
     description="Seconds the whole job may take, from submission: past it the job is never "
                 "started, or ends at the next step with what it generated so far "
                 "(finish_reason 'expired'). Default: none.")]
+MAX_RETENTION_S = 30 * 24 * 3600
+RetentionS = Annotated[int | None, Field(
+    strict=True, ge=1, le=MAX_RETENTION_S,
+    description="Seconds the job (status, result, token stream) is kept after it ends, finished, "
+                "canceled or failed alike. Default: the server's CARPOOL_RESULT_TTL_S (failed: "
+                "CARPOOL_FAILURE_TTL_S).")]

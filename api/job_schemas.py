@@ -12,6 +12,7 @@ from api.fields import (
     MaxTokens,
     NonEmptyText,
     QueueTimeoutS,
+    RetentionS,
     Seed,
     StopStrings,
     Temperature,
@@ -54,6 +55,7 @@ class JobCreate(BaseModel):
     priority: Priority = Field(Priority.NORMAL, description="Queue to wait in: high, normal or low.")
     queue_timeout_s: QueueTimeoutS = None
     deadline_s: DeadlineS = None
+    retention_s: RetentionS = None
 
     @model_validator(mode="after")
     def _one_input(self) -> JobCreate:

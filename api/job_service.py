@@ -28,6 +28,8 @@ from api.queue_admission import QueueAdmission
 from api.tokenizer_cache import TokenizerCache
 from protocol import JobSpec, JobState, JobStatus, Keys, ModelCard, Priority, SamplingParams
 from protocol.job_submission import (
+    DEFAULT_FAILURE_TTL,
+    DEFAULT_RESULT_TTL,
     DuplicateSubmission,
     Idempotency,
     cancel_job,
@@ -53,6 +55,7 @@ class GenerationRequest:
     queue_timeout_s: float | None = None  # seconds from submission; None: no limit
     deadline_s: float | None = None
     idempotency_key: str | None = None  # the Idempotency-Key header
+    retention_s: int | None = None  # kept this long once ended; None: the server's defaults
     # The names the client used, so errors name its fields.
     input_param: str = "prompt"
     max_tokens_param: str = "max_tokens"
@@ -83,7 +86,8 @@ def new_job_id() -> str:
 class JobService:
     def __init__(self, aio: aioredis.Redis, sync: redis.Redis, keys: Keys, models: ModelRegistry,
                  tokenizers: TokenizerCache, max_queue_depth: int, retry_after_s: int,
-                 idempotency_ttl_s: int = 24 * 3600) -> None:
+                 idempotency_ttl_s: int = 24 * 3600, result_ttl_s: int = DEFAULT_RESULT_TTL,
+                 failure_ttl_s: int = DEFAULT_FAILURE_TTL) -> None:
         self._aio = aio
         self._sync = sync
         self._keys = keys
@@ -91,6 +95,8 @@ class JobService:
         self._tokenizers = tokenizers
         self._admission = QueueAdmission(aio, keys, max_queue_depth, retry_after_s)
         self._idempotency_ttl_s = idempotency_ttl_s
+        self._result_ttl_s = result_ttl_s
+        self._failure_ttl_s = failure_ttl_s
 
     async def submit(self, request: GenerationRequest) -> AcceptedJob:
         card = await self._models.resolve(request.model)
@@ -123,8 +129,10 @@ class JobService:
                 deadline_at=_after(created_at, request.deadline_s),
             )
             # RQ is sync: run it in a worker thread rather than block the event loop.
-            await anyio.to_thread.run_sync(partial(submit_job, self._sync, spec, self._keys,
-                                                   admission=admission, idempotency=idempotency))
+            await anyio.to_thread.run_sync(partial(
+                submit_job, self._sync, spec, self._keys, admission=admission,
+                idempotency=idempotency, result_ttl=request.retention_s or self._result_ttl_s,
+                failure_ttl=request.retention_s or self._failure_ttl_s))
         return AcceptedJob(spec, prompt_tokens)
 
     async def _replay(self, job_id: str, prompt_tokens: int | None) -> AcceptedJob:

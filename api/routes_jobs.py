@@ -68,6 +68,7 @@ async def create_job(body: JobCreate, request: Request, response: Response, owne
         messages=[m.model_dump() for m in body.messages] if body.messages else None,
         max_tokens=body.max_tokens, sampling=sampling_of(body), priority=body.priority,
         queue_timeout_s=body.queue_timeout_s, deadline_s=body.deadline_s,
+        retention_s=body.retention_s,
         idempotency_key=idempotency_key_of(request.headers),
         input_param="prompt" if body.prompt is not None else "messages",
     ))

@@ -7,6 +7,8 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from api.fields import MAX_RETENTION_S
+
 
 class ApiSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="CARPOOL_", extra="ignore")
@@ -27,6 +29,13 @@ class ApiSettings(BaseSettings):
         1000, ge=1, description="Jobs waiting over all priority queues before submissions get 429."
     )
     retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 429 and 503 answers.")
+    result_ttl_s: int = Field(
+        24 * 3600, ge=1, le=MAX_RETENTION_S,
+        description="How long a finished or canceled job (status, result, token stream) is kept "
+                    "after it ends, unless the job asks for its own retention_s.")
+    failure_ttl_s: int = Field(
+        7 * 24 * 3600, ge=1, le=MAX_RETENTION_S,
+        description="The same for a failed job (kept longer, to inspect).")
     idempotency_ttl_s: int = Field(
         24 * 3600, ge=1, le=30 * 24 * 3600,
         description="How long an Idempotency-Key keeps answering with its first job.")

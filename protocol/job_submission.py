@@ -48,6 +48,23 @@ class DuplicateSubmission(Exception):
         self.job_id = job_id
 
 
+# How many of an owner's oldest indexed jobs each submission checks (and drops when their state
+# has expired): the index loses entries faster than submissions add them, so it stays about
+# the size of what retention keeps, without a sweeper.
+TRIM_OLDEST = 16
+
+# KEYS: the owner's index. ARGV: prefix and suffix of a JobState key around the job id, how many
+# of the oldest entries to check. Returns how many it dropped.
+_TRIM_INDEX_LUA = """
+local gone = {}
+for _, job_id in ipairs(redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)) do
+  if redis.call('EXISTS', ARGV[1] .. job_id .. ARGV[2]) == 0 then gone[#gone + 1] = job_id end
+end
+if #gone > 0 then redis.call('ZREM', KEYS[1], unpack(gone)) end
+return #gone
+"""
+
+
 def queue_for(redis: Redis, model: str, priority: Priority, keys: Keys = Keys()) -> Queue:
     """The RQ queue that holds `model`'s jobs of `priority` (JSON serializer, like every Carpool
     queue)."""
@@ -145,6 +162,11 @@ def _submit_once(redis: Redis, specs: list[JobSpec], keys: Keys, result_ttl: int
                       mapping=cast("Mapping[FieldT, EncodableT]", state.to_fields()))
             # Every owner, "" (an open API) too: GET /v1/jobs lists from it.
             pipe.zadd(keys.jobs_by_owner(spec.owner), {spec.job_id: spec.created_at})
+        state_template = KeyTemplate.of(keys.state("\x00"))
+        for owner in sorted({spec.owner for spec in specs}):
+            # The jobs whose retention ended leave their owner's index with them.
+            pipe.eval(_TRIM_INDEX_LUA, 1, keys.jobs_by_owner(owner), state_template.prefix,
+                      state_template.suffix, TRIM_OLDEST)
         if admission is not None:
             for model in {spec.model for spec in specs}:
                 pipe.zrem(keys.admissions(model), admission)

@@ -1,4 +1,4 @@
-"""Deadlines at submission: the jobs API's queue_timeout_s / deadline_s fields and the OpenAI
+"""Deadlines and retention at submission: the jobs API's queue_timeout_s / deadline_s fields and the OpenAI
 routes' X-Carpool-* headers become the JobSpec's and JobState's absolute deadlines; bad values are
 a 4xx naming the field or header."""
 
@@ -103,3 +103,37 @@ async def test_bad_deadline_headers_are_400_naming_them(harness: Harness, header
         "message": f"'{header}' must be a number of seconds, more than 0 and at most 604800 "
                    f"(got {value!r})",
         "type": "invalid_request_error", "param": header, "code": "invalid_value"}
+
+
+async def test_retention_per_job_and_by_default(harness: Harness, client: httpx.AsyncClient) -> None:
+    def ttls(job_id: str) -> tuple[int, int]:
+        job = Job.fetch(job_id, connection=harness.context.sync, serializer=JSONSerializer)
+        return job.result_ttl, job.failure_ttl
+
+    plain = (await client.post("/v1/jobs", json={"prompt": "hi"})).json()["job_id"]
+    assert ttls(plain) == (24 * 3600, 7 * 24 * 3600)  # CARPOOL_RESULT_TTL_S / _FAILURE_TTL_S
+    short = (await client.post("/v1/jobs", json={"prompt": "hi", "retention_s": 60})).json()
+    assert ttls(short["job_id"]) == (60, 60)
+    bad = await client.post("/v1/jobs", json={"prompt": "hi", "retention_s": 0})
+    assert bad.status_code == 422 and bad.json()["detail"][0]["loc"] == ["body", "retention_s"]
+
+
+async def test_retention_defaults_come_from_the_settings() -> None:
+    from api_support import make_harness
+
+    harness = make_harness(result_ttl_s=120, failure_ttl_s=300)
+    harness.register_model()
+    async with harness.client() as client:
+        job_id = (await client.post("/v1/jobs", json={"prompt": "hi"})).json()["job_id"]
+    job = Job.fetch(job_id, connection=harness.context.sync, serializer=JSONSerializer)
+    assert (job.result_ttl, job.failure_ttl) == (120, 300)
+
+
+async def test_the_owner_index_drops_jobs_whose_retention_ended(
+        harness: Harness, client: httpx.AsyncClient) -> None:
+    ids = [(await client.post("/v1/jobs", json={"prompt": "hi"})).json()["job_id"]
+           for _ in range(3)]
+    harness.sync.delete(harness.keys.state(ids[0]), harness.keys.state(ids[1]))  # expired
+    newest = (await client.post("/v1/jobs", json={"prompt": "hi"})).json()["job_id"]
+    # The next submission trimmed them, without anyone listing.
+    assert harness.sync.zrange(harness.keys.jobs_by_owner(""), 0, -1) == [ids[2], newest]

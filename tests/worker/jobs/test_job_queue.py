@@ -12,7 +12,15 @@ from rq.job import JobStatus as RQJobStatus
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from protocol import JobReader, JobStatus, Priority, StreamEntry, cancel_job, stream_ids
+from protocol import (
+    JobReader,
+    JobStatus,
+    Priority,
+    StreamEntry,
+    cancel_job,
+    stream_ids,
+    submit_job,
+)
 from protocol.rq_keys import RQKeys
 from tests.worker.jobs.job_support import BLOCK_SIZE, KEYS, fake_redis, make_queue, make_spec, submit
 from worker.jobs.job_queue import JobQueue, decode_spec
@@ -168,3 +176,12 @@ def test_claim_survives_a_flushed_script_cache() -> None:
     queue = make_queue(redis)
     redis.script_flush()
     assert [c.lease.job_id for c in queue.claim(1)] == ["job-1"]
+
+
+def test_claim_carries_each_jobs_own_retention() -> None:
+    redis = fake_redis()
+    submit_job(redis, make_spec("short"), result_ttl=50, failure_ttl=70)
+    submit(redis, "default")
+    short, default = make_queue(redis).claim(2)
+    assert (short.result_ttl, short.failure_ttl) == (50, 70)
+    assert (default.result_ttl, default.failure_ttl) == (24 * 3600, 7 * 24 * 3600)
