@@ -16,8 +16,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from urllib.parse import urlparse
 
-from launcher.local_redis import LocalRedis, RedisUnavailableError
+from launcher.local_redis import DEFAULT_DATA_DIR, LocalRedis, RedisUnavailableError
 
 log = logging.getLogger("carpool")
 
@@ -112,7 +113,8 @@ def _add_api_options(parser: argparse.ArgumentParser) -> None:
 
 def _up(args: argparse.Namespace) -> int:
     try:
-        redis = LocalRedis.ensure(args.redis_url)
+        port = urlparse(args.redis_url).port or 6379
+        redis = LocalRedis.ensure(args.redis_url, data_dir=DEFAULT_DATA_DIR / str(port))
     except RedisUnavailableError as exc:
         log.error("%s", exc)
         return 1

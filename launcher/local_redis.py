@@ -2,6 +2,11 @@
 
 Order: one already answering; else a `redis-server` we start on that port (and stop on exit);
 else an in-process fakeredis server, which keeps nothing and is announced loudly as such.
+
+Given a data directory, the redis-server we start keeps what a 202 promises: an append-only file
+fsynced before every answer (`--appendfsync always`), so a job the API accepted survives Redis
+being killed, and the next start finds the queue as it was (docker-compose.yml's Redis does the
+same). Without one (the bench) it keeps nothing.
 """
 
 from __future__ import annotations
@@ -12,11 +17,15 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlparse
 
 log = logging.getLogger(__name__)
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", ""}
+# `carpool up` keeps its Redis' data here, one directory per port.
+DEFAULT_DATA_DIR = Path("~/.cache/carpool/redis").expanduser()
+DURABLE_ARGS = ("--appendonly", "yes", "--appendfsync", "always")
 
 
 class RedisUnavailableError(RuntimeError):
@@ -43,7 +52,7 @@ class LocalRedis:
     _fake_server: object | None = field(default=None, repr=False)
 
     @classmethod
-    def ensure(cls, url: str) -> LocalRedis:
+    def ensure(cls, url: str, data_dir: Path | None = None) -> LocalRedis:
         if redis_answers(url):
             return cls(url=url, kind="existing")
         parsed = urlparse(url)
@@ -54,13 +63,17 @@ class LocalRedis:
         port = parsed.port or 6379
         binary = shutil.which("redis-server")
         if binary is not None:
+            persistence: tuple[str, ...] = ("--appendonly", "no")
+            if data_dir is not None:
+                data_dir.mkdir(parents=True, exist_ok=True)
+                persistence = (*DURABLE_ARGS, "--dir", str(data_dir))
             process = subprocess.Popen(
-                [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                 "--appendonly", "no"],
+                [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", *persistence],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )
             _wait_until_answers(url)
-            log.info("started redis-server on port %d (stopped again on exit)", port)
+            log.info("started redis-server on port %d (stopped again on exit; data: %s)", port,
+                     data_dir or "none kept")
             return cls(url=url, kind="redis-server", _process=process)
         return cls._start_fakeredis(url, port)
 
