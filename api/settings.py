@@ -26,7 +26,8 @@ class ApiSettings(BaseSettings):
         True, description="Serve /docs and /openapi.json without a key (they hold no job data)."
     )
     max_queue_depth: int = Field(
-        1000, ge=1, description="Jobs waiting over all priority queues before submissions get 429."
+        1000, ge=1, description="Jobs waiting over one model's priority queues before its submissions "
+                              "get 429."
     )
     retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 429 and 503 answers.")
     result_ttl_s: int = Field(

@@ -30,6 +30,15 @@ class Keys:
     def queue_names(self, model: str) -> list[str]:
         return [self.queue_name(model, p) for p in Priority.ordered()]
 
+    def model_of_queue(self, queue_name: str) -> str | None:
+        """The model whose queue `queue_name` is (inverse of queue_name); None for another queue."""
+        for priority in Priority.ordered():
+            head, suffix = f"{self.prefix}-", f"-{priority.value}"
+            if queue_name.startswith(head) and queue_name.endswith(suffix) and \
+                    len(queue_name) > len(head) + len(suffix):
+                return queue_name[len(head):-len(suffix)]
+        return None
+
     def wakeups(self, queue_name: str) -> str:
         """List: one element pushed with every job put on the RQ queue `queue_name`; idle workers
         block on it (BLPOP), then claim from the queue itself. Popping a wake-up takes no job off

@@ -38,9 +38,13 @@ def generate(spec_data: dict[str, Any], keys_prefix: str = "carpool") -> dict[st
     redis = rq_job.connection
     overrides: dict[str, Any] = {"keys_prefix": keys_prefix, "max_num_seqs": 1}
     if isinstance(spec_data, dict) and isinstance(spec_data.get("model"), str) and spec_data["model"]:
-        # else CARPOOL_MODEL; the claim fails a bad payload. The job's name for the model is
-        # the served name, so the adopted job's queue is among the worker's own.
-        overrides["model"] = overrides["served_model_name"] = spec_data["model"]
+        overrides["model"] = spec_data["model"]  # else CARPOOL_MODEL; the claim fails a bad payload
+    # The worker serves the model of the queue the job came from, so that queue is among its own
+    # (a payload naming another model then fails as such, with its stream and state written).
+    served = Keys(keys_prefix).model_of_queue(rq_job.origin)
+    if served is None:
+        raise ValueError(f"job {rq_job.id} came from {rq_job.origin!r}, not a Carpool queue")
+    overrides["served_model_name"] = served
     if rq_job.worker_name:
         overrides["name"] = rq_job.worker_name
     settings = WorkerSettings(**overrides)

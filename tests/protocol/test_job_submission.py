@@ -142,3 +142,13 @@ def test_submit_jobs_queues_many_in_one_transaction(fake_redis: fakeredis.FakeRe
     assert Queue("carpool-tiny-normal", connection=fake_redis).job_ids == ["job-0", "job-2"]
     assert Queue("carpool-tiny-low", connection=fake_redis).job_ids == ["job-1", "job-3"]
     assert all(JobReader(fake_redis).state(s.job_id).status is JobStatus.QUEUED for s in specs)
+
+
+def test_queue_names_are_per_model_and_invertible() -> None:
+    assert KEYS.queue_names("a-high") == ["carpool-a-high-high", "carpool-a-high-normal",
+                                          "carpool-a-high-low"]
+    for model in ("tiny", "a-high", "org/Model-7B"):
+        for name in KEYS.queue_names(model):
+            assert KEYS.model_of_queue(name) == model
+    assert KEYS.model_of_queue("default") is None
+    assert KEYS.model_of_queue("carpool--high") is None
