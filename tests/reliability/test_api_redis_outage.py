@@ -68,6 +68,7 @@ def _routes(model: str) -> list[Route]:
     """Every route that needs Redis."""
     return [
         Route("POST", "/v1/jobs", {"prompt": "Hello", "max_tokens": 4}),
+        Route("GET", "/v1/jobs"),
         Route("GET", "/v1/jobs/{job}"),
         Route("GET", "/v1/jobs/{job}/stream"),
         Route("DELETE", "/v1/jobs/{job}"),
@@ -163,7 +164,7 @@ def _assert_healthz_down(api: ApiProcess, bound_s: float) -> float:
     assert response.status_code == 503
     assert response.headers["retry-after"] == str(RETRY_AFTER_S)
     assert response.json() == {"status": "redis_unreachable", "redis": False, "workers": 0,
-                               "models": []}
+                               "models": [], "models_without_workers": []}
     assert elapsed < bound_s
     return elapsed
 
