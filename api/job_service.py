@@ -16,14 +16,16 @@ import anyio.to_thread
 import redis
 import redis.asyncio as aioredis
 from pydantic import BaseModel
+from tokenizers import Tokenizer
 
 from api.chat_template import ChatTemplateError, render_chat
 from api.errors import InvalidRequestError, NotFoundError
 from api.model_registry import ModelRegistry
 from api.queue_admission import QueueAdmission
+from api.sampling_defaults import served_defaults, with_model_defaults
 from api.tokenizer_cache import TokenizerCache
 from protocol import JobSpec, JobState, JobStatus, Keys, ModelCard, Priority, SamplingParams
-from protocol.job_submission import cancel_job, submit_job
+from protocol.job_submission import cancel_job, submit_jobs
 from protocol.rq_keys import RQKeys
 
 # Tokenizing this much text on the event loop would stall other requests: use a thread.
@@ -38,6 +40,7 @@ class GenerationRequest:
     model: str | None
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
+    prompt_token_ids: list[int] | None = None  # a prompt the client tokenized itself
     max_tokens: int | None = None  # None: as many as the context leaves
     # Everything else the sampler honours; its max_tokens is set once the context is known.
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -45,12 +48,17 @@ class GenerationRequest:
     # The names the client used, so errors name its fields.
     input_param: str = "prompt"
     max_tokens_param: str = "max_tokens"
+    # Fields the client set; the model's generation_config.json fills in the others. None: all
+    # of them were set (no defaults applied).
+    explicit_fields: frozenset[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class AcceptedJob:
     spec: JobSpec
     prompt_tokens: int | None  # None when no tokenizer is published for the model
+    # The prompt as text (token-id prompts decoded; None without a tokenizer), for `echo`.
+    prompt_text: str | None = None
 
 
 def sampling_of(body: BaseModel) -> SamplingParams:
@@ -82,20 +90,45 @@ class JobService:
         return dict(zip(Priority.ordered(), depths))
 
     async def submit(self, request: GenerationRequest) -> AcceptedJob:
-        card = await self._models.resolve(request.model)
-        prompt_tokens, is_exact = await self._count_prompt(card, request)
-        max_tokens = self._check_lengths(card, request, prompt_tokens, is_exact)
-        async with self._admission.admit() as admission:
-            spec = JobSpec(
+        (accepted,) = await self.submit_many([request])
+        return accepted
+
+    async def submit_many(self, requests: list[GenerationRequest]) -> list[AcceptedJob]:
+        """Check every request, then queue them all in one transaction (all or none), counted as
+        len(requests) jobs by the queue admission: a request's n choices, one job each. They
+        share one model (the first request's)."""
+        card = await self._models.resolve(requests[0].model)
+        checked = []
+        for request in requests:
+            prompt_tokens, is_exact, prompt_text = await self._count_prompt(card, request)
+            max_tokens = self._check_lengths(card, request, prompt_tokens, is_exact)
+            sampling = request.sampling
+            if request.explicit_fields is not None:
+                sampling = with_model_defaults(sampling, card.generation_defaults,
+                                               request.explicit_fields)
+                default_max = served_defaults(card.generation_defaults).get("max_tokens")
+                if "max_tokens" not in request.explicit_fields and isinstance(default_max, int) \
+                        and default_max >= 1:
+                    max_tokens = min(max_tokens, default_max)
+            checked.append((request, dataclasses.replace(sampling, max_tokens=max_tokens),
+                            prompt_tokens, prompt_text))
+        async with self._admission.admit(len(checked)) as admissions:
+            created_at = time.time()
+            accepted = [AcceptedJob(JobSpec(
                 job_id=new_job_id(), model=card.name, prompt=request.prompt,
-                messages=request.messages,
-                sampling=dataclasses.replace(request.sampling, max_tokens=max_tokens),
-                priority=request.priority, owner=request.owner, created_at=time.time(),
-            )
+                messages=request.messages, prompt_token_ids=request.prompt_token_ids,
+                sampling=sampling, priority=request.priority, owner=request.owner,
+                created_at=created_at), prompt_tokens, prompt_text)
+                for request, sampling, prompt_tokens, prompt_text in checked]
             # RQ is sync: run it in a worker thread rather than block the event loop.
-            await anyio.to_thread.run_sync(partial(submit_job, self._sync, spec, self._keys,
-                                                   admission=admission))
-        return AcceptedJob(spec, prompt_tokens)
+            await anyio.to_thread.run_sync(partial(
+                submit_jobs, self._sync, [job.spec for job in accepted], self._keys,
+                admission=admissions))
+        return accepted
+
+    async def tokenizer(self, card: ModelCard) -> Tokenizer | None:
+        """The model's tokenizer as the API knows it (None when no worker published one)."""
+        return await self._tokenizers.get(card)
 
     async def state(self, job_id: str, owner: str) -> JobState:
         """The job's state; 404 for unknown jobs and for jobs of another key alike."""
@@ -119,9 +152,23 @@ class JobService:
         """Cancel a job this process submitted itself (its client went away): no owner check."""
         return await anyio.to_thread.run_sync(cancel_job, self._sync, job_id, self._keys)
 
-    async def _count_prompt(self, card: ModelCard, request: GenerationRequest) -> tuple[int | None, bool]:
-        """Prompt length in the model's tokens, and whether that count is exact."""
+    async def _count_prompt(self, card: ModelCard,
+                            request: GenerationRequest) -> tuple[int | None, bool, str | None]:
+        """Prompt length in the model's tokens, whether that count is exact, and the prompt as
+        text (None for a chat, or token ids without a tokenizer)."""
         tokenizer = await self._tokenizers.get(card)
+        if request.prompt_token_ids is not None:
+            ids = request.prompt_token_ids
+            if tokenizer is None:
+                return len(ids), True, None  # the worker checks them against its vocabulary
+            vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+            outside = [token_id for token_id in ids if token_id >= vocab_size]
+            if outside:
+                raise InvalidRequestError(
+                    f"'{request.input_param}' holds token id {outside[0]}, outside the "
+                    f"vocabulary of model '{card.name}' (ids 0 to {vocab_size - 1})",
+                    param=request.input_param)
+            return len(ids), True, tokenizer.decode(ids, skip_special_tokens=False)
         if request.messages is not None:
             try:
                 text, is_exact = render_chat(card, request.messages)
@@ -131,14 +178,15 @@ class JobService:
             add_special_tokens = False  # a chat template writes its special tokens itself
         else:
             text, is_exact, add_special_tokens = request.prompt or "", True, True
+        prompt_text = None if request.messages is not None else text
         if tokenizer is None:
-            return None, False
+            return None, False, prompt_text
         if len(text) > _THREAD_TOKENIZE_CHARS:
             encoding = await anyio.to_thread.run_sync(
                 partial(tokenizer.encode, text, add_special_tokens=add_special_tokens))
         else:
             encoding = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return len(encoding.ids), is_exact
+        return len(encoding.ids), is_exact, prompt_text
 
     def _check_lengths(self, card: ModelCard, request: GenerationRequest, prompt_tokens: int | None,
                        is_exact: bool) -> int:

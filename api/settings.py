@@ -27,6 +27,10 @@ class ApiSettings(BaseSettings):
         1000, ge=1, description="Jobs waiting over all priority queues before submissions get 429."
     )
     retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 429 and 503 answers.")
+    max_n: int = Field(
+        16, ge=1, description="Most choices (`n`) per prompt on the OpenAI routes; each is a job.")
+    max_prompts: int = Field(
+        64, ge=1, description="Most prompts in one /v1/completions request (a list of prompts).")
     max_body_bytes: int = Field(
         2 * 1024 * 1024, ge=1024,
         description="Largest request body accepted; a larger one is answered 413 unread. Two MiB "

@@ -43,7 +43,7 @@ def submit_job(
     result_ttl: int = DEFAULT_RESULT_TTL,
     failure_ttl: int = DEFAULT_FAILURE_TTL,
     timeout: int = DEFAULT_JOB_TIMEOUT,
-    admission: str | None = None,
+    admission: str | list[str] | None = None,
 ) -> Job:
     """Enqueue `spec` as an RQ job on its priority's queue and record its JobState (queued).
 
@@ -68,12 +68,13 @@ def submit_jobs(
     result_ttl: int = DEFAULT_RESULT_TTL,
     failure_ttl: int = DEFAULT_FAILURE_TTL,
     timeout: int = DEFAULT_JOB_TIMEOUT,
-    admission: str | None = None,
+    admission: str | list[str] | None = None,
 ) -> list[Job]:
     """`submit_job` for several specs in ONE MULTI/EXEC: all are queued, or none.
 
-    `admission`: a reservation in `Keys.admissions` that admitted them; it ends in the same
-    transaction, so the jobs count toward the queue depth once, as a reservation or queued."""
+    `admission`: the reservations in `Keys.admissions` that admitted them (one per job); they end
+    in the same transaction, so the jobs count toward the queue depth once, as a reservation or
+    queued."""
     jobs = []
     queues = {p: queue_for(redis, p, keys) for p in {spec.priority for spec in specs}}
     with redis.pipeline(transaction=True) as pipe:
@@ -96,8 +97,8 @@ def submit_jobs(
                       mapping=cast("Mapping[FieldT, EncodableT]", state.to_fields()))
             if spec.owner:
                 pipe.zadd(keys.jobs_by_owner(spec.owner), {spec.job_id: spec.created_at})
-        if admission is not None:
-            pipe.zrem(keys.admissions(), admission)
+        if admission:
+            pipe.zrem(keys.admissions(), *([admission] if isinstance(admission, str) else admission))
         pipe.execute()
     return jobs
 

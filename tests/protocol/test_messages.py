@@ -22,7 +22,7 @@ def test_job_spec_round_trips_through_dict_and_json() -> None:
     ({"job_id": "j", "model": "m", "prompt": "x", "bogus": 1}, "unknown fields: bogus"),
     ({"job_id": "", "model": "m", "prompt": "x"}, "non-empty string 'job_id'"),
     ({"job_id": "j", "prompt": "x"}, "non-empty string 'model'"),
-    ({"job_id": "j", "model": "m"}, "exactly one of 'prompt' and 'messages'"),
+    ({"job_id": "j", "model": "m"}, "exactly one of 'prompt', 'messages' and 'prompt_token_ids'"),
     ({"job_id": "j", "model": "m", "prompt": "x", "messages": []}, "exactly one of"),
     ({"job_id": "j", "model": "m", "prompt": "x", "priority": "urgent"}, "unknown priority"),
 ])
