@@ -107,8 +107,8 @@ class JobService:
                 sampling = with_model_defaults(sampling, card.generation_defaults,
                                                request.explicit_fields)
                 default_max = served_defaults(card.generation_defaults).get("max_tokens")
-                if "max_tokens" not in request.explicit_fields and isinstance(default_max, int) \
-                        and default_max >= 1:
+                if request.max_tokens_param not in request.explicit_fields \
+                        and isinstance(default_max, int) and default_max >= 1:
                     max_tokens = min(max_tokens, default_max)
             checked.append((request, dataclasses.replace(sampling, max_tokens=max_tokens),
                             prompt_tokens, prompt_text))

@@ -176,3 +176,30 @@ async def test_the_models_generation_config_fills_what_a_request_leaves_out(
     (job_id,) = await worker
     sampling = _spec(harness, job_id)["sampling"]
     assert (sampling["temperature"], sampling["top_k"], sampling["max_tokens"]) == (0.9, 20, 7)
+
+
+async def test_a_client_leaving_cancels_every_choice(harness: Harness) -> None:
+    from test_openai_routes import _drive_asgi
+
+    from protocol import JobStatus
+
+    sent = await _drive_asgi(harness, "/v1/completions", {"prompt": "hello", "n": 3}, "2.3", 0)
+    assert sent[0]["status"] == 499
+    job_ids = dict(sent[0]["headers"])[b"x-carpool-job-ids"].decode().split(",")
+    assert len(job_ids) == 3
+    assert [harness.state(j).status for j in job_ids] == [JobStatus.CANCELED] * 3
+    streamed = await _drive_asgi(harness, "/v1/completions",
+                                 {"prompt": "hello", "n": 2, "stream": True}, "2.3", 0)
+    job_ids = dict(streamed[0]["headers"])[b"x-carpool-job-ids"].decode().split(",")
+    assert [harness.state(j).status for j in job_ids] == [JobStatus.CANCELED] * 2
+
+
+async def test_max_completion_tokens_is_not_capped_by_the_models_default(
+        harness: Harness, client: httpx.AsyncClient) -> None:
+    card = ModelCard(name=MODEL, max_model_len=32, created_at=1.0,
+                     generation_defaults={"max_tokens": 5})
+    harness.sync.hset(harness.keys.models(), MODEL, card.to_json())
+    worker = asyncio.create_task(_serve(harness, [["x"]]))
+    await client.post("/v1/chat/completions", json={"messages": CHAT, "max_completion_tokens": 9})
+    (job_id,) = await worker
+    assert _spec(harness, job_id)["sampling"]["max_tokens"] == 9

@@ -135,3 +135,18 @@ def test_a_job_popped_just_before_redis_drops_is_claimed_once_it_answers(
     state = _wait(lambda: (s := reader.state(spec.job_id)) and s.status.is_final and s)
     assert failed == [(spec.job_id, 1)]  # popped from carpool-normal, claim failed once
     assert state.status is JobStatus.FINISHED and len(state.token_ids) == 6
+
+
+def test_the_model_card_carries_generation_config_defaults(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from worker.jobs.batching_worker import BatchingWorker
+
+    worker = BatchingWorker.__new__(BatchingWorker)  # only the engine's model_dir is read
+    worker.engine = SimpleNamespace(model_dir=tmp_path)  # type: ignore[assignment]
+    assert worker._generation_defaults() == {}
+    (tmp_path / "generation_config.json").write_text(
+        '{"bos_token_id": 1, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "do_sample": true}')
+    assert worker._generation_defaults() == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    (tmp_path / "generation_config.json").write_text("{not json")
+    assert worker._generation_defaults() == {}
