@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import redis.exceptions
@@ -51,8 +51,9 @@ class _End:
     """A follower's stream ended (after its final entry, or because the job expired)."""
 
 
-async def merged_events(ctx: AppContext,
-                        jobs: list[ChoiceJob]) -> AsyncIterator[tuple[ChoiceJob, StreamEvent | None]]:
+async def merged_events(
+        ctx: AppContext, jobs: list[ChoiceJob],
+) -> AsyncGenerator[tuple[ChoiceJob, StreamEvent | None], None]:
     """Every job's stream events as they come, tagged with their job; (job, None) when a wait
     brought nothing (time for a keep-alive). Ends when every stream has ended."""
     queue: asyncio.Queue[tuple[ChoiceJob, StreamEvent | None | _End | Exception]] = asyncio.Queue()

@@ -11,6 +11,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from functools import partial
 from typing import Annotated, Any
 
@@ -186,16 +187,18 @@ async def _wait_for_results(ctx: AppContext, request: Request,
     client that left."""
     pieces: dict[int, list[str]] = {job.index: [] for job in jobs}
     done: dict[int, ChoiceResult] = {}
-    async for job, event in merged_events(ctx, jobs):
-        if await request.is_disconnected():
-            await cancel_jobs(ctx, [j for j in jobs if j.index not in done])
-            return None
-        if event is None:
-            continue
-        if event.is_done:
-            done[job.index] = ChoiceResult(job, "".join(pieces[job.index]), event.entry)
-        else:
-            pieces[job.index].append(event.entry.text)
+    # aclosing: leaving early stops the followers now, not when the generator is collected.
+    async with aclosing(merged_events(ctx, jobs)) as events:
+        async for job, event in events:
+            if await request.is_disconnected():
+                await cancel_jobs(ctx, [j for j in jobs if j.index not in done])
+                return None
+            if event is None:
+                continue
+            if event.is_done:
+                done[job.index] = ChoiceResult(job, "".join(pieces[job.index]), event.entry)
+            else:
+                pieces[job.index].append(event.entry.text)
     if len(done) < len(jobs):
         # A job's keys expired while we waited (retention shorter than the job): nothing to show.
         missing = next(job.job_id for job in jobs if job.index not in done)
@@ -219,32 +222,33 @@ async def _stream_chunks(ctx: AppContext, jobs: list[ChoiceJob],
     last_sent = time.monotonic()
     results: list[ChoiceResult] = []
     try:
-        async for job, event in merged_events(ctx, jobs):
-            if event is None:
-                if time.monotonic() - last_sent >= ctx.settings.sse_keepalive_s:
-                    last_sent = time.monotonic()
-                    yield sse_comment()
-                continue
-            last_sent = time.monotonic()
-            entry = event.entry
-            if not event.is_done:
-                num_tokens[job.index] += 1
-                if entry.text:  # text held back (a possible stop string) arrives later
-                    yield _data(writer.text(entry.text, job.index, usage_so_far(job)))
-                continue
-            if entry.finish_reason is FinishReason.ERROR:
-                # The openai client raises APIError on a data line that carries "error".
-                yield _data(openai_error_body(f"The job failed: {entry.error or 'no reason given'}",
-                                              "server_error", None, "job_failed"))
-                await cancel_jobs(ctx, [j for j in jobs if j is not job
-                                        and j.index not in {r.job.index for r in results}])
-                break
-            results.append(ChoiceResult(job, "", entry))
-            yield _data(writer.finish(entry.finish_reason, job.index,
-                                      usage_dict(entry.prompt_tokens, entry.completion_tokens)))
-        else:
-            if writer.include_usage:
-                yield _data(writer.usage(*summed_usage(results)))
+        async with aclosing(merged_events(ctx, jobs)) as events:
+            async for job, event in events:
+                if event is None:
+                    if time.monotonic() - last_sent >= ctx.settings.sse_keepalive_s:
+                        last_sent = time.monotonic()
+                        yield sse_comment()
+                    continue
+                last_sent = time.monotonic()
+                entry = event.entry
+                if not event.is_done:
+                    num_tokens[job.index] += 1
+                    if entry.text:  # text held back (a possible stop string) arrives later
+                        yield _data(writer.text(entry.text, job.index, usage_so_far(job)))
+                    continue
+                if entry.finish_reason is FinishReason.ERROR:
+                    # The openai client raises APIError on a data line that carries "error".
+                    yield _data(openai_error_body(f"The job failed: {entry.error or 'no reason given'}",
+                                                  "server_error", None, "job_failed"))
+                    await cancel_jobs(ctx, [j for j in jobs if j is not job
+                                            and j.index not in {r.job.index for r in results}])
+                    break
+                results.append(ChoiceResult(job, "", entry))
+                yield _data(writer.finish(entry.finish_reason, job.index,
+                                          usage_dict(entry.prompt_tokens, entry.completion_tokens)))
+            else:
+                if writer.include_usage:
+                    yield _data(writer.usage(*summed_usage(results)))
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
         # Headers are long sent: say it in the stream, as OpenAI does for mid-stream failures.
         job_ids = ", ".join(job.job_id for job in jobs)
