@@ -50,6 +50,10 @@ class JobCreate(BaseModel):
     stop: StopStrings = []
     ignore_eos: IgnoreEos = False
     priority: Priority = Field(Priority.NORMAL, description="Queue to wait in: high, normal or low.")
+    n: int = Field(1, strict=True, ge=1,
+                   description="Jobs to run on this input (at most the server's max_n), queued "
+                               "together, all or none; with a seed, job i samples with seed + i. "
+                               "Their ids are in the answer's job_ids.")
 
     @model_validator(mode="after")
     def _one_input(self) -> JobCreate:
@@ -69,6 +73,8 @@ class JobAccepted(BaseModel):
     max_tokens: int = Field(description="Most tokens it will generate (the default filled in).")
     status_url: str = Field(description="GET it for the job's status (also in Location).")
     stream_url: str = Field(description="Server-Sent Events of the job's tokens (resumable).")
+    job_ids: list[str] | None = Field(
+        None, description="Only with n > 1: the n jobs, in order (job_id is the first).")
 
 
 class Usage(BaseModel):

@@ -25,6 +25,7 @@ from api.queue_admission import QueueAdmission
 from api.sampling_defaults import served_defaults, with_model_defaults
 from api.tokenizer_cache import TokenizerCache
 from protocol import JobSpec, JobState, JobStatus, Keys, ModelCard, Priority, SamplingParams
+from protocol.generation import MAX_SEED
 from protocol.job_submission import cancel_job, submit_jobs
 from protocol.rq_keys import RQKeys
 
@@ -66,6 +67,14 @@ def sampling_of(body: BaseModel) -> SamplingParams:
     (max_tokens aside, which the job service resolves against the model's context)."""
     names = SamplingParams.field_names() - {"max_tokens"}
     return SamplingParams.from_fields(body.model_dump(include=set(names)))
+
+
+def choice_sampling(sampling: SamplingParams, choice: int) -> SamplingParams:
+    """Choice `choice`'s sampling: with a seed, seed + choice (as vLLM seeds its n child
+    requests), so choice 0 draws what n = 1 would and a seeded n = 4 repeats run to run."""
+    if sampling.seed is None or choice == 0:
+        return sampling
+    return dataclasses.replace(sampling, seed=(sampling.seed + choice) % (MAX_SEED + 1))
 
 
 def new_job_id() -> str:

@@ -8,7 +8,6 @@ the end of the last one. A client that leaves has every one of its jobs canceled
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -17,18 +16,9 @@ import redis.exceptions
 
 from api.context import AppContext
 from api.job_stream import StreamEvent
-from protocol import SamplingParams, StreamEntry
-from protocol.generation import MAX_SEED
+from protocol import StreamEntry
 
 log = logging.getLogger(__name__)
-
-
-def choice_sampling(sampling: SamplingParams, choice: int) -> SamplingParams:
-    """Choice `choice`'s sampling: with a seed, seed + choice (as vLLM seeds its n child
-    requests), so choice 0 draws what n = 1 would and a seeded n = 4 repeats run to run."""
-    if sampling.seed is None or choice == 0:
-        return sampling
-    return dataclasses.replace(sampling, seed=(sampling.seed + choice) % (MAX_SEED + 1))
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from api.auth import caller_owner
 from api.context import AppContext, get_context
 from api.errors import InvalidRequestError
 from api.job_schemas import ErrorDetail, JobAccepted, JobCanceled, JobCreate, JobTimings, JobView, Usage
-from api.job_service import GenerationRequest, sampling_of
+from api.job_service import GenerationRequest, choice_sampling, sampling_of
 from api.job_stream import JobStream, StreamEvent
 from api.sse import EventStreamResponse, sse_comment, sse_event
 from protocol import JobState, JobStatus, StreamEntry
@@ -50,19 +50,25 @@ _STREAM_ERRORS: dict[int | str, dict[str, Any]] = {
                         429: {"model": ErrorDetail, "description": "Queue full (see Retry-After)."}})
 async def create_job(body: JobCreate, request: Request, response: Response, owner: Owner,
                      ctx: Context) -> JobAccepted:
-    accepted = await ctx.jobs.submit(GenerationRequest(
+    if body.n > ctx.settings.max_n:
+        raise InvalidRequestError(f"'n' must be at most {ctx.settings.max_n} (got {body.n})",
+                                  param="n")
+    sampling = sampling_of(body)
+    batch = await ctx.jobs.submit_many([GenerationRequest(
         owner=owner, model=body.model, prompt=body.prompt,
         messages=[m.model_dump() for m in body.messages] if body.messages else None,
-        max_tokens=body.max_tokens, sampling=sampling_of(body), priority=body.priority,
-        input_param="prompt" if body.prompt is not None else "messages",
-    ))
+        max_tokens=body.max_tokens, sampling=choice_sampling(sampling, choice),
+        priority=body.priority, input_param="prompt" if body.prompt is not None else "messages",
+    ) for choice in range(body.n)])
+    accepted = batch[0]
     spec = accepted.spec
     status_url = str(request.url_for("get_job", job_id=spec.job_id))
     response.headers["Location"] = status_url
     return JobAccepted(job_id=spec.job_id, status=JobStatus.QUEUED, model=spec.model,
                        priority=spec.priority, prompt_tokens=accepted.prompt_tokens,
                        max_tokens=spec.sampling.max_tokens, status_url=status_url,
-                       stream_url=str(request.url_for("stream_job", job_id=spec.job_id)))
+                       stream_url=str(request.url_for("stream_job", job_id=spec.job_id)),
+                       job_ids=[job.spec.job_id for job in batch] if body.n > 1 else None)
 
 
 @router.get("/{job_id}", response_model=JobView, summary="A job's status and text so far",

@@ -28,12 +28,11 @@ from api.errors import (
     NotFoundError,
     openai_error_body,
 )
-from api.job_service import AcceptedJob, GenerationRequest, sampling_of
+from api.job_service import AcceptedJob, GenerationRequest, choice_sampling, sampling_of
 from api.openai_choices import (
     ChoiceJob,
     ChoiceResult,
     cancel_jobs,
-    choice_sampling,
     merged_events,
     summed_usage,
 )
