@@ -23,13 +23,14 @@ class ChatTemplateError(ValueError):
     """The template refused the conversation (e.g. roles that do not alternate): the client's fault."""
 
 
-def render_chat(card: ModelCard, messages: list[dict[str, str]]) -> tuple[str, bool]:
+def render_chat(card: ModelCard, messages: list[dict[str, str]],
+                add_generation_prompt: bool = True) -> tuple[str, bool]:
     """The prompt text for `messages`, and whether it came from the model's own template."""
     if card.chat_template:
         try:
             template = _compile(card.chat_template)
             text = template.render(
-                messages=messages, add_generation_prompt=True, bos_token=card.bos_token or "",
+                messages=messages, add_generation_prompt=add_generation_prompt, bos_token=card.bos_token or "",
                 eos_token=card.eos_token or "", tools=None, documents=None,
             )
             return text, True
@@ -37,12 +38,12 @@ def render_chat(card: ModelCard, messages: list[dict[str, str]]) -> tuple[str, b
             raise
         except jinja2.TemplateError:
             pass  # a template using what we do not emulate: approximate, the worker decides
-    return _approximate(messages), False
+    return _approximate(messages, add_generation_prompt), False
 
 
-def _approximate(messages: list[dict[str, str]]) -> str:
+def _approximate(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
     parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
-    return "".join(parts) + "<|im_start|>assistant\n"
+    return "".join(parts) + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
 def _raise(message: str) -> NoReturn:

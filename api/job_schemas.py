@@ -56,6 +56,10 @@ class JobCreate(BaseModel):
     queue_timeout_s: QueueTimeoutS = None
     deadline_s: DeadlineS = None
     retention_s: RetentionS = None
+    n: int = Field(1, strict=True, ge=1,
+                   description="Jobs to run on this input (at most the server's max_n), queued "
+                               "together, all or none; with a seed, job i samples with seed + i. "
+                               "Their ids are in the answer's job_ids.")
 
     @model_validator(mode="after")
     def _one_input(self) -> JobCreate:
@@ -76,6 +80,8 @@ class JobAccepted(BaseModel):
     max_tokens: int = Field(description="Most tokens it will generate (the default filled in).")
     status_url: str = Field(description="GET it for the job's status (also in Location).")
     stream_url: str = Field(description="Server-Sent Events of the job's tokens (resumable).")
+    job_ids: list[str] | None = Field(
+        None, description="Only with n > 1: the n jobs, in order (job_id is the first).")
 
 
 class Usage(BaseModel):

@@ -19,21 +19,24 @@ from pydantic import BaseModel
 from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.serializers import JSONSerializer
+from tokenizers import Tokenizer
 
 from api.chat_template import ChatTemplateError, render_chat
 from api.errors import ConflictError, InvalidRequestError, NotFoundError
 from api.idempotency_key import IDEMPOTENCY_HEADER
 from api.model_registry import ModelRegistry
 from api.queue_admission import QueueAdmission
+from api.sampling_defaults import served_defaults, with_model_defaults
 from api.tokenizer_cache import TokenizerCache
 from protocol import JobSpec, JobState, JobStatus, Keys, ModelCard, Priority, SamplingParams
+from protocol.generation import MAX_SEED
 from protocol.job_submission import (
     DEFAULT_FAILURE_TTL,
     DEFAULT_RESULT_TTL,
     DuplicateSubmission,
     Idempotency,
     cancel_job,
-    submit_job,
+    submit_jobs,
 )
 
 # Tokenizing this much text on the event loop would stall other requests: use a thread.
@@ -48,24 +51,30 @@ class GenerationRequest:
     model: str | None
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
+    prompt_token_ids: list[int] | None = None  # a prompt the client tokenized itself
     max_tokens: int | None = None  # None: as many as the context leaves
     # Everything else the sampler honours; its max_tokens is set once the context is known.
     sampling: SamplingParams = field(default_factory=SamplingParams)
     priority: Priority = Priority.NORMAL
+    # The names the client used, so errors name its fields.
+    input_param: str = "prompt"
+    max_tokens_param: str = "max_tokens"
+    # Fields the client set; the model's generation_config.json fills in the others. None: all
+    # of them were set (no defaults applied).
+    explicit_fields: frozenset[str] | None = None
     queue_timeout_s: float | None = None  # seconds from submission; None: no limit
     deadline_s: float | None = None
     idempotency_key: str | None = None  # the Idempotency-Key header
     retention_s: int | None = None  # kept this long once ended; None: the server's defaults
-    # The names the client used, so errors name its fields.
-    input_param: str = "prompt"
-    max_tokens_param: str = "max_tokens"
 
 
 @dataclass(frozen=True, slots=True)
 class AcceptedJob:
     spec: JobSpec
     prompt_tokens: int | None  # None when no tokenizer is published for the model
-    is_replay: bool = False  # the first job of a repeated Idempotency-Key, not a new one
+    # The prompt as text (token-id prompts decoded; None without a tokenizer), for `echo`.
+    prompt_text: str | None = None
+    is_replay: bool = False  # a job of a repeated Idempotency-Key, not a new one
 
 
 def sampling_of(body: BaseModel) -> SamplingParams:
@@ -77,6 +86,14 @@ def sampling_of(body: BaseModel) -> SamplingParams:
 
 def _after(start: float, seconds: float | None) -> float:
     return start + seconds if seconds else 0.0
+
+
+def choice_sampling(sampling: SamplingParams, choice: int) -> SamplingParams:
+    """Choice `choice`'s sampling: with a seed, seed + choice (as vLLM seeds its n child
+    requests), so choice 0 draws what n = 1 would and a seeded n = 4 repeats run to run."""
+    if sampling.seed is None or choice == 0:
+        return sampling
+    return dataclasses.replace(sampling, seed=(sampling.seed + choice) % (MAX_SEED + 1))
 
 
 def new_job_id() -> str:
@@ -99,54 +116,94 @@ class JobService:
         self._failure_ttl_s = failure_ttl_s
 
     async def submit(self, request: GenerationRequest) -> AcceptedJob:
-        card = await self._models.resolve(request.model)
-        prompt_tokens, is_exact = await self._count_prompt(card, request)
-        max_tokens = self._check_lengths(card, request, prompt_tokens, is_exact)
-        idempotency = None
-        if request.idempotency_key is not None:
-            idempotency = Idempotency(self._keys.idempotency(request.owner, request.idempotency_key),
-                                      self._idempotency_ttl_s)
-            # A retry finds its first job here, even while the queue is full.
-            first = await self._aio.get(idempotency.key)
-            if first is not None:
-                return await self._replay(
-                    first.decode() if isinstance(first, bytes) else first, prompt_tokens)
-        try:
-            return await self._enqueue(card, request, max_tokens, prompt_tokens, idempotency)
-        except DuplicateSubmission as duplicate:  # a concurrent twin enqueued first
-            return await self._replay(duplicate.job_id, prompt_tokens)
+        (accepted,) = await self.submit_many([request])
+        return accepted
 
-    async def _enqueue(self, card: ModelCard, request: GenerationRequest, max_tokens: int,
-                       prompt_tokens: int | None, idempotency: Idempotency | None) -> AcceptedJob:
-        async with self._admission.admit(card.name) as admission:
+    async def submit_many(self, requests: list[GenerationRequest]) -> list[AcceptedJob]:
+        """Check every request, then queue them all in one transaction (all or none), counted as
+        len(requests) jobs by the queue admission: a request's n choices, one job each. They
+        share one model (the first request's)."""
+        card = await self._models.resolve(requests[0].model)
+        checked = []
+        for request in requests:
+            prompt_tokens, is_exact, prompt_text = await self._count_prompt(card, request)
+            max_tokens = self._check_lengths(card, request, prompt_tokens, is_exact)
+            sampling = request.sampling
+            if request.explicit_fields is not None:
+                sampling = with_model_defaults(sampling, card.generation_defaults,
+                                               request.explicit_fields)
+                default_max = served_defaults(card.generation_defaults).get("max_tokens")
+                if request.max_tokens_param not in request.explicit_fields \
+                        and isinstance(default_max, int) and default_max >= 1:
+                    max_tokens = min(max_tokens, default_max)
+            checked.append((request, dataclasses.replace(sampling, max_tokens=max_tokens),
+                            prompt_tokens, prompt_text))
+        # One request's jobs (its n choices) share its Idempotency-Key and retention.
+        first = checked[0][0]
+        idempotency = None
+        if first.idempotency_key is not None:
+            idempotency = Idempotency(self._keys.idempotency(first.owner, first.idempotency_key),
+                                      self._idempotency_ttl_s)
+            # A retry finds its first jobs here, even while the queue is full.
+            recorded = await self._aio.get(idempotency.key)
+            if recorded is not None:
+                return await self._replay(
+                    recorded.decode() if isinstance(recorded, bytes) else recorded, checked)
+        try:
+            return await self._enqueue(card, checked, idempotency)
+        except DuplicateSubmission as duplicate:  # a concurrent twin enqueued first
+            return await self._replay(duplicate.job_id, checked)
+
+    async def _enqueue(self, card: ModelCard,
+                       checked: list[tuple[GenerationRequest, SamplingParams, int | None, str | None]],
+                       idempotency: Idempotency | None) -> list[AcceptedJob]:
+        first = checked[0][0]
+        async with self._admission.admit(card.name, len(checked)) as admissions:
             created_at = time.time()
-            spec = JobSpec(
+            accepted = [AcceptedJob(JobSpec(
                 job_id=new_job_id(), model=card.name, prompt=request.prompt,
-                messages=request.messages,
-                sampling=dataclasses.replace(request.sampling, max_tokens=max_tokens),
-                priority=request.priority, owner=request.owner, created_at=created_at,
+                messages=request.messages, prompt_token_ids=request.prompt_token_ids,
+                sampling=sampling, priority=request.priority, owner=request.owner,
+                created_at=created_at,
                 queue_deadline_at=_after(created_at, request.queue_timeout_s),
-                deadline_at=_after(created_at, request.deadline_s),
-            )
+                deadline_at=_after(created_at, request.deadline_s)), prompt_tokens, prompt_text)
+                for request, sampling, prompt_tokens, prompt_text in checked]
             # RQ is sync: run it in a worker thread rather than block the event loop.
             await anyio.to_thread.run_sync(partial(
-                submit_job, self._sync, spec, self._keys, admission=admission,
-                idempotency=idempotency, result_ttl=request.retention_s or self._result_ttl_s,
-                failure_ttl=request.retention_s or self._failure_ttl_s))
-        return AcceptedJob(spec, prompt_tokens)
+                submit_jobs, self._sync, [job.spec for job in accepted], self._keys,
+                admission=admissions, idempotency=idempotency,
+                result_ttl=first.retention_s or self._result_ttl_s,
+                failure_ttl=first.retention_s or self._failure_ttl_s))
+        return accepted
 
-    async def _replay(self, job_id: str, prompt_tokens: int | None) -> AcceptedJob:
-        """The job a repeated Idempotency-Key made first, as its submission accepted it."""
-        try:
-            job = await anyio.to_thread.run_sync(
-                partial(Job.fetch, job_id, connection=self._sync, serializer=JSONSerializer))
-            spec = JobSpec.from_dict(job.args[0])
-        except (NoSuchJobError, ValueError, IndexError) as exc:
+    async def _replay(self, recorded: str,
+                      checked: list[tuple[GenerationRequest, SamplingParams, int | None, str | None]],
+                      ) -> list[AcceptedJob]:
+        """The jobs a repeated Idempotency-Key made first (their ids, comma-separated), as their
+        submission accepted them."""
+        job_ids = recorded.split(",")
+        replayed = []
+        for job_id, (_, _, prompt_tokens, prompt_text) in zip(job_ids, checked):
+            try:
+                job = await anyio.to_thread.run_sync(
+                    partial(Job.fetch, job_id, connection=self._sync, serializer=JSONSerializer))
+                spec = JobSpec.from_dict(job.args[0])
+            except (NoSuchJobError, ValueError, IndexError) as exc:
+                raise ConflictError(
+                    f"This Idempotency-Key made job '{job_id}', which is no longer kept; use a "
+                    f"new key to submit again", param=IDEMPOTENCY_HEADER,
+                    code="idempotency_key_reused") from exc
+            replayed.append(AcceptedJob(spec, prompt_tokens, prompt_text, is_replay=True))
+        if len(replayed) != len(checked):
             raise ConflictError(
-                f"This Idempotency-Key made job '{job_id}', which is no longer kept; use a new "
-                f"key to submit again", param=IDEMPOTENCY_HEADER,
-                code="idempotency_key_reused") from exc
-        return AcceptedJob(spec, prompt_tokens, is_replay=True)
+                f"This Idempotency-Key was first used for {len(job_ids)} jobs, this request "
+                f"makes {len(checked)}; use a new key for a different request",
+                param=IDEMPOTENCY_HEADER, code="idempotency_key_reused")
+        return replayed
+
+    async def tokenizer(self, card: ModelCard) -> Tokenizer | None:
+        """The model's tokenizer as the API knows it (None when no worker published one)."""
+        return await self._tokenizers.get(card)
 
     async def state(self, job_id: str, owner: str) -> JobState:
         """The job's state; 404 for unknown jobs and for jobs of another key alike."""
@@ -170,9 +227,23 @@ class JobService:
         """Cancel a job this process submitted itself (its client went away): no owner check."""
         return await anyio.to_thread.run_sync(cancel_job, self._sync, job_id, self._keys)
 
-    async def _count_prompt(self, card: ModelCard, request: GenerationRequest) -> tuple[int | None, bool]:
-        """Prompt length in the model's tokens, and whether that count is exact."""
+    async def _count_prompt(self, card: ModelCard,
+                            request: GenerationRequest) -> tuple[int | None, bool, str | None]:
+        """Prompt length in the model's tokens, whether that count is exact, and the prompt as
+        text (None for a chat, or token ids without a tokenizer)."""
         tokenizer = await self._tokenizers.get(card)
+        if request.prompt_token_ids is not None:
+            ids = request.prompt_token_ids
+            if tokenizer is None:
+                return len(ids), True, None  # the worker checks them against its vocabulary
+            vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+            outside = [token_id for token_id in ids if token_id >= vocab_size]
+            if outside:
+                raise InvalidRequestError(
+                    f"'{request.input_param}' holds token id {outside[0]}, outside the "
+                    f"vocabulary of model '{card.name}' (ids 0 to {vocab_size - 1})",
+                    param=request.input_param)
+            return len(ids), True, tokenizer.decode(ids, skip_special_tokens=False)
         if request.messages is not None:
             try:
                 text, is_exact = render_chat(card, request.messages)
@@ -182,14 +253,15 @@ class JobService:
             add_special_tokens = False  # a chat template writes its special tokens itself
         else:
             text, is_exact, add_special_tokens = request.prompt or "", True, True
+        prompt_text = None if request.messages is not None else text
         if tokenizer is None:
-            return None, False
+            return None, False, prompt_text
         if len(text) > _THREAD_TOKENIZE_CHARS:
             encoding = await anyio.to_thread.run_sync(
                 partial(tokenizer.encode, text, add_special_tokens=add_special_tokens))
         else:
             encoding = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return len(encoding.ids), is_exact
+        return len(encoding.ids), is_exact, prompt_text
 
     def _check_lengths(self, card: ModelCard, request: GenerationRequest, prompt_tokens: int | None,
                        is_exact: bool) -> int:

@@ -14,6 +14,7 @@ import math
 import re
 
 from api.fleet import FleetSnapshot
+from api.vllm_metrics import render_vllm
 from protocol.messages import HISTOGRAM_BUCKETS
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -61,7 +62,9 @@ class _Exposition:
         return "\n".join(self.lines) + "\n"
 
 
-def render(snapshot: FleetSnapshot) -> str:
+def render(snapshot: FleetSnapshot, served_models: list[str] | None = None) -> str:
+    """Carpool's metrics, then vLLM's names for the same numbers (api/vllm_metrics.py), labelled
+    with `served_models` (the registered models, the default first)."""
     out = _Exposition()
     out.family(PREFIX + "queue_depth", "gauge", "Jobs waiting in each priority queue.")
     for priority, depth in snapshot.queue_depths.items():
@@ -99,6 +102,7 @@ def render(snapshot: FleetSnapshot) -> str:
             out.sample(name + "_bucket", cumulative, {"le": _le(bound)})
         out.sample(name + "_sum", total)
         out.sample(name + "_count", observations)
+    render_vllm(snapshot, served_models or [], out.sample, out.family, _cumulative)
     return out.text()
 
 

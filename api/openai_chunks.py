@@ -12,45 +12,55 @@ def openai_finish_reason(reason: FinishReason | None) -> str | None:
     return reason.openai_name if reason else None
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage_dict(prompt_tokens: int, completion_tokens: int,
+               cached_tokens: int | None = None) -> dict[str, Any]:
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
 
 
 @dataclass(frozen=True, slots=True)
 class ChunkWriter:
-    """Builds the chunks of one streamed completion (chat or plain)."""
+    """Builds the chunks of one streamed completion (chat or plain); each carries one choice,
+    numbered by `index` (prompt number * n + choice number)."""
 
     is_chat: bool
     response_id: str
     created: int
     model: str
     include_usage: bool
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage so far on every chunk
 
-    def opening(self) -> dict[str, Any] | None:
+    def opening(self, index: int = 0, usage: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Chat streams open with the assistant's role and empty content, as OpenAI's do."""
         if not self.is_chat:
             return None
-        return self._chunk([self._choice({"role": "assistant", "content": ""}, None)])
+        return self._chunk([self._choice(index, {"role": "assistant", "content": ""}, None)], usage)
 
-    def text(self, text: str) -> dict[str, Any]:
+    def text(self, text: str, index: int = 0, usage: dict[str, Any] | None = None) -> dict[str, Any]:
         payload = {"content": text} if self.is_chat else text
-        return self._chunk([self._choice(payload, None)])
+        return self._chunk([self._choice(index, payload, None)], usage)
 
-    def finish(self, reason: FinishReason | None) -> dict[str, Any]:
+    def finish(self, reason: FinishReason | None, index: int = 0,
+               usage: dict[str, Any] | None = None) -> dict[str, Any]:
         payload: dict[str, Any] | str = {} if self.is_chat else ""
-        return self._chunk([self._choice(payload, openai_finish_reason(reason))])
+        return self._chunk([self._choice(index, payload, openai_finish_reason(reason))], usage)
 
-    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    def usage(self, prompt_tokens: int, completion_tokens: int,
+              cached_tokens: int | None = None) -> dict[str, Any]:
         chunk = self._chunk([])
-        chunk["usage"] = usage_dict(prompt_tokens, completion_tokens)
+        chunk["usage"] = usage_dict(prompt_tokens, completion_tokens, cached_tokens)
         return chunk
 
-    def _choice(self, payload: dict[str, Any] | str, finish_reason: str | None) -> dict[str, Any]:
+    def _choice(self, index: int, payload: dict[str, Any] | str,
+                finish_reason: str | None) -> dict[str, Any]:
         key = "delta" if self.is_chat else "text"
-        return {"index": 0, key: payload, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, key: payload, "logprobs": None, "finish_reason": finish_reason}
 
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def _chunk(self, choices: list[dict[str, Any]],
+               usage: dict[str, Any] | None = None) -> dict[str, Any]:
         chunk: dict[str, Any] = {
             "id": self.response_id,
             "object": "chat.completion.chunk" if self.is_chat else "text_completion",
@@ -59,5 +69,7 @@ class ChunkWriter:
             "choices": choices,
         }
         if self.include_usage:
-            chunk["usage"] = None  # OpenAI sends null on every chunk but the last when asked
+            # OpenAI sends null on every chunk but the last when asked; vLLM's
+            # continuous_usage_stats puts the usage so far on each one.
+            chunk["usage"] = usage if self.continuous_usage else None
         return chunk

@@ -30,17 +30,38 @@ def _unsupported(what: str) -> ValueError:
     return ValueError(what)
 
 
-def _single_prompt(value: Any) -> Any:
-    # OpenAI also takes a batch of prompts or token ids; one job is one prompt of text here.
-    if isinstance(value, list):
-        if len(value) == 1 and isinstance(value[0], str):
-            return value[0]
-        if value and all(isinstance(v, int) for v in value):
-            raise ValueError("prompts given as token ids are not supported; send text")
-        raise ValueError(f"a list of {len(value)} prompts is not supported; send one prompt per "
-                         "request")
-    if value == "":
-        raise ValueError("the prompt is empty")
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _prompts(value: Any) -> Any:
+    """OpenAI's four prompt forms (text, texts, token ids, lists of token ids) as one list of
+    prompts, each text or token ids; whether ids are in the vocabulary is the job service's check."""
+    if isinstance(value, str):
+        value = [value]
+    elif isinstance(value, list) and value and all(_is_token_id(v) for v in value):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise ValueError("give text, a list of texts, a list of token ids or a list of such lists")
+    for number, prompt in enumerate(value):
+        where = "" if len(value) == 1 else f"prompt {number}: "
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError(f"{where}the prompt is empty")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # JSON may carry a lone surrogate ("\\ud800")
+                raise ValueError(f"{where}the prompt is not a valid unicode string (it holds an "
+                                 "unpaired surrogate)") from exc
+        elif isinstance(prompt, list):
+            if not prompt:
+                raise ValueError(f"{where}the list of token ids is empty")
+            bad = next((v for v in prompt if not _is_token_id(v) or v < 0), None)
+            if bad is not None or not all(_is_token_id(v) for v in prompt):
+                raise ValueError(f"{where}token ids must be non-negative ints (got {bad!r})")
+        else:
+            raise ValueError(f"{where}a prompt is text or a list of token ids "
+                             f"(got {type(prompt).__name__})")
     return value
 
 
@@ -75,6 +96,8 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = Field(False, strict=True,
                                 description="Send a last chunk with usage and no choices.")
+    continuous_usage_stats: bool = Field(
+        False, strict=True, description="vLLM's: usage so far on every chunk (with include_usage).")
 
 
 class _CommonParams(BaseModel):
@@ -89,7 +112,8 @@ class _CommonParams(BaseModel):
     model: str | None = Field(None, description="A model from GET /v1/models; default: the first.")
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
-    n: int = Field(1, strict=True, description="Number of choices; only 1 is supported.")
+    n: int = Field(1, strict=True, ge=1,
+                   description="Choices per prompt, each its own job (at most the server's max_n).")
     stream: bool = Field(False, strict=True,
                          description="Answer with Server-Sent Events, ending `data: [DONE]`.")
     stream_options: StreamOptions | None = Field(None, description="With stream: include_usage.")
@@ -104,13 +128,6 @@ class _CommonParams(BaseModel):
     top_k: TopK = 0
     ignore_eos: IgnoreEos = False
     priority: Priority = Field(Priority.NORMAL, description="Carpool queue: high, normal or low.")
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise _unsupported(f"only n = 1 is accepted, one choice per request; got {value}")
-        return value
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -130,17 +147,25 @@ class _CommonParams(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options
+                                           and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_CommonParams):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 32, "temperature": 0.7},
     ]})
 
-    prompt: Annotated[NonEmptyText, BeforeValidator(_single_prompt), Field(
-        description="The text to continue (one prompt).")]
+    prompt: Annotated[list[NonEmptyText | list[int]], BeforeValidator(
+        _prompts, json_schema_input_type=NonEmptyText | list[NonEmptyText] | list[int]
+        | list[list[int]]), Field(
+        description="Text, a list of texts, token ids, or a list of token-id lists: n choices "
+                    "for each prompt, numbered prompt * n + choice.")]
     max_tokens: MaxTokens = 16
     suffix: str | None = Field(None, description="Not supported (insertion).")
-    echo: bool = Field(False, strict=True, description="Only false is supported.")
+    echo: bool = Field(False, strict=True, description="Put the prompt before each completion.")
     logprobs: int | None = Field(None, strict=True, description="Not supported.")
     best_of: int | None = Field(None, strict=True, description="Only 1 is supported.")
 
@@ -149,13 +174,6 @@ class CompletionRequest(_CommonParams):
     def _no_suffix(cls, value: str | None) -> str | None:
         if value:
             raise _unsupported("a suffix (text insertion) is not accepted")
-        return value
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise _unsupported("only echo = false is accepted")
         return value
 
     @field_validator("logprobs")
@@ -248,15 +266,22 @@ class ChatCompletionRequest(_CommonParams):
 
 
 # Responses (documented at /docs; streaming chunks have the same fields as in OpenAI's API).
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens found in a worker's prefix cache.")
+
+
 class CompletionUsage(BaseModel):
-    prompt_tokens: int = Field(description="Tokens of the prompt (after the chat template).")
-    completion_tokens: int = Field(description="Tokens generated.")
+    prompt_tokens: int = Field(description="Tokens of the prompt (after the chat template); "
+                                           "each prompt counted once, whatever n.")
+    completion_tokens: int = Field(description="Tokens generated, over all choices.")
     total_tokens: int = Field(description="The two together.")
+    prompt_tokens_details: PromptTokensDetails | None = Field(
+        None, description="cached_tokens: of prompt_tokens, those the prefix cache held.")
 
 
 class CompletionChoice(BaseModel):
-    index: int = Field(0, description="Always 0 (one choice).")
-    text: str = Field(description="The generated text.")
+    index: int = Field(0, description="prompt number * n + choice number.")
+    text: str = Field(description="The generated text (after the prompt, with echo).")
     logprobs: None = Field(None, description="Always null.")
     finish_reason: str | None = Field(description="stop, length, or abort (canceled).")
 
@@ -266,7 +291,7 @@ class Completion(BaseModel):
     object: Literal["text_completion"] = Field("text_completion", description="The kind of object.")
     created: int = Field(description="Submission time, seconds since the epoch.")
     model: str = Field(description="The model that ran it.")
-    choices: list[CompletionChoice] = Field(description="One choice.")
+    choices: list[CompletionChoice] = Field(description="n choices per prompt.")
     usage: CompletionUsage = Field(description="Token counts.")
 
 
@@ -276,7 +301,7 @@ class AssistantMessage(BaseModel):
 
 
 class ChatChoice(BaseModel):
-    index: int = Field(0, description="Always 0 (one choice).")
+    index: int = Field(0, description="The choice's number, 0 to n - 1.")
     message: AssistantMessage = Field(description="The model's answer.")
     logprobs: None = Field(None, description="Always null.")
     finish_reason: str | None = Field(description="stop, length, or abort (canceled).")
@@ -287,7 +312,7 @@ class ChatCompletion(BaseModel):
     object: Literal["chat.completion"] = Field("chat.completion", description="The kind of object.")
     created: int = Field(description="Submission time, seconds since the epoch.")
     model: str = Field(description="The model that ran it.")
-    choices: list[ChatChoice] = Field(description="One choice.")
+    choices: list[ChatChoice] = Field(description="n choices.")
     usage: CompletionUsage = Field(description="Token counts.")
 
 
@@ -297,6 +322,10 @@ class ModelObject(BaseModel):
     created: int = Field(description="When a worker registered it, seconds since the epoch.")
     owned_by: str = Field(default="carpool", description="Always carpool.")
     max_model_len: int = Field(description="Context length in tokens (as vLLM reports it).")
+    generation_defaults: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Sampling defaults from the model's generation_config.json, applied to the "
+                    "fields a request leaves out (as vLLM's --generation-config auto).")
 
 
 class ModelList(BaseModel):

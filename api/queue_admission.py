@@ -18,16 +18,18 @@ from protocol.rq_keys import RQKeys
 # far beyond a submission's few Redis round trips and its socket timeout.
 ADMISSION_TTL_MS = 60_000
 
-# KEYS: the model's admissions, then its RQ queues. ARGV: admission id, max depth, ttl_ms.
+# KEYS: the model's admissions, then its RQ queues. ARGV: max depth, ttl_ms, then one admission
+# id per job.
 # Returns {1 admitted | 0 refused, depth counted (queued jobs + admissions not enqueued yet)}.
+# All the jobs of one request (its n choices) get in together or not at all.
 _ADMIT_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local depth = redis.call('ZCARD', KEYS[1])
 for i = 2, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
-if depth >= tonumber(ARGV[2]) then return {0, depth} end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[3]), ARGV[1])
+if depth + #ARGV - 2 > tonumber(ARGV[1]) then return {0, depth} end
+for i = 3, #ARGV do redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[i]) end
 return {1, depth}
 """
 
@@ -54,27 +56,28 @@ class QueueAdmission:
         self._script = redis.register_script(_ADMIT_LUA)
 
     @asynccontextmanager
-    async def admit(self, model: str) -> AsyncIterator[str]:
-        """Enqueue inside this block, passing the admission id it gives to submit_job; raises
-        QueueFullError (429) instead when the queue is full."""
-        admission = uuid.uuid4().hex
+    async def admit(self, model: str, num_jobs: int = 1) -> AsyncIterator[list[str]]:
+        """Enqueue `num_jobs` jobs of `model` inside this block, passing the admission ids it
+        gives to submit_jobs; raises QueueFullError (429) instead when they would not all fit."""
+        admissions = [uuid.uuid4().hex for _ in range(num_jobs)]
         script_keys = [self._keys.admissions(model),
                        *(RQKeys.queue(name) for name in self._keys.queue_names(model))]
         reply = await self._script(keys=script_keys,
-                                   args=[admission, self.max_queue_depth, self._ttl_ms])
+                                   args=[self.max_queue_depth, self._ttl_ms, *admissions])
         is_admitted, depth = (int(value) for value in cast("list[int]", reply))
         if not is_admitted:
+            wanted = "" if num_jobs == 1 else f" for {num_jobs} more jobs"
             raise QueueFullError(
                 f"The job queue of model '{model}' is full ({depth} jobs waiting, the limit is "
-                f"{self.max_queue_depth}); retry later", self._retry_after_s)
+                f"{self.max_queue_depth}){wanted}; retry later", self._retry_after_s)
         try:
-            yield admission
+            yield admissions
         except BaseException:
             # No enqueue (or none we know of): give the place back now rather than at its expiry.
             # If the enqueue did land, it already removed the admission and this is a no-op.
             with anyio.CancelScope(shield=True):
                 try:
-                    await self._redis.zrem(self._keys.admissions(model), admission)
+                    await self._redis.zrem(self._keys.admissions(model), *admissions)
                 except Exception:  # Redis gone: the admission lapses by itself
                     pass
             raise

@@ -28,7 +28,7 @@ from api.job_schemas import (
     JobView,
     Usage,
 )
-from api.job_service import GenerationRequest, sampling_of
+from api.job_service import GenerationRequest, choice_sampling, sampling_of
 from api.job_stream import JobStream, StreamEvent
 from api.sse import EventStreamResponse, sse_comment, sse_event
 from protocol import JobState, JobStatus, StreamEntry
@@ -63,15 +63,19 @@ _STREAM_ERRORS: dict[int | str, dict[str, Any]] = {
                         429: {"model": ErrorDetail, "description": "Queue full (see Retry-After)."}})
 async def create_job(body: JobCreate, request: Request, response: Response, owner: Owner,
                      ctx: Context) -> JobAccepted:
-    accepted = await ctx.jobs.submit(GenerationRequest(
+    if body.n > ctx.settings.max_n:
+        raise InvalidRequestError(f"'n' must be at most {ctx.settings.max_n} (got {body.n})",
+                                  param="n")
+    sampling = sampling_of(body)
+    batch = await ctx.jobs.submit_many([GenerationRequest(
         owner=owner, model=body.model, prompt=body.prompt,
         messages=[m.model_dump() for m in body.messages] if body.messages else None,
-        max_tokens=body.max_tokens, sampling=sampling_of(body), priority=body.priority,
-        queue_timeout_s=body.queue_timeout_s, deadline_s=body.deadline_s,
-        retention_s=body.retention_s,
-        idempotency_key=idempotency_key_of(request.headers),
+        max_tokens=body.max_tokens, sampling=choice_sampling(sampling, choice),
+        priority=body.priority, queue_timeout_s=body.queue_timeout_s, deadline_s=body.deadline_s,
+        retention_s=body.retention_s, idempotency_key=idempotency_key_of(request.headers),
         input_param="prompt" if body.prompt is not None else "messages",
-    ))
+    ) for choice in range(body.n)])
+    accepted = batch[0]
     spec = accepted.spec
     status_url = str(request.url_for("get_job", job_id=spec.job_id))
     response.headers["Location"] = status_url
@@ -82,7 +86,8 @@ async def create_job(body: JobCreate, request: Request, response: Response, owne
     return JobAccepted(job_id=spec.job_id, status=status, model=spec.model,
                        priority=spec.priority, prompt_tokens=accepted.prompt_tokens,
                        max_tokens=spec.sampling.max_tokens, status_url=status_url,
-                       stream_url=str(request.url_for("stream_job", job_id=spec.job_id)))
+                       stream_url=str(request.url_for("stream_job", job_id=spec.job_id)),
+                       job_ids=[job.spec.job_id for job in batch] if body.n > 1 else None)
 
 
 @router.get("", response_model=JobList, summary="Your jobs, newest first",

@@ -11,6 +11,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from functools import partial
 from typing import Annotated, Any
 
@@ -21,9 +22,22 @@ from fastapi.responses import JSONResponse
 from api.auth import caller_owner
 from api.context import AppContext, get_context
 from api.deadline_headers import deadlines_of
-from api.errors import OPENAI_TAG, JobFailedError, NotFoundError, openai_error_body
+from api.errors import (
+    OPENAI_TAG,
+    InvalidRequestError,
+    JobFailedError,
+    NotFoundError,
+    openai_error_body,
+)
 from api.idempotency_key import REPLAYED_HEADER, idempotency_key_of
-from api.job_service import AcceptedJob, GenerationRequest, sampling_of
+from api.job_service import AcceptedJob, GenerationRequest, choice_sampling, sampling_of
+from api.openai_choices import (
+    ChoiceJob,
+    ChoiceResult,
+    cancel_jobs,
+    merged_events,
+    summed_usage,
+)
 from api.openai_chunks import ChunkWriter, openai_finish_reason, usage_dict
 from api.openai_schemas import (
     ChatCompletion,
@@ -34,8 +48,9 @@ from api.openai_schemas import (
     ModelObject,
     OpenAIError,
 )
+from api.sampling_defaults import served_defaults
 from api.sse import EventStreamResponse, sse_comment
-from protocol import FinishReason, ModelCard, StreamEntry
+from protocol import FinishReason, ModelCard, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -74,126 +89,180 @@ async def get_model(model: Annotated[str, Path()], ctx: Context) -> ModelObject:
              responses={**_ERRORS, 200: _STREAM_DOC})
 async def create_completion(body: CompletionRequest, request: Request, owner: Owner,
                             ctx: Context) -> Response:
-    accepted = await ctx.jobs.submit(GenerationRequest(
-        owner=owner, model=body.model, prompt=body.prompt, max_tokens=body.max_tokens,
-        **_sampling(body), **deadlines_of(request.headers),
-        idempotency_key=idempotency_key_of(request.headers)))
-    return await _answer(ctx, request, accepted, is_chat=False, include_usage=body.include_usage,
-                         stream=body.stream)
+    _check_counts(ctx, body.n, len(body.prompt))
+    common = _common(body, owner, request)
+    requests = [GenerationRequest(
+        **common, prompt=prompt if isinstance(prompt, str) else None,
+        prompt_token_ids=prompt if isinstance(prompt, list) else None,
+        max_tokens=body.max_tokens, sampling=choice_sampling(common_sampling, choice))
+        for prompt in body.prompt for choice, common_sampling in _choices(body)]
+    accepted = await ctx.jobs.submit_many(requests)
+    return await _answer(ctx, request, body, accepted, is_chat=False, echo=body.echo)
 
 
 @router.post("/chat/completions", response_model=ChatCompletion, summary="Chat completion (OpenAI)",
              responses={**_ERRORS, 200: _STREAM_DOC})
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, owner: Owner,
                                  ctx: Context) -> Response:
+    _check_counts(ctx, body.n, 1)
     max_tokens, max_tokens_param = body.requested_max_tokens
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content}
                 for m in body.messages]
-    accepted = await ctx.jobs.submit(GenerationRequest(
-        owner=owner, model=body.model, messages=messages, max_tokens=max_tokens,
-        input_param="messages", max_tokens_param=max_tokens_param, **_sampling(body),
-        **deadlines_of(request.headers), idempotency_key=idempotency_key_of(request.headers)))
-    return await _answer(ctx, request, accepted, is_chat=True, include_usage=body.include_usage,
-                         stream=body.stream)
+    requests = [GenerationRequest(
+        **_common(body, owner, request), messages=messages, max_tokens=max_tokens, input_param="messages",
+        max_tokens_param=max_tokens_param, sampling=choice_sampling(sampling, choice))
+        for choice, sampling in _choices(body)]
+    accepted = await ctx.jobs.submit_many(requests)
+    return await _answer(ctx, request, body, accepted, is_chat=True, echo=False)
 
 
-def _sampling(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
-    return {"sampling": sampling_of(body), "priority": body.priority}
+def _check_counts(ctx: AppContext, n: int, num_prompts: int) -> None:
+    settings = ctx.settings
+    if n > settings.max_n:
+        raise InvalidRequestError(f"Invalid value for 'n': at most {settings.max_n} choices per "
+                                  f"prompt are accepted (got {n})", param="n")
+    if num_prompts > settings.max_prompts:
+        raise InvalidRequestError(f"Invalid value for 'prompt': at most {settings.max_prompts} "
+                                  f"prompts per request are accepted (got {num_prompts})",
+                                  param="prompt")
+
+
+def _common(body: CompletionRequest | ChatCompletionRequest, owner: str,
+            request: Request) -> dict[str, Any]:
+    return {"owner": owner, "model": body.model, "priority": body.priority,
+            "explicit_fields": frozenset(body.model_fields_set),
+            **deadlines_of(request.headers), "idempotency_key": idempotency_key_of(request.headers)}
+
+
+def _choices(body: CompletionRequest | ChatCompletionRequest) -> list[tuple[int, SamplingParams]]:
+    sampling = sampling_of(body)
+    return [(choice, sampling) for choice in range(body.n)]
 
 
 def _model_object(card: ModelCard) -> ModelObject:
-    return ModelObject(id=card.name, created=int(card.created_at), max_model_len=card.max_model_len)
+    return ModelObject(id=card.name, created=int(card.created_at), max_model_len=card.max_model_len,
+                       generation_defaults=served_defaults(card.generation_defaults))
 
 
-async def _answer(ctx: AppContext, request: Request, accepted: AcceptedJob, *, is_chat: bool,
-                  include_usage: bool, stream: bool) -> Response:
-    spec = accepted.spec
+async def _answer(ctx: AppContext, request: Request,
+                  body: CompletionRequest | ChatCompletionRequest, accepted: list[AcceptedJob], *,
+                  is_chat: bool, echo: bool) -> Response:
+    first = accepted[0].spec
+    jobs = [ChoiceJob(index=index, prompt_number=index // body.n, job_id=job.spec.job_id,
+                      echo=(job.prompt_text or "") if echo else "",
+                      prompt_tokens=job.prompt_tokens or 0)
+            for index, job in enumerate(accepted)]
     writer = ChunkWriter(is_chat=is_chat,
-                         response_id=("chatcmpl-" if is_chat else "cmpl-") + spec.job_id,
-                         created=int(spec.created_at), model=spec.model, include_usage=include_usage)
-    headers = {"X-Carpool-Job-Id": spec.job_id}
-    if accepted.is_replay:
+                         response_id=("chatcmpl-" if is_chat else "cmpl-") + first.job_id,
+                         created=int(first.created_at), model=first.model,
+                         include_usage=body.include_usage, continuous_usage=body.continuous_usage)
+    headers = {"X-Carpool-Job-Id": first.job_id}
+    if len(jobs) > 1:
+        headers["X-Carpool-Job-Ids"] = ",".join(job.job_id for job in jobs)
+    if accepted[0].is_replay:
         headers[REPLAYED_HEADER] = "true"
-    if stream:
-        return EventStreamResponse(_stream_chunks(ctx, spec.job_id, writer), headers=headers,
-                                   on_abandon=partial(_cancel_abandoned, ctx, spec.job_id))
-    text, done = await _wait_for_result(ctx, request, spec.job_id)
-    if done is None:
+    if body.stream:
+        return EventStreamResponse(_stream_chunks(ctx, jobs, writer), headers=headers,
+                                   on_abandon=partial(cancel_jobs, ctx, jobs))
+    results = await _wait_for_results(ctx, request, jobs)
+    if results is None:
         return Response(status_code=499, headers=headers)  # the client left; nobody reads this
-    if done.finish_reason is FinishReason.ERROR:
-        raise JobFailedError(f"The job failed: {done.error or 'no reason given'}",
+    failed = next((r for r in results if r.done.finish_reason is FinishReason.ERROR), None)
+    if failed is not None:
+        await cancel_jobs(ctx, [r.job for r in results if r is not failed])
+        raise JobFailedError(f"The job failed: {failed.done.error or 'no reason given'}",
                              code="job_failed", headers=headers)
-    usage = usage_dict(done.prompt_tokens, done.completion_tokens)
-    reason = openai_finish_reason(done.finish_reason)
-    if is_chat:
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "logprobs": None, "finish_reason": reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-    body = {"id": writer.response_id, "object": "chat.completion" if is_chat else "text_completion",
-            "created": writer.created, "model": writer.model, "choices": [choice], "usage": usage}
-    return JSONResponse(body, headers=headers)
+    choices = []
+    for result in results:
+        reason = openai_finish_reason(result.done.finish_reason)
+        if is_chat:
+            choices.append({"index": result.job.index, "logprobs": None, "finish_reason": reason,
+                            "message": {"role": "assistant", "content": result.text}})
+        else:
+            choices.append({"index": result.job.index, "text": result.job.echo + result.text,
+                            "logprobs": None, "finish_reason": reason})
+    answer = {"id": writer.response_id, "object": "chat.completion" if is_chat else "text_completion",
+              "created": writer.created, "model": writer.model, "choices": choices,
+              "usage": usage_dict(*summed_usage(results))}
+    return JSONResponse(answer, headers=headers)
 
 
-async def _wait_for_result(ctx: AppContext, request: Request,
-                           job_id: str) -> tuple[str, StreamEntry | None]:
-    """The job's text and final entry; (text, None) after canceling it for a client that left."""
-    pieces: list[str] = []
-    async for event in ctx.stream(job_id).follow():
-        if await request.is_disconnected():
-            await _cancel_abandoned(ctx, job_id)
-            return "".join(pieces), None
-        if event is None:
-            continue
-        if event.is_done:
-            return "".join(pieces), event.entry
-        pieces.append(event.entry.text)
-    # The job's keys expired while we waited (retention shorter than the job): nothing to show.
-    raise NotFoundError(f"Job '{job_id}' expired before it ended", code="job_expired")
-
-
-async def _stream_chunks(ctx: AppContext, job_id: str, writer: ChunkWriter) -> AsyncIterator[bytes]:
-    opening = writer.opening()
-    if opening is not None:
-        yield _data(opening)
-    last_sent = time.monotonic()
-    try:
-        async for event in ctx.stream(job_id).follow():
+async def _wait_for_results(ctx: AppContext, request: Request,
+                            jobs: list[ChoiceJob]) -> list[ChoiceResult] | None:
+    """Every choice's text and final entry, in index order; None after canceling them all for a
+    client that left."""
+    pieces: dict[int, list[str]] = {job.index: [] for job in jobs}
+    done: dict[int, ChoiceResult] = {}
+    # aclosing: leaving early stops the followers now, not when the generator is collected.
+    async with aclosing(merged_events(ctx, jobs)) as events:
+        async for job, event in events:
+            if await request.is_disconnected():
+                await cancel_jobs(ctx, [j for j in jobs if j.index not in done])
+                return None
             if event is None:
-                if time.monotonic() - last_sent >= ctx.settings.sse_keepalive_s:
-                    last_sent = time.monotonic()
-                    yield sse_comment()
                 continue
-            last_sent = time.monotonic()
-            entry = event.entry
-            if not event.is_done:
-                if entry.text:  # text held back (a possible stop string) arrives later
-                    yield _data(writer.text(entry.text))
-                continue
-            if entry.finish_reason is FinishReason.ERROR:
-                # The openai client raises APIError on a data line that carries "error".
-                yield _data(openai_error_body(f"The job failed: {entry.error or 'no reason given'}",
-                                              "server_error", None, "job_failed"))
+            if event.is_done:
+                done[job.index] = ChoiceResult(job, "".join(pieces[job.index]), event.entry)
             else:
-                yield _data(writer.finish(entry.finish_reason))
+                pieces[job.index].append(event.entry.text)
+    if len(done) < len(jobs):
+        # A job's keys expired while we waited (retention shorter than the job): nothing to show.
+        missing = next(job.job_id for job in jobs if job.index not in done)
+        raise NotFoundError(f"Job '{missing}' expired before it ended", code="job_expired")
+    return [done[job.index] for job in jobs]
+
+
+async def _stream_chunks(ctx: AppContext, jobs: list[ChoiceJob],
+                         writer: ChunkWriter) -> AsyncIterator[bytes]:
+    num_tokens = {job.index: 0 for job in jobs}
+
+    def usage_so_far(job: ChoiceJob) -> dict[str, Any]:
+        return usage_dict(job.prompt_tokens, num_tokens[job.index])
+
+    for job in jobs:
+        opening = writer.opening(job.index, usage_so_far(job))
+        if opening is not None:
+            yield _data(opening)
+        if job.echo:
+            yield _data(writer.text(job.echo, job.index, usage_so_far(job)))
+    last_sent = time.monotonic()
+    results: list[ChoiceResult] = []
+    try:
+        async with aclosing(merged_events(ctx, jobs)) as events:
+            async for job, event in events:
+                if event is None:
+                    if time.monotonic() - last_sent >= ctx.settings.sse_keepalive_s:
+                        last_sent = time.monotonic()
+                        yield sse_comment()
+                    continue
+                last_sent = time.monotonic()
+                entry = event.entry
+                if not event.is_done:
+                    num_tokens[job.index] += 1
+                    if entry.text:  # text held back (a possible stop string) arrives later
+                        yield _data(writer.text(entry.text, job.index, usage_so_far(job)))
+                    continue
+                if entry.finish_reason is FinishReason.ERROR:
+                    # The openai client raises APIError on a data line that carries "error".
+                    yield _data(openai_error_body(f"The job failed: {entry.error or 'no reason given'}",
+                                                  "server_error", None, "job_failed"))
+                    await cancel_jobs(ctx, [j for j in jobs if j is not job
+                                            and j.index not in {r.job.index for r in results}])
+                    break
+                results.append(ChoiceResult(job, "", entry))
+                yield _data(writer.finish(entry.finish_reason, job.index,
+                                          usage_dict(entry.prompt_tokens, entry.completion_tokens)))
+            else:
                 if writer.include_usage:
-                    yield _data(writer.usage(entry.prompt_tokens, entry.completion_tokens))
+                    yield _data(writer.usage(*summed_usage(results)))
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
         # Headers are long sent: say it in the stream, as OpenAI does for mid-stream failures.
-        log.warning("Redis lost while streaming job %s: %s", job_id, exc)
-        yield _data(openai_error_body("Redis became unreachable while streaming; the job goes on: "
-                                      f"follow it at /v1/jobs/{job_id}/stream", "server_error",
-                                      None, "service_unavailable"))
+        job_ids = ", ".join(job.job_id for job in jobs)
+        log.warning("Redis lost while streaming jobs %s: %s", job_ids, exc)
+        yield _data(openai_error_body("Redis became unreachable while streaming; the jobs go on: "
+                                      "follow them at /v1/jobs/<job id>/stream (job ids "
+                                      f"{job_ids})", "server_error", None, "service_unavailable"))
     yield b"data: [DONE]\n\n"
-
-
-async def _cancel_abandoned(ctx: AppContext, job_id: str) -> None:
-    try:
-        status = await ctx.jobs.cancel_unowned(job_id)
-        log.info("client left before job %s ended: canceled (status now %s)", job_id,
-                 status.value if status else "gone")
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-        log.warning("could not cancel abandoned job %s: %s", job_id, exc)
 
 
 def _data(payload: dict[str, Any]) -> bytes:

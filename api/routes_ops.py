@@ -56,7 +56,8 @@ async def healthz(ctx: Context) -> JSONResponse:
             responses={200: {"content": {"text/plain": {}},
                              "description": "Prometheus text format 0.0.4."}})
 async def prometheus_metrics(ctx: Context) -> PlainTextResponse:
-    text = metrics.render(await fleet.snapshot(ctx.aio, ctx.keys))
+    served = [card.name for card in await ctx.models.cards()]
+    text = metrics.render(await fleet.snapshot(ctx.aio, ctx.keys), served)
     return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)
 
 

@@ -40,6 +40,10 @@ class ApiSettings(BaseSettings):
     idempotency_ttl_s: int = Field(
         24 * 3600, ge=1, le=30 * 24 * 3600,
         description="How long an Idempotency-Key keeps answering with its first job.")
+    max_n: int = Field(
+        16, ge=1, description="Most choices (`n`) per prompt on the OpenAI routes; each is a job.")
+    max_prompts: int = Field(
+        64, ge=1, description="Most prompts in one /v1/completions request (a list of prompts).")
     max_body_bytes: int = Field(
         2 * 1024 * 1024, ge=1024,
         description="Largest request body accepted; a larger one is answered 413 unread. Two MiB "

@@ -79,7 +79,7 @@ def submit_job(
     result_ttl: int = DEFAULT_RESULT_TTL,
     failure_ttl: int = DEFAULT_FAILURE_TTL,
     timeout: int = DEFAULT_JOB_TIMEOUT,
-    admission: str | None = None,
+    admission: str | list[str] | None = None,
     idempotency: Idempotency | None = None,
 ) -> Job:
     """Enqueue `spec` as an RQ job on its model's queue of its priority and record its JobState
@@ -107,13 +107,14 @@ def submit_jobs(
     result_ttl: int = DEFAULT_RESULT_TTL,
     failure_ttl: int = DEFAULT_FAILURE_TTL,
     timeout: int = DEFAULT_JOB_TIMEOUT,
-    admission: str | None = None,
+    admission: str | list[str] | None = None,
     idempotency: Idempotency | None = None,
 ) -> list[Job]:
     """`submit_job` for several specs in ONE MULTI/EXEC: all are queued, or none.
 
-    `admission`: a reservation in `Keys.admissions` that admitted them; it ends in the same
-    transaction, so the jobs count toward the queue depth once, as a reservation or queued.
+    `admission`: the reservations in `Keys.admissions` that admitted them (one per job, or one
+    for all); they end in the same transaction, so the jobs count toward the queue depth once, as
+    a reservation or queued.
     `idempotency`: the transaction also records the first spec's job id under its key, and runs
     only while that key is unset (WATCH): raises DuplicateSubmission, enqueueing nothing, when
     it names a job already, however many submissions race."""
@@ -126,7 +127,7 @@ def submit_jobs(
 
 
 def _submit_once(redis: Redis, specs: list[JobSpec], keys: Keys, result_ttl: int,
-                 failure_ttl: int, timeout: int, admission: str | None,
+                 failure_ttl: int, timeout: int, admission: str | list[str] | None,
                  idempotency: Idempotency | None) -> list[Job]:
     jobs = []
     queues = {(spec.model, spec.priority): queue_for(redis, spec.model, spec.priority, keys)
@@ -139,7 +140,9 @@ def _submit_once(redis: Redis, specs: list[JobSpec], keys: Keys, result_ttl: int
                 raise DuplicateSubmission(
                     existing.decode() if isinstance(existing, bytes) else str(existing))
             pipe.multi()
-            pipe.set(idempotency.key, specs[0].job_id, ex=idempotency.ttl_s)
+            # Every job id of the submission (a request's n choices), comma-separated.
+            pipe.set(idempotency.key, ",".join(spec.job_id for spec in specs),
+                     ex=idempotency.ttl_s)
         for spec in specs:
             queue = queues[spec.model, spec.priority]
             state = JobState(job_id=spec.job_id, status=JobStatus.QUEUED, owner=spec.owner,
@@ -167,9 +170,10 @@ def _submit_once(redis: Redis, specs: list[JobSpec], keys: Keys, result_ttl: int
             # The jobs whose retention ended leave their owner's index with them.
             pipe.eval(_TRIM_INDEX_LUA, 1, keys.jobs_by_owner(owner), state_template.prefix,
                       state_template.suffix, TRIM_OLDEST)
-        if admission is not None:
+        if admission:
+            admissions = [admission] if isinstance(admission, str) else admission
             for model in {spec.model for spec in specs}:
-                pipe.zrem(keys.admissions(model), admission)
+                pipe.zrem(keys.admissions(model), *admissions)
         pipe.execute()
     return jobs
 

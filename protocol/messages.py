@@ -36,7 +36,8 @@ class JobStatus(str, Enum):
 
 @dataclass(frozen=True, slots=True)
 class JobSpec:
-    """What a client asked for. Exactly one of `prompt` and `messages` is set."""
+    """What a client asked for. Exactly one of `prompt`, `messages` and `prompt_token_ids` is set
+    (token ids: a prompt the client tokenized itself, fed to the model as is)."""
 
     job_id: str
     model: str
@@ -46,6 +47,7 @@ class JobSpec:
     priority: Priority = Priority.NORMAL
     owner: str = ""  # the API key's id that submitted it ("" when the API runs open)
     created_at: float = field(default_factory=time.time)
+    prompt_token_ids: list[int] | None = None
     # Seconds since the epoch, 0 = none. Past `queue_deadline_at` a job that has not started is
     # never started; past `deadline_at` it is never started, or ends at the next step boundary
     # (finish reason EXPIRED, keeping what it generated).
@@ -65,6 +67,8 @@ class JobSpec:
         data = {name: getattr(self, name) for name in self.__dataclass_fields__}
         data["sampling"] = self.sampling.to_dict()
         data["priority"] = self.priority.value
+        if self.prompt_token_ids is None:
+            del data["prompt_token_ids"]  # jobs read by workers that predate the field stay valid
         return data
 
     @classmethod
@@ -97,13 +101,23 @@ class JobSpec:
         if isinstance(merged.get("stop"), str):
             merged["stop"] = [merged["stop"]]
         fields["sampling"] = SamplingParams.from_dict(merged)
-        if (fields.get("prompt") is None) == (fields.get("messages") is None):
-            raise ValueError("job spec needs exactly one of 'prompt' and 'messages'")
         for name in ("queue_deadline_at", "deadline_at"):
             value = fields.get(name, 0.0)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"job spec's {name} must be a number of seconds since the "
                                  f"epoch (0: none), got {value!r}")
+        inputs = [name for name in ("prompt", "messages", "prompt_token_ids")
+                  if fields.get(name) is not None]
+        if len(inputs) != 1:
+            raise ValueError("job spec needs exactly one of 'prompt', 'messages' and "
+                             "'prompt_token_ids'")
+        token_ids = fields.get("prompt_token_ids")
+        if token_ids is not None and (
+                not isinstance(token_ids, list) or not token_ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                           for t in token_ids)):
+            raise ValueError("job spec's 'prompt_token_ids' must be a non-empty list of "
+                             "non-negative ints")
         return cls(**fields)
 
     def to_json(self) -> str:
@@ -138,6 +152,7 @@ class StreamEntry:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str = ""
+    cached_tokens: int = 0  # prompt tokens the prefix cache held (final entry only)
 
     TOKEN = "token"
     DONE = "done"
@@ -153,6 +168,7 @@ class StreamEntry:
             "prompt_tokens": str(self.prompt_tokens),
             "completion_tokens": str(self.completion_tokens),
             "error": self.error,
+            "cached_tokens": str(self.cached_tokens),
         }
 
     @classmethod
@@ -167,6 +183,7 @@ class StreamEntry:
             prompt_tokens=int(f["prompt_tokens"]),
             completion_tokens=int(f["completion_tokens"]),
             error=f.get("error", ""),
+            cached_tokens=int(f.get("cached_tokens") or 0),
         )
 
 
@@ -195,6 +212,7 @@ class JobState:
     started_at: float = 0.0
     first_token_at: float = 0.0
     finished_at: float = 0.0
+    cached_tokens: int = 0  # prompt tokens the prefix cache held when the job last started
     num_recoveries: int = 0  # times recovery requeued it after its worker's lease lapsed
     queue_deadline_at: float = 0.0  # the JobSpec's deadlines, for status readers
     deadline_at: float = 0.0
@@ -300,6 +318,9 @@ class ModelCard:
     bos_token: str | None = None
     chat_template: str | None = None
     created_at: float = field(default_factory=time.time)
+    # The model's generation_config.json sampling fields, in SamplingParams' names
+    # (protocol.generation_defaults): what a request that leaves a field out gets, as in vLLM.
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -354,7 +375,17 @@ COUNTERS = (
     "jobs_preempted_total",  # put back on the queue by a worker (KV pressure or drain)
     "jobs_recovered_total",  # put back on the queue by recovery after their lease lapsed
     "fenced_writes_total",  # appends refused because the worker no longer held the lease
+    "prefix_cache_queries_total",  # prompt tokens of jobs that ended (vLLM's prefix_cache_queries)
+    "prefix_cache_hits_total",  # of those, found in the prefix cache (vLLM's prefix_cache_hits)
+    # plus one finished_counter(reason) per finish reason (vLLM's request_success)
 )
+FINISHED_COUNTER_PREFIX = "requests_finished_"
+
+
+def finished_counter(reason: FinishReason) -> str:
+    """The counter field of jobs that ended for `reason`, by its OpenAI name (stop, length,
+    abort, error), as vLLM labels request_success."""
+    return f"{FINISHED_COUNTER_PREFIX}{reason.openai_name}_total"
 
 
 def _text(value: Any) -> str:

@@ -33,10 +33,25 @@ async def test_submit_answers_202_with_id_status_and_urls(harness: Harness,
         "job_id": job_id, "object": "job", "status": "queued", "model": MODEL,
         "priority": "normal", "prompt_tokens": 2, "max_tokens": 5,
         "status_url": f"http://carpool.test/v1/jobs/{job_id}",
-        "stream_url": f"http://carpool.test/v1/jobs/{job_id}/stream",
+        "stream_url": f"http://carpool.test/v1/jobs/{job_id}/stream", "job_ids": None,
     }
     assert response.headers["location"] == job["status_url"]
     assert harness.state(job_id).status is JobStatus.QUEUED
+
+
+async def test_n_jobs_are_queued_together_with_derived_seeds(harness: Harness,
+                                                            client: httpx.AsyncClient) -> None:
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    response = await client.post("/v1/jobs", json={"prompt": "hello", "n": 3, "seed": 41})
+    assert response.status_code == 202
+    job = response.json()
+    assert len(job["job_ids"]) == 3 and job["job_ids"][0] == job["job_id"]
+    seeds = [Job.fetch(j, connection=harness.context.sync, serializer=JSONSerializer)
+             .args[0]["sampling"]["seed"] for j in job["job_ids"]]
+    assert seeds == [41, 42, 43]
+    assert all(harness.state(j).status is JobStatus.QUEUED for j in job["job_ids"])
 
 
 async def test_submit_enqueues_the_spec_on_its_priority_queue(harness: Harness,

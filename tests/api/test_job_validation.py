@@ -46,7 +46,8 @@ def _field_error(response: httpx.Response) -> tuple[list[Any], str]:
     ({"prompt": "x", "stop": ["x" * 257]}, ["body", "stop", 0], "at most 256 characters"),
     ({"prompt": "x", "priority": "urgent"}, ["body", "priority"], "'high', 'normal' or 'low'"),
     ({"prompt": "x", "ignore_eos": "yes"}, ["body", "ignore_eos"], "valid boolean"),
-    ({"prompt": "x", "n": 2}, ["body", "n"], "Extra inputs are not permitted"),
+    ({"prompt": "x", "n": 0}, ["body", "n"], "greater than or equal to 1"),
+    ({"prompt": "x", "n": 17}, ["body", "n"], "'n' must be at most 16 (got 17)"),
 ])
 async def test_invalid_field_answers_422_naming_it(client: httpx.AsyncClient, body: dict[str, Any],
                                                    loc: list[Any], words: str) -> None:

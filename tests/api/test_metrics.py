@@ -110,3 +110,37 @@ async def test_stats_json(harness: Harness, client: httpx.AsyncClient) -> None:
     assert stats["queue_depth"] == {"high": 0, "normal": 0, "low": 0}
     assert [(w["name"], w["num_running"], w["max_num_seqs"]) for w in stats["workers"]] == [
         ("w1", 2, 8)]
+
+
+async def test_vllm_metric_names_beside_carpools(harness: Harness, client: httpx.AsyncClient) -> None:
+    harness.add_worker("w1", num_running=3, num_waiting=1, num_kv_blocks_used=40,
+                       num_kv_blocks_total=100)
+    harness.add_worker("w2", num_running=1, num_waiting=2, num_kv_blocks_used=10,
+                       num_kv_blocks_total=100)
+    harness.sync.hset(harness.keys.counters(), mapping={
+        "prefix_cache_queries_total": 300, "prefix_cache_hits_total": 120,
+        "requests_finished_stop_total": 7, "requests_finished_abort_total": 2,
+        "generated_tokens_total": 99})
+    _write_cumulative(harness, "e2e_latency_seconds", [0.02, 0.3])
+
+    text = (await client.get("/metrics")).text
+    for line in text.splitlines():
+        assert line.startswith("# HELP ") or line.startswith("# TYPE ") or _SAMPLE.match(line), line
+    samples = _samples(text)
+    model = '{model_name="tiny"}'
+    assert samples[f"vllm:num_requests_running{model}"] == 4
+    assert samples[f"vllm:num_requests_waiting{model}"] == 3
+    assert samples[f"vllm:kv_cache_usage_perc{model}"] == 0.25
+    assert samples[f"vllm:prefix_cache_queries_total{model}"] == 300
+    assert samples[f"vllm:prefix_cache_hits_total{model}"] == 120
+    assert samples[f"vllm:generation_tokens_total{model}"] == 99
+    assert samples['vllm:request_success_total{model_name="tiny",finished_reason="stop"}'] == 7
+    assert samples['vllm:request_success_total{model_name="tiny",finished_reason="abort"}'] == 2
+    assert samples['vllm:request_success_total{model_name="tiny",finished_reason="length"}'] == 0
+    assert samples['vllm:e2e_request_latency_seconds_bucket{model_name="tiny",le="0.025"}'] == 1
+    assert samples['vllm:e2e_request_latency_seconds_bucket{model_name="tiny",le="+Inf"}'] == 2
+    assert samples[f"vllm:e2e_request_latency_seconds_count{model}"] == 2
+    assert samples[f"vllm:time_to_first_token_seconds_count{model}"] == 0
+    assert samples[f"vllm:inter_token_latency_seconds_count{model}"] == 0
+    assert "# TYPE vllm:time_to_first_token_seconds histogram" in text
+    assert samples["carpool_prefix_cache_hits_total"] == 120  # Carpool's own name stays

@@ -44,9 +44,9 @@ async def test_models_lists_the_cards_of_models_a_live_worker_serves(
     response = await client.get("/v1/models")
     assert response.json() == {"object": "list", "data": [
         {"id": MODEL, "object": "model", "created": 1, "owned_by": "carpool",
-         "max_model_len": CONTEXT},
+         "max_model_len": CONTEXT, "generation_defaults": {}},
         {"id": "second", "object": "model", "created": 9, "owned_by": "carpool",
-         "max_model_len": 64},
+         "max_model_len": 64, "generation_defaults": {}},
     ]}
     models = await _openai_client(harness).models.list()
     assert [m.id for m in models.data] == [MODEL, "second"]
@@ -70,7 +70,8 @@ async def test_completion_waits_for_the_job(harness: Harness, client: httpx.Asyn
         "id": f"cmpl-{job_id}", "object": "text_completion", "created": body["created"],
         "model": MODEL,
         "choices": [{"index": 0, "text": "Hello", "logprobs": None, "finish_reason": "length"}],
-        "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4},
+        "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4,
+                  "prompt_tokens_details": {"cached_tokens": 0}},
     }
     assert isinstance(body["created"], int)
 
@@ -86,7 +87,8 @@ async def test_chat_completion_waits_for_the_job(harness: Harness,
         "model": MODEL,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi there"},
                      "logprobs": None, "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9},
+        "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9,
+                  "prompt_tokens_details": {"cached_tokens": 0}},
     }
 
 
@@ -139,7 +141,8 @@ async def test_streamed_chat_chunks_with_usage(harness: Harness, client: httpx.A
         choice({"content": "!"}),
         choice({}, "length"),
         {**head, "choices": [], "usage": {"prompt_tokens": 6, "completion_tokens": 2,
-                                          "total_tokens": 8}},
+                                          "total_tokens": 8,
+                                          "prompt_tokens_details": {"cached_tokens": 0}}},
         "[DONE]",
     ]
 
@@ -184,10 +187,11 @@ async def test_official_client_chat(harness: Harness) -> None:
 async def test_official_client_sees_a_400_with_the_field(harness: Harness) -> None:
     client = _openai_client(harness)
     with pytest.raises(openai.BadRequestError) as caught:
-        await client.chat.completions.create(model=MODEL, messages=CHAT, n=2)  # type: ignore[arg-type]
+        await client.chat.completions.create(model=MODEL, messages=CHAT, n=17)  # type: ignore[arg-type]
     assert caught.value.param == "n"
     assert caught.value.code == "invalid_value"
-    assert "only n = 1" in caught.value.message
+    assert caught.value.message.endswith("Invalid value for 'n': at most 16 choices per prompt are "
+                                    "accepted (got 17)")
 
 
 async def test_failed_job_answers_500_or_an_error_chunk(harness: Harness,

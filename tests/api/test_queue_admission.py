@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 
 from api.errors import QueueFullError
 from api.queue_admission import QueueAdmission
-from protocol import JobSpec, Keys, Priority, SamplingParams, submit_job
+from protocol import JobSpec, Keys, Priority, SamplingParams, submit_job, submit_jobs
 from protocol.rq_keys import RQKeys
 
 pytestmark = pytest.mark.anyio
@@ -137,3 +137,20 @@ async def test_a_burst_over_several_api_processes_stops_exactly_at_the_limit(
     for aio, sync_client in clients:
         await aio.aclose()
         sync_client.close()
+
+
+async def test_the_jobs_of_one_request_get_in_together_or_not_at_all() -> None:
+    aio, sync = _fake()
+    submit_job(sync, _spec("a"))
+    admission = QueueAdmission(aio, KEYS, 3, 1)
+    with pytest.raises(QueueFullError) as caught:
+        async with admission.admit("tiny", 3):
+            pytest.fail("admitted 3 jobs with 2 places left")
+    assert caught.value.message == ("The job queue of model 'tiny' is full (1 jobs waiting, the limit is 3) for 3 "
+                                    "more jobs; retry later")
+    assert sync.zcard(KEYS.admissions("tiny")) == 0
+    async with admission.admit("tiny", 2) as places:
+        assert len(places) == 2
+        submit_jobs(sync, [_spec("b"), _spec("c")], KEYS, admission=places)
+    assert _queued(sync) == 3
+    assert sync.zcard(KEYS.admissions("tiny")) == 0

@@ -22,7 +22,7 @@ def test_job_spec_round_trips_through_dict_and_json() -> None:
     ({"job_id": "j", "model": "m", "prompt": "x", "bogus": 1}, "unknown fields: bogus"),
     ({"job_id": "", "model": "m", "prompt": "x"}, "non-empty string 'job_id'"),
     ({"job_id": "j", "prompt": "x"}, "non-empty string 'model'"),
-    ({"job_id": "j", "model": "m"}, "exactly one of 'prompt' and 'messages'"),
+    ({"job_id": "j", "model": "m"}, "exactly one of 'prompt', 'messages' and 'prompt_token_ids'"),
     ({"job_id": "j", "model": "m", "prompt": "x", "messages": []}, "exactly one of"),
     ({"job_id": "j", "model": "m", "prompt": "x", "priority": "urgent"}, "unknown priority"),
     ({"job_id": "j", "model": "m", "prompt": "x", "deadline_at": "soon"},
@@ -80,3 +80,23 @@ def test_stream_entry_ids_make_redis_order_tokens() -> None:
     done = StreamEntry(kind=StreamEntry.DONE, finish_reason=FinishReason.ERROR, error="boom",
                        prompt_tokens=3, completion_tokens=0)
     assert StreamEntry.from_fields(done.to_fields()) == done
+
+
+def test_job_spec_with_token_ids_round_trips_and_old_specs_omit_the_field() -> None:
+    from protocol import JobSpec
+
+    spec = JobSpec(job_id="j", model="m", prompt_token_ids=[1, 2, 3])
+    assert JobSpec.from_json(spec.to_json()) == spec
+    assert "prompt_token_ids" not in JobSpec(job_id="j", model="m", prompt="hi").to_dict()
+    for bad in ([], [1, -2], [1, True], "1 2"):
+        with pytest.raises(ValueError, match="'prompt_token_ids' must be a non-empty list"):
+            JobSpec.from_dict({"job_id": "j", "model": "m", "prompt_token_ids": bad})
+
+
+def test_generation_defaults_take_vllms_fields_only() -> None:
+    from protocol.generation_defaults import generation_defaults
+
+    config = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 512,
+              "repetition_penalty": 1.05, "do_sample": True, "bos_token_id": 1, "min_p": "0.1"}
+    assert generation_defaults(config) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+                                           "max_tokens": 512, "repetition_penalty": 1.05}

@@ -53,7 +53,8 @@ POSITIVE_EXAMPLES = 150
 NEGATIVE_EXAMPLES = 500
 
 JSON = {"Content-Type": "application/json"}
-OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models")
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
+                "/detokenize")
 
 
 @dataclass(slots=True)
@@ -214,8 +215,10 @@ ABUSES = [
           b"messages=hi", {"Content-Type": "application/x-www-form-urlencoded"}),
     Abuse("no-body", "POST", "/v1/jobs", 422, "The request body is missing"),
     Abuse("array-body", "POST", "/v1/jobs", 422, "valid dictionary", [1, 2]),
-    Abuse("n-2", "POST", "/v1/chat/completions", 400, "only n = 1 is accepted",
-          {"messages": CHAT, "n": 2}),
+    Abuse("n-17", "POST", "/v1/chat/completions", 400, "at most 16 choices per prompt",
+          {"messages": CHAT, "n": 17}),
+    Abuse("prompt-id-oov", "POST", "/v1/completions", 400, "outside the vocabulary",
+          {"prompt": [1, 10**9]}),
     # Last-Event-ID and `after`: what Redis would refuse mid-stream is a 422 up front.
     Abuse("lei-word", "GET", "/v1/jobs/{job}/stream", 422, "'Last-Event-ID' must be an event id",
           headers={"Last-Event-ID": "abc"}),

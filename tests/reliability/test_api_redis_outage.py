@@ -61,7 +61,7 @@ class Route:
 
     @property
     def is_openai(self) -> bool:
-        return self.path.startswith(("/v1/completions", "/v1/chat/", "/v1/models"))
+        return self.path.startswith(("/v1/completions", "/v1/chat/", "/v1/models", "/tokenize"))
 
 
 def _routes(model: str) -> list[Route]:
@@ -78,6 +78,7 @@ def _routes(model: str) -> list[Route]:
         Route("POST", "/v1/chat/completions", {"messages": CHAT, "stream": True}),
         Route("GET", "/v1/models"),
         Route("GET", f"/v1/models/{model}"),
+        Route("POST", "/tokenize", {"prompt": "Hello"}),
         Route("GET", "/metrics"),
         Route("GET", "/v1/stats"),
     ]

@@ -204,6 +204,7 @@ class Engine:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
         )
 
     def _stats(self, scheduled: SchedulerOutput, started: float) -> StepStats:

@@ -16,6 +16,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its last admission
 
 
 @dataclass(slots=True)

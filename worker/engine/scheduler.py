@@ -182,6 +182,8 @@ class Scheduler:
         """Start a sequence with no blocks yet on its cached prefix; return the tokens it covers."""
         num_cached = self.block_manager.allocate_cached_prefix(seq.request_id, seq.token_ids)
         out.num_cached_tokens += num_cached
+        # A resumed sequence may also hit its own output; usage reports prompt tokens only.
+        seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
         return num_cached
 
     def _can_never_fit(self, seq: Sequence) -> bool:

@@ -25,6 +25,8 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # Prompt tokens the prefix cache held when it was last admitted (usage's cached_tokens).
+    num_cached_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -16,6 +16,7 @@ backoff and jitter, logging each retry; jobs are dropped only once their leases 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -23,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -31,6 +32,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rq.worker import WorkerStatus
 
 from protocol.generation import FinishReason, SamplingParams
+from protocol.generation_defaults import generation_defaults
 from protocol.keys import Keys
 from protocol.messages import JobSpec, JobStatus, ModelCard, WorkerStats
 from worker.engine.config import BatchingMode
@@ -138,7 +140,8 @@ class BatchingWorker:
                          max_model_len=self.engine.max_model_len,
                          eos_token=getattr(tokenizer, "eos_token", None),
                          bos_token=getattr(tokenizer, "bos_token", None),
-                         chat_template=getattr(tokenizer, "chat_template", None))
+                         chat_template=getattr(tokenizer, "chat_template", None),
+                         generation_defaults=self._generation_defaults())
         tokenizer_json = self.engine.model_dir / "tokenizer.json"
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self.keys.models(), card.name, card.to_json())
@@ -148,6 +151,16 @@ class BatchingWorker:
         if not tokenizer_json.is_file():
             log.warning("%s has no tokenizer.json: the API cannot count tokens for %s",
                         Path(tokenizer_json).parent, card.name)
+
+    def _generation_defaults(self) -> dict[str, Any]:
+        """The model's own sampling defaults, which the API applies to fields a request omits."""
+        path = self.engine.model_dir / "generation_config.json"
+        try:
+            config = json.loads(path.read_text()) if path.is_file() else {}
+        except (OSError, ValueError) as exc:
+            log.warning("%s is unreadable, serving without its sampling defaults: %s", path, exc)
+            return {}
+        return generation_defaults(config) if isinstance(config, dict) else {}
 
     # The loop.
     def _loop(self) -> None:
@@ -253,6 +266,8 @@ class BatchingWorker:
         try:
             if spec.messages is not None:
                 prompt_ids = list(self.engine.encode_chat(spec.messages))
+            elif spec.prompt_token_ids is not None:
+                prompt_ids = list(spec.prompt_token_ids)  # the engine checks them against its vocabulary
             else:
                 prompt_ids = list(self.engine.tokenizer.encode(spec.prompt))
             job.num_prompt_tokens = len(prompt_ids)
@@ -323,6 +338,7 @@ class BatchingWorker:
                     pub.observe("time_to_first_token_seconds", now - job.state.created_at)
                 if request.num_prompt_tokens:
                     job.num_prompt_tokens = request.num_prompt_tokens
+                    job.num_cached_tokens = request.num_cached_tokens
                 if request.finish_reason is not None:
                     finished.append((job, JobEnd(JobStatus.FINISHED, request.finish_reason)))
         elif not self.engine.has_unfinished():

@@ -219,7 +219,8 @@ return {results, canceled}
 #       worker executions, rq worker hash, fence.
 # ARGV: token, job_id, outcome (finished|failed|canceled), finish_reason, error, prompt_tokens,
 #       completion_tokens, text, token_ids (JSON), result_ttl, failure_ttl, composite,
-#       execution_id, rq_now, now_s, working_seconds, exc_info, then rq Result fields as pairs.
+#       execution_id, rq_now, now_s, working_seconds, exc_info, cached_tokens, then rq Result
+#       fields as pairs.
 # Returns the status written, or false when refused (not the lease holder / already final).
 FINISH = _COMMON + """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
@@ -237,10 +238,12 @@ if outcome == 'failed' then ttl = tonumber(ARGV[11]) end
 local now_s = tonumber(ARGV[15])
 local done = next_index(KEYS[2])
 redis.call('XADD', KEYS[2], '0-' .. (done + 1), 'kind', 'done', 'finish_reason', reason,
-           'prompt_tokens', ARGV[6], 'completion_tokens', ARGV[7], 'error', ARGV[5])
+           'prompt_tokens', ARGV[6], 'completion_tokens', ARGV[7], 'error', ARGV[5],
+           'cached_tokens', ARGV[18])
 redis.call('HSET', KEYS[4], 'status', outcome, 'finish_reason', reason, 'error', ARGV[5],
            'prompt_tokens', ARGV[6], 'completion_tokens', ARGV[7], 'text', ARGV[8],
-           'token_ids', ARGV[9], 'finished_at', ARGV[15], 'execution', '')
+           'token_ids', ARGV[9], 'finished_at', ARGV[15], 'execution', '',
+           'cached_tokens', ARGV[18])
 redis.call('HSET', KEYS[6], 'status', outcome, 'ended_at', ARGV[14])
 if outcome == 'canceled' then
   redis.call('ZADD', KEYS[13], math.floor(now_s), job_id)
@@ -252,7 +255,7 @@ else
     redis.call('ZADD', KEYS[11], math.floor(now_s) + ttl, job_id)
   end
   local result = {}
-  for i = 18, #ARGV do result[#result + 1] = ARGV[i] end
+  for i = 19, #ARGV do result[#result + 1] = ARGV[i] end
   redis.call('XADD', KEYS[7], 'MAXLEN', '~', 10, '*', unpack(result))
   redis.call('EXPIRE', KEYS[7], ttl)
 end

@@ -17,6 +17,7 @@ class RunningJob:
     result_ttl: int
     failure_ttl: int
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # of the prompt, found in the engine's prefix cache
     token_ids: list[int] = field(default_factory=list)  # the whole stream: resumed + new
     texts: list[str] = field(default_factory=list)
     unpublished: list[TokenEntry] = field(default_factory=list)  # generated since the last publish

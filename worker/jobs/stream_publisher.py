@@ -36,6 +36,7 @@ from protocol.messages import (
     JobResult,
     JobStatus,
     WorkerStats,
+    finished_counter,
 )
 from protocol.rq_keys import KeyTemplate, RQKeys
 from worker.jobs.job_scripts import JobScripts
@@ -170,11 +171,16 @@ class StreamPublisher:
             json.dumps(job.token_ids, separators=(",", ":")), job.result_ttl, job.failure_ttl,
             lease.composite, lease.execution_id, utcformat(ended_at), repr(now),
             repr(max(0.0, now - (job.claimed_at or now))),
-            zlib.compress(end.error.encode()) if end.status == JobStatus.FAILED else b""]
+            zlib.compress(end.error.encode()) if end.status == JobStatus.FAILED else b"",
+            job.num_cached_tokens]
         for name, value in rq_result.serialize().items():
             args += [name, value]
         self._calls.append(_ScriptCall("finish", lease.job_id, "finish", keys, args))
         self._counters["prompt_tokens_total"] += job.num_prompt_tokens
+        # vLLM's prefix cache counters count tokens: the prompt's, and those found cached.
+        self._counters["prefix_cache_queries_total"] += job.num_prompt_tokens
+        self._counters["prefix_cache_hits_total"] += job.num_cached_tokens
+        self._counters[finished_counter(end.finish_reason)] += 1
         if end.status == JobStatus.FINISHED and state.created_at:
             self.observe("e2e_latency_seconds", now - state.created_at)
 

@@ -315,6 +315,7 @@ def test_a_cached_prompt_prefix_is_not_computed_again() -> None:
     scheduler.add(second)
     out, _ = fake_step(scheduler)
     assert out.num_cached_tokens == 8 and out.num_computed_tokens == [8]
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 8)  # usage's cached_tokens
     assert out.num_scheduled_tokens == [3] and out.is_sampling == [True]
     assert scheduler.block_manager.block_table("second")[:2] == [0, 1]
     check_block_accounting(scheduler)
@@ -332,6 +333,7 @@ def test_a_preempted_sequence_resumes_from_its_cached_blocks() -> None:
     scheduler.abort("a")
     out, _ = fake_step(scheduler)
     assert out.seqs == [b] and out.num_cached_tokens == 2 and out.num_scheduled_tokens == [2]
+    assert b.num_cached_tokens == 2  # its whole 2-token prompt (a resumed hit counts the prompt only)
     check_block_accounting(scheduler)
 
 

@@ -189,3 +189,16 @@ def test_a_running_job_past_its_deadline_ends_at_a_step_boundary_and_frees_its_b
         running.redis.hgetall(KEYS.worker_stats(running.worker.name)))).num_running == 0
         and s.num_kv_blocks_used == 0 and s)
     assert running.worker.engine.num_free_kv_blocks() == stats.num_kv_blocks_total
+def test_the_model_card_carries_generation_config_defaults(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from worker.jobs.batching_worker import BatchingWorker
+
+    worker = BatchingWorker.__new__(BatchingWorker)  # only the engine's model_dir is read
+    worker.engine = SimpleNamespace(model_dir=tmp_path)  # type: ignore[assignment]
+    assert worker._generation_defaults() == {}
+    (tmp_path / "generation_config.json").write_text(
+        '{"bos_token_id": 1, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "do_sample": true}')
+    assert worker._generation_defaults() == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
+    (tmp_path / "generation_config.json").write_text("{not json")
+    assert worker._generation_defaults() == {}

@@ -1,0 +1,96 @@
+"""The choices of one OpenAI request, one job each (n per prompt), followed as one answer.
+
+The jobs were queued together (JobService.submit_many); here their streams are read side by
+side and merged: chunk by chunk for `stream: true` (each chunk names its choice's index), or to
+the end of the last one. A client that leaves has every one of its jobs canceled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+import redis.exceptions
+
+from api.context import AppContext
+from api.job_stream import StreamEvent
+from protocol import StreamEntry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceJob:
+    index: int  # prompt_number * n + choice number, as OpenAI and vLLM number choices
+    prompt_number: int
+    job_id: str
+    echo: str = ""  # put before the completion's text (`echo`)
+    prompt_tokens: int = 0  # the API's count (0: unknown), for usage before the job ends
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceResult:
+    job: ChoiceJob
+    text: str  # generated text only (without the echo)
+    done: StreamEntry
+
+
+class _End:
+    """A follower's stream ended (after its final entry, or because the job expired)."""
+
+
+async def merged_events(
+        ctx: AppContext, jobs: list[ChoiceJob],
+) -> AsyncGenerator[tuple[ChoiceJob, StreamEvent | None], None]:
+    """Every job's stream events as they come, tagged with their job; (job, None) when a wait
+    brought nothing (time for a keep-alive). Ends when every stream has ended."""
+    queue: asyncio.Queue[tuple[ChoiceJob, StreamEvent | None | _End | Exception]] = asyncio.Queue()
+
+    async def follow(job: ChoiceJob) -> None:
+        try:
+            async for event in ctx.stream(job.job_id).follow():
+                await queue.put((job, event))
+            await queue.put((job, _End()))
+        except Exception as exc:  # handed to the reader, which raises it in the route's task
+            await queue.put((job, exc))
+
+    tasks = [asyncio.create_task(follow(job)) for job in jobs]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            job, item = await queue.get()
+            if isinstance(item, _End):
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield job, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def cancel_jobs(ctx: AppContext, jobs: list[ChoiceJob]) -> None:
+    """Cancel the jobs of a client that left (or of a request one of whose choices failed)."""
+    for job in jobs:
+        try:
+            status = await ctx.jobs.cancel_unowned(job.job_id)
+            log.info("client left before job %s ended: canceled (status now %s)", job.job_id,
+                     status.value if status else "gone")
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            log.warning("could not cancel abandoned job %s: %s", job.job_id, exc)
+
+
+def summed_usage(results: list[ChoiceResult]) -> tuple[int, int, int]:
+    """(prompt_tokens, completion_tokens, cached_tokens) of a whole answer: each prompt counted
+    once however many choices it has (as OpenAI and vLLM count), every choice's completion.
+    A prompt's cached tokens are those its first choice found."""
+    firsts: dict[int, StreamEntry] = {}
+    for result in sorted(results, key=lambda r: r.job.index):
+        firsts.setdefault(result.job.prompt_number, result.done)
+    return (sum(done.prompt_tokens for done in firsts.values()),
+            sum(result.done.completion_tokens for result in results),
+            sum(done.cached_tokens for done in firsts.values()))

