@@ -59,7 +59,7 @@ class AppContext:
         models = ModelRegistry(aio, keys, settings.retry_after_s)
         tokenizers = TokenizerCache(aio, keys)
         jobs = JobService(aio, sync, keys, models, tokenizers, settings.max_queue_depth,
-                          settings.retry_after_s)
+                          settings.retry_after_s, settings.max_logprobs)
         hub = None
         if settings.stream_hub:
             # Its own connection from the same pool: it stays blocked in XREAD.

@@ -11,11 +11,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import anyio.to_thread
 import redis
 import redis.asyncio as aioredis
 from pydantic import BaseModel
+from tokenizers import Tokenizer
 
 from api.chat_template import ChatTemplateError, render_chat
 from api.errors import InvalidRequestError, NotFoundError
@@ -45,6 +47,7 @@ class GenerationRequest:
     # The names the client used, so errors name its fields.
     input_param: str = "prompt"
     max_tokens_param: str = "max_tokens"
+    logprobs_param: str = "logprobs"  # chat calls it top_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,11 +56,12 @@ class AcceptedJob:
     prompt_tokens: int | None  # None when no tokenizer is published for the model
 
 
-def sampling_of(body: BaseModel) -> SamplingParams:
+def sampling_of(body: BaseModel, **overrides: Any) -> SamplingParams:
     """The sampling spec of a validated request body: every field named as one of SamplingParams'
-    (max_tokens aside, which the job service resolves against the model's context)."""
-    names = SamplingParams.field_names() - {"max_tokens"}
-    return SamplingParams.from_fields(body.model_dump(include=set(names)))
+    (max_tokens aside, which the job service resolves against the model's context), except those
+    given in `overrides` (a field the body spells differently, as chat's logprobs)."""
+    names = SamplingParams.field_names() - {"max_tokens"} - set(overrides)
+    return SamplingParams.from_fields({**body.model_dump(include=set(names)), **overrides})
 
 
 def new_job_id() -> str:
@@ -66,13 +70,15 @@ def new_job_id() -> str:
 
 class JobService:
     def __init__(self, aio: aioredis.Redis, sync: redis.Redis, keys: Keys, models: ModelRegistry,
-                 tokenizers: TokenizerCache, max_queue_depth: int, retry_after_s: int) -> None:
+                 tokenizers: TokenizerCache, max_queue_depth: int, retry_after_s: int,
+                 max_logprobs: int = 20) -> None:
         self._aio = aio
         self._sync = sync
         self._keys = keys
         self._models = models
         self._tokenizers = tokenizers
         self._admission = QueueAdmission(aio, keys, max_queue_depth, retry_after_s)
+        self._max_logprobs = max_logprobs
 
     async def queue_depths(self) -> dict[Priority, int]:
         async with self._aio.pipeline(transaction=False) as pipe:
@@ -83,8 +89,13 @@ class JobService:
 
     async def submit(self, request: GenerationRequest) -> AcceptedJob:
         card = await self._models.resolve(request.model)
+        self._check_sampling(card, request)
         prompt_tokens, is_exact = await self._count_prompt(card, request)
         max_tokens = self._check_lengths(card, request, prompt_tokens, is_exact)
+        if request.sampling.min_tokens > max_tokens:
+            raise InvalidRequestError(
+                f"'min_tokens' must be at most {request.max_tokens_param} ({max_tokens}); got "
+                f"{request.sampling.min_tokens}", param="min_tokens")
         async with self._admission.admit() as admission:
             spec = JobSpec(
                 job_id=new_job_id(), model=card.name, prompt=request.prompt,
@@ -96,6 +107,10 @@ class JobService:
             await anyio.to_thread.run_sync(partial(submit_job, self._sync, spec, self._keys,
                                                    admission=admission))
         return AcceptedJob(spec, prompt_tokens)
+
+    async def tokenizer(self, model: str) -> Tokenizer | None:
+        """The served model's tokenizer (None when no worker published one)."""
+        return await self._tokenizers.get(await self._models.resolve(model))
 
     async def state(self, job_id: str, owner: str) -> JobState:
         """The job's state; 404 for unknown jobs and for jobs of another key alike."""
@@ -118,6 +133,23 @@ class JobService:
     async def cancel_unowned(self, job_id: str) -> JobStatus | None:
         """Cancel a job this process submitted itself (its client went away): no owner check."""
         return await anyio.to_thread.run_sync(cancel_job, self._sync, job_id, self._keys)
+
+    def _check_sampling(self, card: ModelCard, request: GenerationRequest) -> None:
+        """The limits that depend on the settings or the model: logprobs, token ids."""
+        sampling = request.sampling
+        if sampling.logprobs is not None and sampling.logprobs > self._max_logprobs:
+            raise InvalidRequestError(
+                f"'{request.logprobs_param}' must be at most {self._max_logprobs} (this server's "
+                f"max_logprobs); got {sampling.logprobs}", param=request.logprobs_param)
+        if not card.vocab_size:
+            return  # a worker too old to say: the worker itself fails a job with a bad id
+        for param, token_ids in (("logit_bias", [token_id for token_id, _ in sampling.logit_bias]),
+                                 ("stop_token_ids", sampling.stop_token_ids)):
+            for token_id in token_ids:
+                if token_id >= card.vocab_size:
+                    raise InvalidRequestError(
+                        f"'{param}' names token id {token_id}, outside the vocabulary of model "
+                        f"'{card.name}' (ids 0 to {card.vocab_size - 1})", param=param)
 
     async def _count_prompt(self, card: ModelCard, request: GenerationRequest) -> tuple[int | None, bool]:
         """Prompt length in the model's tokens, and whether that count is exact."""

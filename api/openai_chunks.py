@@ -33,22 +33,24 @@ class ChunkWriter:
             return None
         return self._chunk([self._choice({"role": "assistant", "content": ""}, None)])
 
-    def text(self, text: str) -> dict[str, Any]:
+    def text(self, text: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         payload = {"content": text} if self.is_chat else text
-        return self._chunk([self._choice(payload, None)])
+        return self._chunk([self._choice(payload, None, logprobs)])
 
-    def finish(self, reason: FinishReason | None) -> dict[str, Any]:
+    def finish(self, reason: FinishReason | None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         payload: dict[str, Any] | str = {} if self.is_chat else ""
-        return self._chunk([self._choice(payload, openai_finish_reason(reason))])
+        return self._chunk([self._choice(payload, openai_finish_reason(reason), logprobs)])
 
     def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
         chunk = self._chunk([])
         chunk["usage"] = usage_dict(prompt_tokens, completion_tokens)
         return chunk
 
-    def _choice(self, payload: dict[str, Any] | str, finish_reason: str | None) -> dict[str, Any]:
+    def _choice(self, payload: dict[str, Any] | str, finish_reason: str | None,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         key = "delta" if self.is_chat else "text"
-        return {"index": 0, key: payload, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, key: payload, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk: dict[str, Any] = {

@@ -23,6 +23,7 @@ from api.context import AppContext, get_context
 from api.errors import OPENAI_TAG, JobFailedError, NotFoundError, openai_error_body
 from api.job_service import AcceptedJob, GenerationRequest, sampling_of
 from api.openai_chunks import ChunkWriter, openai_finish_reason, usage_dict
+from api.openai_logprobs import LogprobsFormatter, token_text_of
 from api.openai_schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -87,13 +88,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                 for m in body.messages]
     accepted = await ctx.jobs.submit(GenerationRequest(
         owner=owner, model=body.model, messages=messages, max_tokens=max_tokens,
-        input_param="messages", max_tokens_param=max_tokens_param, **_sampling(body)))
+        input_param="messages", max_tokens_param=max_tokens_param,
+        logprobs_param="top_logprobs", **_sampling(body)))
     return await _answer(ctx, request, accepted, is_chat=True, include_usage=body.include_usage,
                          stream=body.stream)
 
 
 def _sampling(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
-    return {"sampling": sampling_of(body), "priority": body.priority}
+    # Chat's logprobs is a flag (top_logprobs the count): the sampler wants the count.
+    return {"sampling": sampling_of(body, logprobs=body.num_logprobs), "priority": body.priority}
 
 
 def _model_object(card: ModelCard) -> ModelObject:
@@ -107,10 +110,16 @@ async def _answer(ctx: AppContext, request: Request, accepted: AcceptedJob, *, i
                          response_id=("chatcmpl-" if is_chat else "cmpl-") + spec.job_id,
                          created=int(spec.created_at), model=spec.model, include_usage=include_usage)
     headers = {"X-Carpool-Job-Id": spec.job_id}
+    formatter = None
+    if spec.sampling.logprobs is not None:
+        formatter = LogprobsFormatter(is_chat, token_text_of(await ctx.jobs.tokenizer(spec.model)))
     if stream:
-        return EventStreamResponse(_stream_chunks(ctx, spec.job_id, writer), headers=headers,
+        return EventStreamResponse(_stream_chunks(ctx, spec.job_id, writer, formatter),
+                                   headers=headers,
                                    on_abandon=partial(_cancel_abandoned, ctx, spec.job_id))
-    text, done = await _wait_for_result(ctx, request, spec.job_id)
+    tokens, done = await _wait_for_result(ctx, request, spec.job_id)
+    text = "".join(entry.text for entry in tokens)
+    logprobs = formatter.format(tokens) if formatter is not None else None
     if done is None:
         return Response(status_code=499, headers=headers)  # the client left; nobody reads this
     if done.finish_reason is FinishReason.ERROR:
@@ -120,32 +129,45 @@ async def _answer(ctx: AppContext, request: Request, accepted: AcceptedJob, *, i
     reason = openai_finish_reason(done.finish_reason)
     if is_chat:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
-                                  "logprobs": None, "finish_reason": reason}
+                                  "logprobs": logprobs, "finish_reason": reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
     body = {"id": writer.response_id, "object": "chat.completion" if is_chat else "text_completion",
             "created": writer.created, "model": writer.model, "choices": [choice], "usage": usage}
     return JSONResponse(body, headers=headers)
 
 
 async def _wait_for_result(ctx: AppContext, request: Request,
-                           job_id: str) -> tuple[str, StreamEntry | None]:
-    """The job's text and final entry; (text, None) after canceling it for a client that left."""
-    pieces: list[str] = []
+                           job_id: str) -> tuple[list[StreamEntry], StreamEntry | None]:
+    """The job's token entries and final entry; (tokens, None) after canceling it for a client
+    that left."""
+    tokens: list[StreamEntry] = []
     async for event in ctx.stream(job_id).follow():
         if await request.is_disconnected():
             await _cancel_abandoned(ctx, job_id)
-            return "".join(pieces), None
+            return tokens, None
         if event is None:
             continue
         if event.is_done:
-            return "".join(pieces), event.entry
-        pieces.append(event.entry.text)
+            return tokens, event.entry
+        tokens.append(event.entry)
     # The job's keys expired while we waited (retention shorter than the job): nothing to show.
     raise NotFoundError(f"Job '{job_id}' expired before it ended", code="job_expired")
 
 
-async def _stream_chunks(ctx: AppContext, job_id: str, writer: ChunkWriter) -> AsyncIterator[bytes]:
+async def _stream_chunks(ctx: AppContext, job_id: str, writer: ChunkWriter,
+                         formatter: LogprobsFormatter | None) -> AsyncIterator[bytes]:
+    # Tokens whose text is held back (a possible stop string, a split character) send their
+    # logprobs with the next chunk that carries text, or with the finish chunk.
+    unsent: list[StreamEntry] = []
+
+    def logprobs() -> dict[str, Any] | None:
+        if formatter is None:
+            return None
+        formatted = formatter.format(unsent)
+        unsent.clear()
+        return formatted
+
     opening = writer.opening()
     if opening is not None:
         yield _data(opening)
@@ -160,15 +182,17 @@ async def _stream_chunks(ctx: AppContext, job_id: str, writer: ChunkWriter) -> A
             last_sent = time.monotonic()
             entry = event.entry
             if not event.is_done:
+                if formatter is not None:
+                    unsent.append(entry)
                 if entry.text:  # text held back (a possible stop string) arrives later
-                    yield _data(writer.text(entry.text))
+                    yield _data(writer.text(entry.text, logprobs()))
                 continue
             if entry.finish_reason is FinishReason.ERROR:
                 # The openai client raises APIError on a data line that carries "error".
                 yield _data(openai_error_body(f"The job failed: {entry.error or 'no reason given'}",
                                               "server_error", None, "job_failed"))
             else:
-                yield _data(writer.finish(entry.finish_reason))
+                yield _data(writer.finish(entry.finish_reason, logprobs() if unsent else None))
                 if writer.include_usage:
                     yield _data(writer.usage(entry.prompt_tokens, entry.completion_tokens))
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:

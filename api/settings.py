@@ -27,6 +27,9 @@ class ApiSettings(BaseSettings):
         1000, ge=1, description="Jobs waiting over all priority queues before submissions get 429."
     )
     retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 429 and 503 answers.")
+    max_logprobs: int = Field(
+        20, ge=0, description="Most alternatives a request may ask for per token (completions' "
+                              "logprobs, chat's top_logprobs, the jobs API's logprobs); vLLM's cap.")
     max_body_bytes: int = Field(
         2 * 1024 * 1024, ge=1024,
         description="Largest request body accepted; a larger one is answered 413 unread. Two MiB "

@@ -186,10 +186,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready data (tuples as lists; logit_bias as OpenAI's {"id": bias} object)."""
+        """Plain JSON-ready data (tuples as lists; logit_bias as OpenAI's {"id": bias} object).
+        The logits-processing fields are left out at their defaults, so a job that uses none of
+        them reads the same to a worker that predates them."""
         data = {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
-                for f in dataclasses.fields(self)}
-        data["logit_bias"] = {str(token_id): bias for token_id, bias in self.logit_bias}
+                for f in dataclasses.fields(self)
+                if f.name not in _OMITTED_AT_DEFAULT or getattr(self, f.name) != f.default}
+        if "logit_bias" in data:
+            data["logit_bias"] = {str(token_id): bias for token_id, bias in self.logit_bias}
         return data
 
     @classmethod
@@ -215,6 +219,11 @@ class SamplingParams:
     @classmethod
     def field_names(cls) -> frozenset[str]:
         return frozenset(f.name for f in dataclasses.fields(cls))
+
+
+_OMITTED_AT_DEFAULT = frozenset({
+    "stop_token_ids", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logit_bias", "min_p", "logprobs"})
 
 
 def _bias_pairs(value: Any) -> Any:

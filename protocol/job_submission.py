@@ -80,7 +80,8 @@ def submit_jobs(
         for spec in specs:
             queue = queues[spec.priority]
             state = JobState(job_id=spec.job_id, status=JobStatus.QUEUED, owner=spec.owner,
-                             model=spec.model, created_at=spec.created_at)
+                             model=spec.model, created_at=spec.created_at,
+                             logprobs=-1 if spec.sampling.logprobs is None else spec.sampling.logprobs)
             jobs.append(queue.enqueue_call(
                 RQ_JOB_FUNCTION,
                 args=[spec.to_dict()],

@@ -184,6 +184,8 @@ class JobState:
     first_token_at: float = 0.0
     finished_at: float = 0.0
     num_recoveries: int = 0  # times recovery requeued it after its worker's lease lapsed
+    # The job's sampling.logprobs (-1: none asked), so a status read knows to fetch them.
+    logprobs: int = -1
     # The final result (set with the final status): generated text and token ids.
     text: str = ""
     token_ids: tuple[int, ...] = ()
