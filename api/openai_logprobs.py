@@ -53,6 +53,7 @@ class LogprobsFormatter:
 
     is_chat: bool
     token_text: TokenText
+    num_top: int  # the request's count: a worker's longer list is cut to it
     text_offset: int = 0
 
     def format(self, entries: Sequence[StreamEntry]) -> dict[str, Any]:
@@ -66,7 +67,7 @@ class LogprobsFormatter:
             tokens.append(token)
             token_logprobs.append(_finite(entry.logprobs.logprob))
             top = {self.token_text(token_id): _finite(logprob)
-                   for token_id, logprob in entry.logprobs.top}
+                   for token_id, logprob in entry.logprobs.top[: self.num_top]}
             top.setdefault(token, _finite(entry.logprobs.logprob))
             top_logprobs.append(top)
             offsets.append(self.text_offset)
@@ -78,7 +79,7 @@ class LogprobsFormatter:
         assert entry.logprobs is not None
         return {**self._chat_token(entry.token_id, entry.logprobs.logprob),
                 "top_logprobs": [self._chat_token(token_id, logprob)
-                                 for token_id, logprob in entry.logprobs.top]}
+                                 for token_id, logprob in entry.logprobs.top[: self.num_top]]}
 
     def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self.token_text(token_id)

@@ -112,7 +112,8 @@ async def _answer(ctx: AppContext, request: Request, accepted: AcceptedJob, *, i
     headers = {"X-Carpool-Job-Id": spec.job_id}
     formatter = None
     if spec.sampling.logprobs is not None:
-        formatter = LogprobsFormatter(is_chat, token_text_of(await ctx.jobs.tokenizer(spec.model)))
+        formatter = LogprobsFormatter(is_chat, token_text_of(await ctx.jobs.tokenizer(spec.model)),
+                                      spec.sampling.logprobs)
     if stream:
         return EventStreamResponse(_stream_chunks(ctx, spec.job_id, writer, formatter),
                                    headers=headers,
