@@ -102,14 +102,17 @@ FrequencyPenalty = Annotated[float, Field(
     strict=True, ge=-MAX_PENALTY, le=MAX_PENALTY,
     description="-2 to 2: subtracted from a token's logit once per time it was generated.")]
 RepetitionPenalty = Annotated[float, Field(
-    strict=True, gt=0.0, le=100.0,
-    description="Above 0 (1: off): for tokens of the prompt or output, positive logits are divided "
+    strict=True, ge=0.01, le=100.0,
+    description="0.01 to 100 (1: off): for tokens of the prompt or output, positive logits are divided "
                 "by it and negative ones multiplied (vLLM's and transformers' formula).")]
-LogitBias = Annotated[
-    dict[str, Annotated[float, Field(strict=True, ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None,
-    AfterValidator(_logit_bias_keys),
+_LogitBiasMap = Annotated[
+    dict[str, Annotated[float, Field(strict=True, ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
     Field(max_length=MAX_LOGIT_BIAS_ENTRIES,
-          description="Token id (as a string) to a bias from -100 to 100 added to its logit "
+          json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"}})]
+LogitBias = Annotated[
+    _LogitBiasMap | None,
+    AfterValidator(_logit_bias_keys),
+    Field(description="Token id (as a string) to a bias from -100 to 100 added to its logit "
                       "before sampling: -100 bans the token, 100 all but forces it.")]
 MinP = Annotated[float, Field(
     strict=True, ge=0.0, le=1.0,

@@ -20,12 +20,6 @@ from tokenizers import Tokenizer
 from protocol import StreamEntry
 
 TokenText = Callable[[int], str]
-# A masked token's logprob is -inf, which JSON cannot carry: vLLM sends -9999.0 instead.
-MIN_LOGPROB = -9999.0
-
-
-def _finite(logprob: float) -> float:
-    return max(logprob, MIN_LOGPROB)
 
 
 def token_text_of(tokenizer: Tokenizer | None) -> TokenText:
@@ -65,10 +59,10 @@ class LogprobsFormatter:
             assert entry.logprobs is not None
             token = self.token_text(entry.token_id)
             tokens.append(token)
-            token_logprobs.append(_finite(entry.logprobs.logprob))
-            top = {self.token_text(token_id): _finite(logprob)
+            token_logprobs.append(entry.logprobs.logprob)
+            top = {self.token_text(token_id): logprob
                    for token_id, logprob in entry.logprobs.top[: self.num_top]}
-            top.setdefault(token, _finite(entry.logprobs.logprob))
+            top.setdefault(token, entry.logprobs.logprob)
             top_logprobs.append(top)
             offsets.append(self.text_offset)
             self.text_offset += len(token)
@@ -83,4 +77,4 @@ class LogprobsFormatter:
 
     def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self.token_text(token_id)
-        return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}

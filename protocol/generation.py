@@ -46,7 +46,7 @@ class TokenLogprobs:
     Of the distribution the sampler drew from after the request's processing (min_tokens masking,
     logit_bias, repetition/frequency/presence penalties, then temperature; greedy counts as
     temperature 1), before the top-k, top-p and min-p truncation: vLLM's `processed_logprobs`
-    without the truncation, so every token keeps a finite value.
+    without the truncation. A token masked out (min_tokens) reads -9999.0, as in vLLM, not -inf.
     """
 
     logprob: float  # of the sampled token

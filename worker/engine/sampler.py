@@ -13,6 +13,7 @@ from protocol.generation import SamplingParams
 from worker.engine.logits_processing import LogitsProcessing
 
 _MASK64 = (1 << 64) - 1
+MIN_LOGPROB = -9999.0
 
 
 def uniform_from_seed(seed: int, index: int) -> float:
@@ -147,7 +148,8 @@ class Sampler:
                   request: LogprobsRequest) -> SampledLogprobs:
         # Of the processed logits at the row's temperature, before truncation (TokenLogprobs).
         scaled = logits.index_select(0, request.rows) / request.temperatures.unsqueeze(1)
-        logprobs = torch.log_softmax(scaled, dim=-1)  # [num_rows, vocab_size]
+        # A masked token's -inf would not survive JSON: floor at vLLM's -9999.0.
+        logprobs = torch.log_softmax(scaled, dim=-1).clamp_(min=MIN_LOGPROB)  # [num_rows, vocab_size]
         sampled = logprobs.gather(1, tokens.index_select(0, request.rows).unsqueeze(1)).squeeze(1)
         top = logprobs.topk(request.max_num_top, dim=-1)  # sorted, most likely first
         return SampledLogprobs(sampled, top.indices, top.values)
