@@ -185,8 +185,8 @@ class ModelRunner:
         request, sampled = metadata.logprobs, output.logprobs
         if request is None or sampled is None:
             return logprobs
-        # ...and a second one only for steps where some request asked for logprobs.
-        rows: list[int] = request.rows.tolist()
+        # ...and more copies only in steps where some request asked for logprobs.
+        rows = request.row_list
         values: list[float] = sampled.sampled.tolist()
         top_ids: list[list[int]] = sampled.top_ids.tolist()
         top_values: list[list[float]] = sampled.top_logprobs.tolist()

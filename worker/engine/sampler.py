@@ -93,6 +93,7 @@ class LogprobsRequest:
     temperatures: torch.Tensor  # [num_rows] float32
     num_top: list[int]  # per row, at most vocab_size
     max_num_top: int
+    row_list: list[int]  # `rows` on the host
 
     @classmethod
     def build(cls, params: Seq[SamplingParams], vocab_size: int,
@@ -104,7 +105,7 @@ class LogprobsRequest:
         temperatures = [params[row].temperature or 1.0 for row in rows]
         return cls(torch.tensor(rows, dtype=torch.int64, device=device),
                    torch.tensor(temperatures, dtype=torch.float32, device=device),
-                   num_top, max(num_top))
+                   num_top, max(num_top), rows)
 
 
 @dataclass(slots=True)
