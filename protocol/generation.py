@@ -91,6 +91,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), by id
     min_p: float = 0.0  # drop tokens below min_p times the most likely token's probability
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
+    # Whether the sampler has any of the above to do (processing or logprobs): computed once here,
+    # so that a step of plain requests pays one attribute read per row to learn it has none.
+    has_extras: bool = dataclasses.field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -126,6 +129,7 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         self._check_processing()
+        object.__setattr__(self, "has_extras", self.is_processed or self.logprobs is not None)
 
     def _check_processing(self) -> None:
         """The logits processing fields (penalties, bias, min_tokens, min_p, logprobs)."""
@@ -191,7 +195,7 @@ class SamplingParams:
         them reads the same to a worker that predates them."""
         data = {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
                 for f in dataclasses.fields(self)
-                if f.name not in _OMITTED_AT_DEFAULT or getattr(self, f.name) != f.default}
+                if f.init and (f.name not in _OMITTED_AT_DEFAULT or getattr(self, f.name) != f.default)}
         if "logit_bias" in data:
             data["logit_bias"] = {str(token_id): bias for token_id, bias in self.logit_bias}
         return data
@@ -218,7 +222,7 @@ class SamplingParams:
 
     @classmethod
     def field_names(cls) -> frozenset[str]:
-        return frozenset(f.name for f in dataclasses.fields(cls))
+        return frozenset(f.name for f in dataclasses.fields(cls) if f.init)
 
 
 _OMITTED_AT_DEFAULT = frozenset({

@@ -87,6 +87,10 @@ def test_sampling_fields_round_trip_with_logit_bias_as_openai_object() -> None:
     data = sampling.to_dict()
     assert data["logit_bias"] == {"3": -100.0, "17": 2.5}
     assert data["stop_token_ids"] == [5, 9]
+    assert "has_extras" not in data and sampling.has_extras
+    assert not SamplingParams(top_k=5, min_p=0.5, seed=3).has_extras  # nothing for the processing
+    assert set(SamplingParams().to_dict()) == {"max_tokens", "temperature", "top_p", "top_k", "seed",
+                                               "stop", "ignore_eos"}  # what older workers read
     assert SamplingParams.from_dict(json.loads(json.dumps(data))) == sampling
     spec = make_spec()
     spec = JobSpec.from_dict({**spec.to_dict(), "sampling": data})

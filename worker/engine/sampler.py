@@ -56,9 +56,11 @@ class SamplingMetadata:
     ) -> SamplingMetadata:
         """`token_ids` (each row's prompt + output so far) and `num_prompt_tokens` are read only
         for rows with penalties; `eos_token_ids` only for rows still short of min_tokens."""
-        processing = LogitsProcessing.build(params, output_indices, token_ids, num_prompt_tokens,
-                                            eos_token_ids, vocab_size, device)
-        logprobs = LogprobsRequest.build(params, vocab_size, device)
+        processing = logprobs = None
+        if any(p.has_extras for p in params):  # the common batch has none: one read a row
+            processing = LogitsProcessing.build(params, output_indices, token_ids,
+                                                num_prompt_tokens, eos_token_ids, vocab_size, device)
+            logprobs = LogprobsRequest.build(params, vocab_size, device)
         greedy_rows = [row for row, p in enumerate(params) if p.temperature == 0.0]
         if len(greedy_rows) == len(params):
             return cls(True, greedy_rows, None, None, 0, None, None, None,
