@@ -60,7 +60,7 @@ class AppContext:
         tokenizers = TokenizerCache(aio, keys)
         jobs = JobService(aio, sync, keys, models, tokenizers, settings.max_queue_depth,
                           settings.retry_after_s, settings.idempotency_ttl_s,
-                          settings.result_ttl_s, settings.failure_ttl_s)
+                          settings.result_ttl_s, settings.failure_ttl_s, settings.max_logprobs)
         hub = None
         if settings.stream_hub:
             # Its own connection from the same pool: it stays blocked in XREAD.

@@ -15,6 +15,11 @@ MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_STRING_CHARS = 256
 SEED_MIN = 0
 SEED_MAX = 2**63 - 1
+# The worker's own limits again (protocol/generation.py), so the API refuses what would fail there.
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGIT_BIAS = 100.0
+MAX_PENALTY = 2.0
 
 
 def _stop_as_list(value: Any) -> Any:
@@ -85,3 +90,47 @@ RetentionS = Annotated[int | None, Field(
     description="Seconds the job (status, result, token stream) is kept after it ends, finished, "
                 "canceled or failed alike. Default: the server's CARPOOL_RESULT_TTL_S (failed: "
                 "CARPOOL_FAILURE_TTL_S).")]
+
+
+def _logit_bias_keys(value: dict[str, float] | None) -> dict[str, float] | None:
+    # JSON object keys are strings: each must spell a token id (vocabulary checked per model).
+    seen: set[int] = set()
+    for key in value or {}:
+        if not key.isascii() or not key.isdigit():
+            raise ValueError(f"keys must be token ids (non-negative integers); got {key!r}")
+        if int(key) in seen:
+            raise ValueError(f"token id {int(key)} is given twice")
+        seen.add(int(key))
+    return value
+
+
+StopTokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(
+    max_length=MAX_STOP_TOKEN_IDS,
+    description=f"Up to {MAX_STOP_TOKEN_IDS} token ids that end the generation like EOS (the "
+                "token is kept in the output).")]
+MinTokens = Annotated[int, Field(
+    strict=True, ge=0,
+    description="Generate at least this many tokens before EOS, stop_token_ids or a stop string "
+                "may end the generation; at most max_tokens.")]
+PresencePenalty = Annotated[float, Field(
+    strict=True, ge=-MAX_PENALTY, le=MAX_PENALTY,
+    description="-2 to 2: subtracted once from the logit of every token already generated.")]
+FrequencyPenalty = Annotated[float, Field(
+    strict=True, ge=-MAX_PENALTY, le=MAX_PENALTY,
+    description="-2 to 2: subtracted from a token's logit once per time it was generated.")]
+RepetitionPenalty = Annotated[float, Field(
+    strict=True, ge=0.01, le=100.0,
+    description="0.01 to 100 (1: off): for tokens of the prompt or output, positive logits are divided "
+                "by it and negative ones multiplied (vLLM's and transformers' formula).")]
+_LogitBiasMap = Annotated[
+    dict[str, Annotated[float, Field(strict=True, ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+    Field(max_length=MAX_LOGIT_BIAS_ENTRIES,
+          json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"}})]
+LogitBias = Annotated[
+    _LogitBiasMap | None,
+    AfterValidator(_logit_bias_keys),
+    Field(description="Token id (as a string) to a bias from -100 to 100 added to its logit "
+                      "before sampling: -100 bans the token, 100 all but forces it.")]
+MinP = Annotated[float, Field(
+    strict=True, ge=0.0, le=1.0,
+    description="0 to 1 (0: off): drop tokens less likely than min_p times the most likely one.")]

@@ -8,13 +8,20 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.fields import (
     DeadlineS,
+    FrequencyPenalty,
     IgnoreEos,
+    LogitBias,
     MaxTokens,
+    MinP,
+    MinTokens,
     NonEmptyText,
+    PresencePenalty,
     QueueTimeoutS,
+    RepetitionPenalty,
     RetentionS,
     Seed,
     StopStrings,
+    StopTokenIds,
     Temperature,
     Text,
     TopK,
@@ -52,6 +59,19 @@ class JobCreate(BaseModel):
     seed: Seed = None
     stop: StopStrings = []
     ignore_eos: IgnoreEos = False
+    stop_token_ids: StopTokenIds = []
+    min_tokens: MinTokens = 0
+    presence_penalty: PresencePenalty = 0.0
+    frequency_penalty: FrequencyPenalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    logit_bias: LogitBias = None
+    min_p: MinP = 0.0
+    logprobs: int | None = Field(
+        None, strict=True, ge=0,
+        description="Return each token's log-probability and those of the `logprobs` most likely "
+                    "tokens at its position (0: the token's only), in the stream and the status; "
+                    "capped by the server's max_logprobs. Of the distribution sampled from after "
+                    "the penalties, bias and temperature, before top-k/top-p/min-p truncation.")
     priority: Priority = Field(Priority.NORMAL, description="Queue to wait in: high, normal or low.")
     queue_timeout_s: QueueTimeoutS = None
     deadline_s: DeadlineS = None
@@ -105,6 +125,18 @@ class JobTimings(BaseModel):
     deadline_at: float | None = Field(None, description="Past it, the job ends (deadline_s).")
 
 
+class TopLogprob(BaseModel):
+    token_id: int = Field(description="A likely token at this position.")
+    logprob: float = Field(description="Its log-probability.")
+
+
+class TokenLogprob(BaseModel):
+    index: int = Field(description="The token's position in the output, 0-based.")
+    token_id: int = Field(description="The token generated.")
+    logprob: float = Field(description="Its log-probability (see JobCreate.logprobs).")
+    top_logprobs: list[TopLogprob] = Field(description="The most likely tokens, most likely first.")
+
+
 class JobView(BaseModel):
     job_id: str = Field(description="The job's id.")
     object: Literal["job"] = Field(default="job", description="Always 'job'.")
@@ -121,6 +153,8 @@ class JobView(BaseModel):
     worker: str | None = Field(description="The worker that holds (or last held) it.")
     timings: JobTimings = Field(description="When things happened, and the latencies.")
     stream_url: str = Field(description="Server-Sent Events of its tokens (resumable).")
+    logprobs: list[TokenLogprob] | None = Field(
+        None, description="Per token so far, when the job asked for logprobs; else null.")
 
 
 class JobSummary(BaseModel):

@@ -11,6 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import anyio.to_thread
 import redis
@@ -66,6 +67,7 @@ class GenerationRequest:
     deadline_s: float | None = None
     idempotency_key: str | None = None  # the Idempotency-Key header
     retention_s: int | None = None  # kept this long once ended; None: the server's defaults
+    logprobs_param: str = "logprobs"  # chat calls it top_logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,11 +79,12 @@ class AcceptedJob:
     is_replay: bool = False  # a job of a repeated Idempotency-Key, not a new one
 
 
-def sampling_of(body: BaseModel) -> SamplingParams:
+def sampling_of(body: BaseModel, **overrides: Any) -> SamplingParams:
     """The sampling spec of a validated request body: every field named as one of SamplingParams'
-    (max_tokens aside, which the job service resolves against the model's context)."""
-    names = SamplingParams.field_names() - {"max_tokens"}
-    return SamplingParams.from_fields(body.model_dump(include=set(names)))
+    (max_tokens aside, which the job service resolves against the model's context), except those
+    given in `overrides` (a field the body spells differently, as chat's logprobs)."""
+    names = SamplingParams.field_names() - {"max_tokens"} - set(overrides)
+    return SamplingParams.from_fields({**body.model_dump(include=set(names)), **overrides})
 
 
 def _after(start: float, seconds: float | None) -> float:
@@ -104,7 +107,7 @@ class JobService:
     def __init__(self, aio: aioredis.Redis, sync: redis.Redis, keys: Keys, models: ModelRegistry,
                  tokenizers: TokenizerCache, max_queue_depth: int, retry_after_s: int,
                  idempotency_ttl_s: int = 24 * 3600, result_ttl_s: int = DEFAULT_RESULT_TTL,
-                 failure_ttl_s: int = DEFAULT_FAILURE_TTL) -> None:
+                 failure_ttl_s: int = DEFAULT_FAILURE_TTL, max_logprobs: int = 20) -> None:
         self._aio = aio
         self._sync = sync
         self._keys = keys
@@ -114,6 +117,7 @@ class JobService:
         self._idempotency_ttl_s = idempotency_ttl_s
         self._result_ttl_s = result_ttl_s
         self._failure_ttl_s = failure_ttl_s
+        self._max_logprobs = max_logprobs
 
     async def submit(self, request: GenerationRequest) -> AcceptedJob:
         (accepted,) = await self.submit_many([request])
@@ -126,6 +130,7 @@ class JobService:
         card = await self._models.resolve(requests[0].model)
         checked = []
         for request in requests:
+            self._check_sampling(card, request)
             prompt_tokens, is_exact, prompt_text = await self._count_prompt(card, request)
             max_tokens = self._check_lengths(card, request, prompt_tokens, is_exact)
             sampling = request.sampling
@@ -136,6 +141,10 @@ class JobService:
                 if request.max_tokens_param not in request.explicit_fields \
                         and isinstance(default_max, int) and default_max >= 1:
                     max_tokens = min(max_tokens, default_max)
+            if sampling.min_tokens > max_tokens:
+                raise InvalidRequestError(
+                    f"'min_tokens' must be at most {request.max_tokens_param} ({max_tokens}); got "
+                    f"{sampling.min_tokens}", param="min_tokens")
             checked.append((request, dataclasses.replace(sampling, max_tokens=max_tokens),
                             prompt_tokens, prompt_text))
         # One request's jobs (its n choices) share its Idempotency-Key and retention.
@@ -201,6 +210,10 @@ class JobService:
                 param=IDEMPOTENCY_HEADER, code="idempotency_key_reused")
         return replayed
 
+    async def model_tokenizer(self, model: str) -> Tokenizer | None:
+        """The served model's tokenizer, by name (None when no worker published one)."""
+        return await self._tokenizers.get(await self._models.resolve(model))
+
     async def tokenizer(self, card: ModelCard) -> Tokenizer | None:
         """The model's tokenizer as the API knows it (None when no worker published one)."""
         return await self._tokenizers.get(card)
@@ -226,6 +239,23 @@ class JobService:
     async def cancel_unowned(self, job_id: str) -> JobStatus | None:
         """Cancel a job this process submitted itself (its client went away): no owner check."""
         return await anyio.to_thread.run_sync(cancel_job, self._sync, job_id, self._keys)
+
+    def _check_sampling(self, card: ModelCard, request: GenerationRequest) -> None:
+        """The limits that depend on the settings or the model: logprobs, token ids."""
+        sampling = request.sampling
+        if sampling.logprobs is not None and sampling.logprobs > self._max_logprobs:
+            raise InvalidRequestError(
+                f"'{request.logprobs_param}' must be at most {self._max_logprobs} (this server's "
+                f"max_logprobs); got {sampling.logprobs}", param=request.logprobs_param)
+        if not card.vocab_size:
+            return  # a worker too old to say: the worker itself fails a job with a bad id
+        for param, token_ids in (("logit_bias", [token_id for token_id, _ in sampling.logit_bias]),
+                                 ("stop_token_ids", sampling.stop_token_ids)):
+            for token_id in token_ids:
+                if token_id >= card.vocab_size:
+                    raise InvalidRequestError(
+                        f"'{param}' names token id {token_id}, outside the vocabulary of model "
+                        f"'{card.name}' (ids 0 to {card.vocab_size - 1})", param=param)
 
     async def _count_prompt(self, card: ModelCard,
                             request: GenerationRequest) -> tuple[int | None, bool, str | None]:

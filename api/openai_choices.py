@@ -35,6 +35,7 @@ class ChoiceResult:
     job: ChoiceJob
     text: str  # generated text only (without the echo)
     done: StreamEntry
+    tokens: tuple[StreamEntry, ...] = ()  # its token entries (their logprobs, when asked)
 
 
 class _End:

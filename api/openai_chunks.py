@@ -39,14 +39,17 @@ class ChunkWriter:
             return None
         return self._chunk([self._choice(index, {"role": "assistant", "content": ""}, None)], usage)
 
-    def text(self, text: str, index: int = 0, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+    def text(self, text: str, index: int = 0, usage: dict[str, Any] | None = None,
+             logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         payload = {"content": text} if self.is_chat else text
-        return self._chunk([self._choice(index, payload, None)], usage)
+        return self._chunk([self._choice(index, payload, None, logprobs)], usage)
 
     def finish(self, reason: FinishReason | None, index: int = 0,
-               usage: dict[str, Any] | None = None) -> dict[str, Any]:
+               usage: dict[str, Any] | None = None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         payload: dict[str, Any] | str = {} if self.is_chat else ""
-        return self._chunk([self._choice(index, payload, openai_finish_reason(reason))], usage)
+        return self._chunk([self._choice(index, payload, openai_finish_reason(reason), logprobs)],
+                           usage)
 
     def usage(self, prompt_tokens: int, completion_tokens: int,
               cached_tokens: int | None = None) -> dict[str, Any]:
@@ -54,10 +57,10 @@ class ChunkWriter:
         chunk["usage"] = usage_dict(prompt_tokens, completion_tokens, cached_tokens)
         return chunk
 
-    def _choice(self, index: int, payload: dict[str, Any] | str,
-                finish_reason: str | None) -> dict[str, Any]:
+    def _choice(self, index: int, payload: dict[str, Any] | str, finish_reason: str | None,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         key = "delta" if self.is_chat else "text"
-        return {"index": index, key: payload, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, key: payload, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _chunk(self, choices: list[dict[str, Any]],
                usage: dict[str, Any] | None = None) -> dict[str, Any]:

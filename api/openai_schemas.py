@@ -9,14 +9,21 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from api.fields import (
+    FrequencyPenalty,
     IgnoreEos,
+    LogitBias,
     MaxTokens,
+    MinP,
+    MinTokens,
     NonEmptyText,
+    PresencePenalty,
+    RepetitionPenalty,
     Seed,
     StopStrings,
+    StopTokenIds,
     Temperature,
     Text,
     TopK,
@@ -119,29 +126,18 @@ class _CommonParams(BaseModel):
     stream_options: StreamOptions | None = Field(None, description="With stream: include_usage.")
     stop: StopStrings = []
     seed: Seed = None
-    presence_penalty: float = Field(0.0, strict=True, description="Only 0 (no penalty) is supported.")
-    frequency_penalty: float = Field(0.0, strict=True,
-                                     description="Only 0 (no penalty) is supported.")
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported (must be empty).")
+    presence_penalty: PresencePenalty = 0.0
+    frequency_penalty: FrequencyPenalty = 0.0
+    logit_bias: LogitBias = None
     user: str | None = Field(None, description="Accepted and ignored.")
-    # Extensions (vLLM users know top_k and ignore_eos; pass them in extra_body).
+    # Extensions, as vLLM has them (the openai client passes them in extra_body).
     top_k: TopK = 0
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    min_tokens: MinTokens = 0
+    stop_token_ids: StopTokenIds = []
     ignore_eos: IgnoreEos = False
     priority: Priority = Field(Priority.NORMAL, description="Carpool queue: high, normal or low.")
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float) -> float:
-        if value != 0:
-            raise _unsupported(f"only 0 is accepted (no penalty); got {value}")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value:
-            raise _unsupported("only an empty logit_bias is accepted")
-        return value
 
     @property
     def include_usage(self) -> bool:
@@ -166,7 +162,12 @@ class CompletionRequest(_CommonParams):
     max_tokens: MaxTokens = 16
     suffix: str | None = Field(None, description="Not supported (insertion).")
     echo: bool = Field(False, strict=True, description="Put the prompt before each completion.")
-    logprobs: int | None = Field(None, strict=True, description="Not supported.")
+    logprobs: int | None = Field(
+        None, strict=True, ge=0,
+        description="Log-probabilities of each generated token and of the `logprobs` most likely "
+                    "tokens at its position (capped by the server's max_logprobs). Of the "
+                    "distribution sampled from after penalties, logit_bias and temperature, before "
+                    "top-k/top-p/min-p truncation.")
     best_of: int | None = Field(None, strict=True, description="Only 1 is supported.")
 
     @field_validator("suffix")
@@ -176,12 +177,10 @@ class CompletionRequest(_CommonParams):
             raise _unsupported("a suffix (text insertion) is not accepted")
         return value
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise _unsupported("log probabilities are not available")
-        return value
+    @property
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: how many alternatives per token (None: no logprobs)."""
+        return self.logprobs
 
     @field_validator("best_of")
     @classmethod
@@ -213,8 +212,15 @@ class ChatCompletionRequest(_CommonParams):
     max_tokens: MaxTokens | None = Field(
         None, description="Most tokens to generate; default: what the context leaves.")
     max_completion_tokens: MaxTokens | None = Field(None, description="Newer name of max_tokens.")
-    logprobs: bool | None = Field(None, strict=True, description="Only false is supported.")
-    top_logprobs: int | None = Field(None, strict=True, description="Not supported.")
+    logprobs: bool | None = Field(
+        None, strict=True,
+        description="Return the log-probability of each generated token (of the distribution "
+                    "sampled from after penalties, logit_bias and temperature, before "
+                    "top-k/top-p/min-p truncation).")
+    top_logprobs: int | None = Field(
+        None, strict=True, ge=0,
+        description="With logprobs: also the this many most likely tokens at each position "
+                    "(capped by the server's max_logprobs).")
     response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'}.")
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported (must be empty).")
     tool_choice: str | dict[str, Any] | None = Field(None, description="Only 'none'.")
@@ -223,19 +229,17 @@ class ChatCompletionRequest(_CommonParams):
     store: bool | None = Field(None, strict=True, description="Accepted and ignored.")
     metadata: dict[str, str] | None = Field(None, description="Accepted and ignored.")
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool | None) -> bool | None:
-        if value:
-            raise _unsupported("log probabilities are not available")
-        return value
-
     @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, value: int | None) -> int | None:
-        if value:
-            raise _unsupported("log probabilities are not available")
+    def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise _unsupported("top_logprobs needs logprobs set to true")
         return value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: how many alternatives per token (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("response_format")
     @classmethod
@@ -279,10 +283,18 @@ class CompletionUsage(BaseModel):
         None, description="cached_tokens: of prompt_tokens, those the prefix cache held.")
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(description="Each generated token, decoded alone.")
+    token_logprobs: list[float] = Field(description="The log-probability of each.")
+    top_logprobs: list[dict[str, float]] = Field(
+        description="Per position: the most likely tokens (and the one generated) to their logprob.")
+    text_offset: list[int] = Field(description="Where each token starts in the text.")
+
+
 class CompletionChoice(BaseModel):
     index: int = Field(0, description="prompt number * n + choice number.")
     text: str = Field(description="The generated text (after the prompt, with echo).")
-    logprobs: None = Field(None, description="Always null.")
+    logprobs: CompletionLogprobs | None = Field(None, description="When asked (logprobs).")
     finish_reason: str | None = Field(description="stop, length, or abort (canceled).")
 
 
@@ -300,10 +312,24 @@ class AssistantMessage(BaseModel):
     content: str = Field(description="The generated text.")
 
 
+class ChatTopLogprob(BaseModel):
+    token: str = Field(description="The token, decoded alone.")
+    logprob: float = Field(description="Its log-probability.")
+    bytes: list[int] | None = Field(description="The token's UTF-8 bytes.")
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(description="The most likely tokens at its position.")
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = Field(description="One entry per generated token.")
+
+
 class ChatChoice(BaseModel):
     index: int = Field(0, description="The choice's number, 0 to n - 1.")
     message: AssistantMessage = Field(description="The model's answer.")
-    logprobs: None = Field(None, description="Always null.")
+    logprobs: ChatLogprobs | None = Field(None, description="When asked (logprobs: true).")
     finish_reason: str | None = Field(description="stop, length, or abort (canceled).")
 
 

@@ -26,6 +26,8 @@ from api.job_schemas import (
     JobSummary,
     JobTimings,
     JobView,
+    TokenLogprob,
+    TopLogprob,
     Usage,
 )
 from api.job_service import GenerationRequest, choice_sampling, sampling_of
@@ -115,19 +117,24 @@ async def list_jobs(
 async def get_job(job_id: JobId, request: Request, owner: Owner, ctx: Context) -> JobView:
     state = await ctx.jobs.state(job_id, owner)
     stream = ctx.stream(job_id)
-    if state.status.is_final and (state.text or not state.completion_tokens):
+    logprobs = None
+    if state.status.is_final and (state.text or not state.completion_tokens) and state.logprobs < 0:
         text, num_tokens = state.text, state.completion_tokens
     else:
         tokens = [e.entry for e in await stream.read_all() if e.entry.kind == StreamEntry.TOKEN]
         text, num_tokens = "".join(t.text for t in tokens), len(tokens)
-    return _job_view(state, text, num_tokens, str(request.url_for("stream_job", job_id=job_id)))
+        if state.logprobs >= 0:
+            logprobs = [_token_logprob(t) for t in tokens if t.logprobs is not None]
+    return _job_view(state, text, num_tokens, str(request.url_for("stream_job", job_id=job_id)),
+                     logprobs)
 
 
 @router.get(
     "/{job_id}/stream", summary="Follow a job's tokens (Server-Sent Events)",
     response_class=EventStreamResponse, status_code=200,
     responses={**_STREAM_ERRORS, 200: {"content": {"text/event-stream": {}}, "description": (
-        "One `token` event per token (`id` = its stream entry id; data: index, token_id, text), "
+        "One `token` event per token (`id` = its stream entry id; data: index, token_id, text, "
+        "and logprob and top_logprobs when the job asked for logprobs), "
         "then one `done` event (data: finish_reason, usage, error). Comment lines keep an idle "
         "connection alive. Reconnect with `Last-Event-ID` to get exactly the events after it.")},
         204: {"description": "The Last-Event-ID given is the job's final event: nothing follows."}},
@@ -186,6 +193,10 @@ def _sse_for(event: StreamEvent) -> bytes:
     entry = event.entry
     if entry.kind == StreamEntry.TOKEN:
         data: dict[str, Any] = {"index": entry.index, "token_id": entry.token_id, "text": entry.text}
+        if entry.logprobs is not None:
+            data["logprob"] = entry.logprobs.logprob
+            data["top_logprobs"] = [{"token_id": token_id, "logprob": logprob}
+                                    for token_id, logprob in entry.logprobs.top]
     else:
         data = {
             "finish_reason": entry.finish_reason.value if entry.finish_reason else None,
@@ -198,7 +209,15 @@ def _sse_for(event: StreamEvent) -> bytes:
                      event_id=event.entry_id)
 
 
-def _job_view(state: JobState, text: str, num_tokens: int, stream_url: str) -> JobView:
+def _token_logprob(entry: StreamEntry) -> TokenLogprob:
+    assert entry.logprobs is not None
+    return TokenLogprob(index=entry.index, token_id=entry.token_id, logprob=entry.logprobs.logprob,
+                        top_logprobs=[TopLogprob(token_id=token_id, logprob=logprob)
+                                      for token_id, logprob in entry.logprobs.top])
+
+
+def _job_view(state: JobState, text: str, num_tokens: int, stream_url: str,
+              logprobs: list[TokenLogprob] | None = None) -> JobView:
     def at(value: float) -> float | None:
         return value or None
 
@@ -221,4 +240,5 @@ def _job_view(state: JobState, text: str, num_tokens: int, stream_url: str) -> J
             e2e_s=since_created(state.finished_at),
             queue_deadline_at=at(state.queue_deadline_at), deadline_at=at(state.deadline_at)),
         stream_url=stream_url,
+        logprobs=logprobs,
     )

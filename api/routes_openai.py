@@ -39,6 +39,7 @@ from api.openai_choices import (
     summed_usage,
 )
 from api.openai_chunks import ChunkWriter, openai_finish_reason, usage_dict
+from api.openai_logprobs import LogprobsFormatter, token_text_of
 from api.openai_schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -50,7 +51,7 @@ from api.openai_schemas import (
 )
 from api.sampling_defaults import served_defaults
 from api.sse import EventStreamResponse, sse_comment
-from protocol import FinishReason, ModelCard, SamplingParams
+from protocol import FinishReason, ModelCard, SamplingParams, StreamEntry
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                 for m in body.messages]
     requests = [GenerationRequest(
         **_common(body, owner, request), messages=messages, max_tokens=max_tokens, input_param="messages",
-        max_tokens_param=max_tokens_param, sampling=choice_sampling(sampling, choice))
+        max_tokens_param=max_tokens_param, logprobs_param="top_logprobs",
+        sampling=choice_sampling(sampling, choice))
         for choice, sampling in _choices(body)]
     accepted = await ctx.jobs.submit_many(requests)
     return await _answer(ctx, request, body, accepted, is_chat=True, echo=False)
@@ -135,7 +137,8 @@ def _common(body: CompletionRequest | ChatCompletionRequest, owner: str,
 
 
 def _choices(body: CompletionRequest | ChatCompletionRequest) -> list[tuple[int, SamplingParams]]:
-    sampling = sampling_of(body)
+    # Chat's logprobs is a flag (top_logprobs the count): the sampler wants the count.
+    sampling = sampling_of(body, logprobs=body.num_logprobs)
     return [(choice, sampling) for choice in range(body.n)]
 
 
@@ -161,8 +164,14 @@ async def _answer(ctx: AppContext, request: Request,
         headers["X-Carpool-Job-Ids"] = ",".join(job.job_id for job in jobs)
     if accepted[0].is_replay:
         headers[REPLAYED_HEADER] = "true"
+    formatters: dict[int, LogprobsFormatter] = {}
+    if first.sampling.logprobs is not None:
+        token_text = token_text_of(await ctx.jobs.model_tokenizer(first.model))
+        # One per choice: each keeps its own running text offset (past its echo).
+        formatters = {job.index: LogprobsFormatter(is_chat, token_text, first.sampling.logprobs,
+                                                   text_offset=len(job.echo)) for job in jobs}
     if body.stream:
-        return EventStreamResponse(_stream_chunks(ctx, jobs, writer), headers=headers,
+        return EventStreamResponse(_stream_chunks(ctx, jobs, writer, formatters), headers=headers,
                                    on_abandon=partial(cancel_jobs, ctx, jobs))
     results = await _wait_for_results(ctx, request, jobs)
     if results is None:
@@ -175,12 +184,15 @@ async def _answer(ctx: AppContext, request: Request,
     choices = []
     for result in results:
         reason = openai_finish_reason(result.done.finish_reason)
+        formatter = formatters.get(result.job.index)
+        logprobs = formatter.format(result.tokens) if formatter is not None else None
         if is_chat:
-            choices.append({"index": result.job.index, "logprobs": None, "finish_reason": reason,
+            choices.append({"index": result.job.index, "logprobs": logprobs,
+                            "finish_reason": reason,
                             "message": {"role": "assistant", "content": result.text}})
         else:
             choices.append({"index": result.job.index, "text": result.job.echo + result.text,
-                            "logprobs": None, "finish_reason": reason})
+                            "logprobs": logprobs, "finish_reason": reason})
     answer = {"id": writer.response_id, "object": "chat.completion" if is_chat else "text_completion",
               "created": writer.created, "model": writer.model, "choices": choices,
               "usage": usage_dict(*summed_usage(results))}
@@ -189,9 +201,9 @@ async def _answer(ctx: AppContext, request: Request,
 
 async def _wait_for_results(ctx: AppContext, request: Request,
                             jobs: list[ChoiceJob]) -> list[ChoiceResult] | None:
-    """Every choice's text and final entry, in index order; None after canceling them all for a
-    client that left."""
-    pieces: dict[int, list[str]] = {job.index: [] for job in jobs}
+    """Every choice's text, token entries and final entry, in index order; None after canceling
+    them all for a client that left."""
+    pieces: dict[int, list[StreamEntry]] = {job.index: [] for job in jobs}
     done: dict[int, ChoiceResult] = {}
     # aclosing: leaving early stops the followers now, not when the generator is collected.
     async with aclosing(merged_events(ctx, jobs)) as events:
@@ -202,9 +214,11 @@ async def _wait_for_results(ctx: AppContext, request: Request,
             if event is None:
                 continue
             if event.is_done:
-                done[job.index] = ChoiceResult(job, "".join(pieces[job.index]), event.entry)
+                tokens = pieces[job.index]
+                done[job.index] = ChoiceResult(job, "".join(entry.text for entry in tokens),
+                                               event.entry, tuple(tokens))
             else:
-                pieces[job.index].append(event.entry.text)
+                pieces[job.index].append(event.entry)
     if len(done) < len(jobs):
         # A job's keys expired while we waited (retention shorter than the job): nothing to show.
         missing = next(job.job_id for job in jobs if job.index not in done)
@@ -212,9 +226,20 @@ async def _wait_for_results(ctx: AppContext, request: Request,
     return [done[job.index] for job in jobs]
 
 
-async def _stream_chunks(ctx: AppContext, jobs: list[ChoiceJob],
-                         writer: ChunkWriter) -> AsyncIterator[bytes]:
+async def _stream_chunks(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWriter,
+                         formatters: dict[int, LogprobsFormatter]) -> AsyncIterator[bytes]:
     num_tokens = {job.index: 0 for job in jobs}
+    # Tokens whose text is held back (a possible stop string, a split character) send their
+    # logprobs with their choice's next chunk that carries text, or with its finish chunk.
+    unsent: dict[int, list[StreamEntry]] = {job.index: [] for job in jobs}
+
+    def logprobs(job: ChoiceJob) -> dict[str, Any] | None:
+        formatter = formatters.get(job.index)
+        if formatter is None or not unsent[job.index]:
+            return None
+        formatted = formatter.format(unsent[job.index])
+        unsent[job.index].clear()
+        return formatted
 
     def usage_so_far(job: ChoiceJob) -> dict[str, Any]:
         return usage_dict(job.prompt_tokens, num_tokens[job.index])
@@ -239,8 +264,11 @@ async def _stream_chunks(ctx: AppContext, jobs: list[ChoiceJob],
                 entry = event.entry
                 if not event.is_done:
                     num_tokens[job.index] += 1
+                    if job.index in formatters:
+                        unsent[job.index].append(entry)
                     if entry.text:  # text held back (a possible stop string) arrives later
-                        yield _data(writer.text(entry.text, job.index, usage_so_far(job)))
+                        yield _data(writer.text(entry.text, job.index, usage_so_far(job),
+                                                logprobs(job)))
                     continue
                 if entry.finish_reason is FinishReason.ERROR:
                     # The openai client raises APIError on a data line that carries "error".
@@ -251,7 +279,8 @@ async def _stream_chunks(ctx: AppContext, jobs: list[ChoiceJob],
                     break
                 results.append(ChoiceResult(job, "", entry))
                 yield _data(writer.finish(entry.finish_reason, job.index,
-                                          usage_dict(entry.prompt_tokens, entry.completion_tokens)))
+                                          usage_dict(entry.prompt_tokens, entry.completion_tokens),
+                                          logprobs(job)))
             else:
                 if writer.include_usage:
                     yield _data(writer.usage(*summed_usage(results)))

@@ -44,6 +44,9 @@ class ApiSettings(BaseSettings):
         16, ge=1, description="Most choices (`n`) per prompt on the OpenAI routes; each is a job.")
     max_prompts: int = Field(
         64, ge=1, description="Most prompts in one /v1/completions request (a list of prompts).")
+    max_logprobs: int = Field(
+        20, ge=0, description="Most alternatives a request may ask for per token (completions' "
+                              "logprobs, chat's top_logprobs, the jobs API's logprobs); vLLM's cap.")
     max_body_bytes: int = Field(
         2 * 1024 * 1024, ge=1024,
         description="Largest request body accepted; a larger one is answered 413 unread. Two MiB "

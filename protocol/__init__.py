@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from protocol.generation import FinishReason, SamplingParams, TokenEntry
+from protocol.generation import FinishReason, SamplingParams, TokenEntry, TokenLogprobs
 from protocol.keys import Keys
 from protocol.messages import (
     JobResult,
@@ -36,7 +36,7 @@ _LAZY = {"JobReader": "protocol.job_reader", "StreamRead": "protocol.job_reader"
 __all__ = [
     "FinishReason", "JobReader", "JobResult", "JobSpec", "JobState", "JobStatus", "Keys",
     "ModelCard", "Priority", "SamplingParams", "StreamEntry", "StreamRead", "TokenEntry",
-    "WorkerStats", "cancel_job", "submit_job", "submit_jobs",
+    "TokenLogprobs", "WorkerStats", "cancel_job", "submit_job", "submit_jobs",
 ]
 
 

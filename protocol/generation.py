@@ -10,6 +10,7 @@ Pure standard library, so the engine may import it (the only protocol module it 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from enum import Enum
@@ -18,6 +19,10 @@ from typing import Any
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_SEED = 2**63 - 1
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
 
 
 class FinishReason(str, Enum):
@@ -36,6 +41,29 @@ class FinishReason(str, Enum):
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """The log-probability of a sampled token and of the most likely tokens at its position.
+
+    Of the distribution the sampler drew from after the request's processing (min_tokens masking,
+    logit_bias, repetition/frequency/presence penalties, then temperature; greedy counts as
+    temperature 1), before the top-k, top-p and min-p truncation: vLLM's `processed_logprobs`
+    without the truncation. A token masked out (min_tokens) reads -9999.0, as in vLLM, not -inf.
+    """
+
+    logprob: float  # of the sampled token
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+    def encode(self) -> str:
+        """Compact JSON for a stream entry field: [logprob, [[id, logprob], ...]]."""
+        return json.dumps([self.logprob, [list(pair) for pair in self.top]], separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, payload: str) -> TokenLogprobs:
+        logprob, top = json.loads(payload)
+        return cls(float(logprob), tuple((int(i), float(lp)) for i, lp in top))
+
+
+@dataclass(frozen=True, slots=True)
 class TokenEntry:
     """One generated token: what the engine emits and what a job's stream records."""
 
@@ -44,6 +72,7 @@ class TokenEntry:
     # The text this token releases: "" while held back (a partial UTF-8 character or the possible
     # start of a stop string); it may carry held-back text of earlier tokens.
     text: str
+    logprobs: TokenLogprobs | None = None  # only when the request asked for logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +84,17 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # end the generation like EOS (the token is kept)
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end it before this many
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # over prompt and output: positive logits / it, negative * it
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), by id
+    min_p: float = 0.0  # drop tokens below min_p times the most likely token's probability
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
+    # Whether the sampler has any of the above to do (processing or logprobs): computed once here,
+    # so that a step of plain requests pays one attribute read per row to learn it has none.
+    has_extras: bool = dataclasses.field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -89,15 +129,77 @@ class SamplingParams:
                 )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        self._check_processing()
+        object.__setattr__(self, "has_extras", self.is_processed or self.logprobs is not None)
+
+    def _check_processing(self) -> None:
+        """The logits processing fields (penalties, bias, min_tokens, min_p, logprobs)."""
+        if isinstance(self.stop_token_ids, str) or not isinstance(self.stop_token_ids, tuple):
+            raise ValueError(f"stop_token_ids must be a tuple of ints, got {self.stop_token_ids!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                             f"got {len(self.stop_token_ids)}")
+        for token_id in self.stop_token_ids:
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"stop_token_ids must hold non-negative ints, got {token_id!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int at least 0, got {self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value!r}")
+        if (not _is_real(self.repetition_penalty) or not math.isfinite(self.repetition_penalty)
+                or self.repetition_penalty <= 0.0):
+            raise ValueError(f"repetition_penalty must be a finite number above 0, "
+                             f"got {self.repetition_penalty!r}")
+        if not isinstance(self.logit_bias, tuple):
+            raise ValueError(f"logit_bias must be a tuple of (token id, bias) pairs, got {self.logit_bias!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
+                             f"got {len(self.logit_bias)}")
+        seen: set[int] = set()
+        for pair in self.logit_bias:
+            if not isinstance(pair, tuple) or len(pair) != 2:
+                raise ValueError(f"logit_bias entries must be (token id, bias) pairs, got {pair!r}")
+            token_id, bias = pair
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"logit_bias token ids must be non-negative ints, got {token_id!r}")
+            if token_id in seen:
+                raise ValueError(f"logit_bias names token {token_id} twice")
+            seen.add(token_id)
+            if not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {bias!r} for token {token_id}")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0.0, 1.0], got {self.min_p!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
+            raise ValueError(f"logprobs must be None or an int at least 0, got {self.logprobs!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    @property
+    def is_processed(self) -> bool:
+        """Whether its logits need more than temperature and truncation (penalties, bias, or a
+        min_tokens mask): batches where no row does skip that work."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready data (tuples as lists)."""
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
-                for f in dataclasses.fields(self)}
+        """Plain JSON-ready data (tuples as lists; logit_bias as OpenAI's {"id": bias} object).
+        The logits-processing fields are left out at their defaults, so a job that uses none of
+        them reads the same to a worker that predates them."""
+        data = {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+                for f in dataclasses.fields(self)
+                if f.init and (f.name not in _OMITTED_AT_DEFAULT or getattr(self, f.name) != f.default)}
+        if "logit_bias" in data:
+            data["logit_bias"] = {str(token_id): bias for token_id, bias in self.logit_bias}
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
@@ -115,11 +217,40 @@ class SamplingParams:
             raise ValueError(f"sampling params have unknown fields: {', '.join(unknown)}")
         values: dict[str, Any] = {name: tuple(v) if isinstance(v := source[name], list) else v
                   for name in names if name in source}
+        if "logit_bias" in values:
+            values["logit_bias"] = _bias_pairs(values["logit_bias"])
         return cls(**values)
 
     @classmethod
     def field_names(cls) -> frozenset[str]:
-        return frozenset(f.name for f in dataclasses.fields(cls))
+        return frozenset(f.name for f in dataclasses.fields(cls) if f.init)
+
+
+_OMITTED_AT_DEFAULT = frozenset({
+    "stop_token_ids", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "logit_bias", "min_p", "logprobs"})
+
+
+def _bias_pairs(value: Any) -> Any:
+    """OpenAI's {"token id": bias} object (or None) as sorted (id, bias) pairs; other shapes are
+    left for the checks to name."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        return value
+    pairs = []
+    for key, bias in value.items():
+        if isinstance(key, str):
+            try:
+                key = int(key)
+            except ValueError:
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        pairs.append((key, bias))
+    return tuple(sorted(pairs, key=lambda pair: pair[0] if _is_int(pair[0]) else -1))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_real(value: object) -> bool:

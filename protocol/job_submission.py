@@ -148,7 +148,8 @@ def _submit_once(redis: Redis, specs: list[JobSpec], keys: Keys, result_ttl: int
             state = JobState(job_id=spec.job_id, status=JobStatus.QUEUED, owner=spec.owner,
                              model=spec.model, created_at=spec.created_at,
                              queue_deadline_at=spec.queue_deadline_at,
-                             deadline_at=spec.deadline_at)
+                             deadline_at=spec.deadline_at,
+                             logprobs=-1 if spec.sampling.logprobs is None else spec.sampling.logprobs)
             jobs.append(queue.enqueue_call(
                 RQ_JOB_FUNCTION,
                 args=[spec.to_dict()],

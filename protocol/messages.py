@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
-from protocol.generation import FinishReason, SamplingParams
+from protocol.generation import FinishReason, SamplingParams, TokenLogprobs
 
 
 class Priority(str, Enum):
@@ -137,7 +137,8 @@ class StreamEntry:
     """One entry of a job's token stream.
 
     Token entries carry `index`, `token_id` and `text` (the text this token releases; may be ""
-    while a possible stop string or a split UTF-8 character is held back). The final entry has
+    while a possible stop string or a split UTF-8 character is held back), and `logprobs` (the
+    field `lp`, TokenLogprobs.encode) when the job asked for them. The final entry has
     `finish_reason` and usage, and `error` when the job failed.
 
     Entry ids are explicit: the token with index i is `0-(i+1)` and the final entry follows the
@@ -153,6 +154,7 @@ class StreamEntry:
     completion_tokens: int = 0
     error: str = ""
     cached_tokens: int = 0  # prompt tokens the prefix cache held (final entry only)
+    logprobs: TokenLogprobs | None = None
 
     TOKEN = "token"
     DONE = "done"
@@ -160,8 +162,11 @@ class StreamEntry:
 
     def to_fields(self) -> dict[str, str]:
         if self.kind == StreamEntry.TOKEN:
-            return {"kind": self.kind, "index": str(self.index), "token_id": str(self.token_id),
-                    "text": self.text}
+            fields = {"kind": self.kind, "index": str(self.index), "token_id": str(self.token_id),
+                      "text": self.text}
+            if self.logprobs is not None:
+                fields["lp"] = self.logprobs.encode()
+            return fields
         return {
             "kind": self.kind,
             "finish_reason": self.finish_reason.value if self.finish_reason else "",
@@ -176,7 +181,8 @@ class StreamEntry:
         f = {_text(k): _text(v) for k, v in fields.items()}
         if f["kind"] == cls.TOKEN:
             return cls(kind=cls.TOKEN, index=int(f["index"]), token_id=int(f["token_id"]),
-                       text=f["text"])
+                       text=f["text"],
+                       logprobs=TokenLogprobs.decode(f["lp"]) if f.get("lp") else None)
         return cls(
             kind=cls.DONE,
             finish_reason=FinishReason(f["finish_reason"]) if f["finish_reason"] else None,
@@ -216,6 +222,8 @@ class JobState:
     num_recoveries: int = 0  # times recovery requeued it after its worker's lease lapsed
     queue_deadline_at: float = 0.0  # the JobSpec's deadlines, for status readers
     deadline_at: float = 0.0
+    # The job's sampling.logprobs (-1: none asked), so a status read knows to fetch them.
+    logprobs: int = -1
     # The final result (set with the final status): generated text and token ids.
     text: str = ""
     token_ids: tuple[int, ...] = ()
@@ -321,6 +329,7 @@ class ModelCard:
     # The model's generation_config.json sampling fields, in SamplingParams' names
     # (protocol.generation_defaults): what a request that leaves a field out gets, as in vLLM.
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    vocab_size: int = 0  # rows of the model's output layer (0: unknown), for logit_bias checks
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

@@ -31,6 +31,7 @@ from protocol.rq_keys import RQKeys
 
 MODEL = "tiny"
 CONTEXT = 32
+VOCAB = 100  # the registered model's vocabulary size (token ids 0..99)
 KEY_A = "key-a-secret"
 KEY_B = "key-b-secret"
 CHAT_TEMPLATE = (
@@ -68,7 +69,7 @@ class Harness:
                        created_at: float = 1.0) -> ModelCard:
         card = ModelCard(name=name, max_model_len=context, eos_token="<|im_end|>",
                          bos_token="<|im_start|>", chat_template=chat_template,
-                         created_at=created_at)
+                         created_at=created_at, vocab_size=VOCAB)
         self.sync.hset(self.keys.models(), name, card.to_json())
         if tokenizer:
             self.sync.set(self.keys.model_tokenizer(name), word_tokenizer().to_str())

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -238,3 +239,120 @@ def test_playground_streams_a_job_in_a_real_browser(api: ApiServer, tmp_path: Pa
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     assert (width, height) == (1200, 800)
     assert len(data) > 20_000  # a rendered page, not a blank canvas (a blank one is ~5 kB)
+
+
+# -- the sampling fields and logprobs (issue 16), through the official client -------------------
+
+SAMPLING_CASES: dict[str, dict[str, Any]] = {
+    "penalties": {"temperature": 0.0, "presence_penalty": 0.5, "frequency_penalty": 0.7,
+                  "extra_body": {"repetition_penalty": 1.3}},
+    "logit_bias": {"temperature": 0.0, "logit_bias": {"30": 4.0, "198": -100}},
+    "seeded-top-k-min-p": {"temperature": 0.9, "seed": 5, "extra_body": {"top_k": 8, "min_p": 0.05}},
+    "min-tokens-stop-token-ids": {"temperature": 0.0,
+                                  "extra_body": {"min_tokens": 4, "stop_token_ids": [30]}},
+}
+
+
+def _sampling_params(case: dict[str, Any], max_tokens: int) -> Any:
+    from protocol import SamplingParams
+
+    fields = {k: v for k, v in case.items() if k != "extra_body"} | case.get("extra_body", {})
+    return SamplingParams.from_fields({**fields, "max_tokens": max_tokens})
+
+
+@pytest.mark.parametrize("name", list(SAMPLING_CASES))
+def test_openai_sampling_fields_match_the_engine_streamed_or_not(
+        api: ApiServer, reference_engine: Any, name: str) -> None:
+    case = SAMPLING_CASES[name]
+    client = api.openai()
+    prompt = "Once upon a time"
+    (expected,) = reference_engine.generate([prompt], _sampling_params(case, 12))
+    plain = client.completions.create(model=api.model, prompt=prompt, max_tokens=12, **case)
+    assert plain.choices[0].text == expected.text
+    assert plain.usage is not None and plain.usage.completion_tokens == len(expected.token_ids)
+    stream = client.completions.create(model=api.model, prompt=prompt, max_tokens=12, stream=True,
+                                       **case)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == expected.text
+    if name == "min-tokens-stop-token-ids" and 30 in expected.token_ids:
+        assert expected.token_ids.index(30) >= 4 and expected.token_ids[-1] == 30
+
+
+def test_openai_chat_sampling_fields_streamed_or_not(api: ApiServer) -> None:
+    client = api.openai()
+    case = SAMPLING_CASES["penalties"]
+    plain = client.chat.completions.create(model=api.model, messages=CHAT, max_tokens=10, **case)  # type: ignore[arg-type]
+    stream = client.chat.completions.create(model=api.model, messages=CHAT, max_tokens=10,  # type: ignore[arg-type]
+                                            stream=True, **case)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == plain.choices[0].message.content
+    unpenalised = client.chat.completions.create(model=api.model, messages=CHAT, max_tokens=10,  # type: ignore[arg-type]
+                                                 temperature=0.0)
+    assert unpenalised.choices[0].message.content != plain.choices[0].message.content
+
+
+def _reference_logprobs(engine: Any, prompt_ids: list[int], params: Any) -> tuple[list[int], list[Any]]:
+    engine.add_request("e2e-logprobs", prompt_ids, params)
+    tokens, logprobs = [], []
+    while engine.has_unfinished():
+        for request in engine.step().outputs:
+            for entry in request.tokens:
+                tokens.append(entry.token_id)
+                logprobs.append(entry.logprobs)
+    return tokens, logprobs
+
+
+def test_openai_completion_logprobs_match_the_engine(api: ApiServer, reference_engine: Any) -> None:
+    from protocol import SamplingParams
+
+    prompt = "The capital of France is"
+    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True)
+    tokens, expected = _reference_logprobs(reference_engine, reference_engine.tokenizer.encode(prompt),
+                                           params)
+    client = api.openai()
+    plain = client.completions.create(model=api.model, prompt=prompt, max_tokens=8, temperature=0.0,
+                                      logprobs=3, extra_body={"ignore_eos": True})
+    logprobs = plain.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None
+    assert logprobs.token_logprobs == pytest.approx([e.logprob for e in expected], abs=1e-3)
+    assert logprobs.tokens == [reference_engine.tokenizer.decode([t]) for t in tokens]
+    assert logprobs.top_logprobs is not None
+    for top, entry in zip(logprobs.top_logprobs, expected):
+        assert sorted(top.values(), reverse=True) == pytest.approx([v for _, v in entry.top], abs=1e-3)
+    stream = client.completions.create(model=api.model, prompt=prompt, max_tokens=8, temperature=0.0,
+                                       logprobs=3, stream=True, extra_body={"ignore_eos": True})
+    streamed: list[float] = []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.token_logprobs or []
+    assert streamed == logprobs.token_logprobs
+
+
+def test_openai_chat_logprobs_streamed_or_not(api: ApiServer) -> None:
+    client = api.openai()
+    plain = client.chat.completions.create(model=api.model, messages=CHAT, max_tokens=8,  # type: ignore[arg-type]
+                                           temperature=0.0, logprobs=True, top_logprobs=2)
+    assert plain.choices[0].logprobs is not None and plain.choices[0].logprobs.content is not None
+    content = plain.choices[0].logprobs.content
+    assert plain.usage is not None and len(content) == plain.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token  # greedy: the most likely is the one taken
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+        assert entry.bytes == list(entry.token.encode())
+    stream = client.chat.completions.create(model=api.model, messages=CHAT, max_tokens=8,  # type: ignore[arg-type]
+                                            temperature=0.0, logprobs=True, top_logprobs=2,
+                                            stream=True)
+    streamed = [entry for c in stream if c.choices and c.choices[0].logprobs
+                for entry in c.choices[0].logprobs.content or []]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
+def test_openai_bad_sampling_values_are_400_naming_the_field(api: ApiServer) -> None:
+    client = api.openai()
+    for kwargs, param in (({"logit_bias": {"999999": 1}}, "logit_bias"),
+                          ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                          ({"presence_penalty": 3}, "presence_penalty"),
+                          ({"extra_body": {"stop_token_ids": [10**6]}}, "stop_token_ids")):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=api.model, messages=CHAT, max_tokens=4, **kwargs)  # type: ignore[arg-type]
+        assert caught.value.param == param, kwargs

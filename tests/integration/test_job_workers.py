@@ -55,6 +55,7 @@ def test_workers_show_in_rq_info_and_publish_their_model(pair: Fleet) -> None:
     assert "alpha" in info.stdout and "beta" in info.stdout, info.stdout + info.stderr
     card = ModelCard.from_json(pair.redis.hget(KEYS.models(), pair.model_dir.name))
     assert card.name == pair.model_dir.name and card.max_model_len == 1024
+    assert card.vocab_size == 49152  # the API checks logit_bias and stop_token_ids against it
     assert card.eos_token == "<|im_end|>" and "im_start" in card.chat_template
     tokenizer = pair.redis.get(KEYS.model_tokenizer(card.name))
     assert tokenizer == (pair.model_dir / "tokenizer.json").read_bytes()

@@ -4,7 +4,18 @@ import json
 
 import pytest
 
-from protocol import FinishReason, JobResult, JobSpec, JobState, JobStatus, Priority, StreamEntry, stream_ids
+from protocol import (
+    FinishReason,
+    JobResult,
+    JobSpec,
+    JobState,
+    JobStatus,
+    Priority,
+    SamplingParams,
+    StreamEntry,
+    TokenLogprobs,
+    stream_ids,
+)
 from tests.protocol.conftest import make_spec
 
 
@@ -100,3 +111,47 @@ def test_generation_defaults_take_vllms_fields_only() -> None:
               "repetition_penalty": 1.05, "do_sample": True, "bos_token_id": 1, "min_p": "0.1"}
     assert generation_defaults(config) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
                                            "max_tokens": 512, "repetition_penalty": 1.05}
+def test_sampling_fields_round_trip_with_logit_bias_as_openai_object() -> None:
+    sampling = SamplingParams(max_tokens=8, stop_token_ids=(5, 9), min_tokens=2,
+                              presence_penalty=0.5, frequency_penalty=-0.25, repetition_penalty=1.1,
+                              logit_bias=((3, -100.0), (17, 2.5)), min_p=0.1, top_k=4, seed=1,
+                              logprobs=3)
+    data = sampling.to_dict()
+    assert data["logit_bias"] == {"3": -100.0, "17": 2.5}
+    assert data["stop_token_ids"] == [5, 9]
+    assert "has_extras" not in data and sampling.has_extras
+    assert not SamplingParams(top_k=5, min_p=0.5, seed=3).has_extras  # nothing for the processing
+    assert set(SamplingParams().to_dict()) == {"max_tokens", "temperature", "top_p", "top_k", "seed",
+                                               "stop", "ignore_eos"}  # what older workers read
+    assert SamplingParams.from_dict(json.loads(json.dumps(data))) == sampling
+    spec = make_spec()
+    spec = JobSpec.from_dict({**spec.to_dict(), "sampling": data})
+    assert spec.sampling == sampling
+    assert SamplingParams.from_fields({"logit_bias": {"17": 2.5, "3": 1}}).logit_bias == ((3, 1), (17, 2.5))
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"presence_penalty": 2.5}, "presence_penalty must be in"),
+    ({"frequency_penalty": -3}, "frequency_penalty must be in"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty must be a finite number above 0"),
+    ({"min_p": 1.5}, "min_p must be in"),
+    ({"min_tokens": -1}, "min_tokens must be an int at least 0"),
+    ({"logprobs": -1}, "logprobs must be None or an int"),
+    ({"stop_token_ids": [1, "2"]}, "stop_token_ids must hold non-negative ints"),
+    ({"logit_bias": {"x": 1.0}}, "logit_bias keys must be token ids"),
+    ({"logit_bias": {"5": 101}}, "logit_bias values must be in"),
+    ({"logit_bias": [[1, 2.0]]}, "logit_bias entries must be"),
+])
+def test_sampling_fields_reject_bad_values(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingParams.from_dict(fields)
+
+
+def test_token_entries_carry_logprobs_through_the_stream_fields() -> None:
+    logprobs = TokenLogprobs(-0.25, ((9, -0.25), (4, -1.5)))
+    token = StreamEntry(kind=StreamEntry.TOKEN, index=0, token_id=9, text="x", logprobs=logprobs)
+    fields = token.to_fields()
+    assert json.loads(fields["lp"]) == [-0.25, [[9, -0.25], [4, -1.5]]]
+    assert StreamEntry.from_fields(fields) == token
+    plain = StreamEntry(kind=StreamEntry.TOKEN, index=0, token_id=9, text="x")
+    assert "lp" not in plain.to_fields()

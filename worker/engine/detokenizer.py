@@ -27,7 +27,8 @@ def make_decode(tokenizer: Any) -> Decode:
 
 
 class Detokenizer:
-    def __init__(self, decode: Decode, prompt_token_ids: list[int], stop: Iterable[str] = ()) -> None:
+    def __init__(self, decode: Decode, prompt_token_ids: list[int], stop: Iterable[str] = (),
+                 min_tokens: int = 0) -> None:
         self._decode = decode
         context_start = max(len(prompt_token_ids) - CONTEXT_TOKENS, 0)
         self._ids = list(prompt_token_ids[context_start:])
@@ -36,10 +37,14 @@ class Detokenizer:
         self.read_offset = len(self._ids)
         self.stop = tuple(stop)
         self.held = ""  # released by the decoder but maybe the start of a stop string
+        # Stop strings count once the output holds min_tokens tokens (vLLM's rule), not before.
+        self.min_tokens = min_tokens
+        self.num_output_tokens = 0
 
     def step(self, token_id: int) -> tuple[str, bool]:
         """Take one output token; return the text it releases and whether a stop string ended it."""
         self._ids.append(token_id)
+        self.num_output_tokens += 1
         prefix_text = self._decode(self._ids[self.prefix_offset : self.read_offset])
         new_text = self._decode(self._ids[self.prefix_offset :])
         # A trailing U+FFFD is a UTF-8 character still missing bytes: wait for the next token.
@@ -67,7 +72,7 @@ class Detokenizer:
         return text
 
     def _apply_stop(self, delta: str) -> tuple[str, bool]:
-        if not self.stop:
+        if not self.stop or self.num_output_tokens < self.min_tokens:
             return delta, False
         text = self.held + delta
         found = [index for stop in self.stop if (index := text.find(stop)) >= 0]

@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from protocol.generation import MAX_SEED, FinishReason, SamplingParams, TokenEntry
+from protocol.generation import MAX_SEED, FinishReason, SamplingParams, TokenEntry, TokenLogprobs
 from worker.engine.batch_limits import resolve_batch_limits, seat_cap
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import BatchingMode, EngineConfig
 from worker.engine.detokenizer import Detokenizer, make_decode
-from worker.engine.model_runner import ModelRunner
+from worker.engine.model_runner import ModelRunner, SampledTokens
 from worker.engine.outputs import (
     Completion,
     PreemptedRequest,
@@ -71,6 +71,7 @@ class Engine:
         self.runner.allocate_kv_cache(num_blocks, config.block_size)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.eos_token_ids = _eos_token_ids(loaded)
+        self.runner.eos_token_ids = frozenset(self.eos_token_ids)
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=self.limits.max_num_seqs,
@@ -111,6 +112,8 @@ class Engine:
         if not prompt:
             raise ValueError("prompt_token_ids is empty: a request needs at least one prompt token")
         output = self._check_token_ids("output_token_ids", output_token_ids)
+        self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        self._check_token_ids("logit_bias", [token_id for token_id, _ in params.logit_bias])
         if len(output) >= params.max_tokens:
             raise ValueError(
                 f"output_token_ids already holds {len(output)} tokens, max_tokens is {params.max_tokens}: "
@@ -130,7 +133,7 @@ class Engine:
             params=params,
             seed=seed,
         )
-        detokenizer = Detokenizer(self._decode, prompt, params.stop)
+        detokenizer = Detokenizer(self._decode, prompt, params.stop, params.min_tokens)
         for token_id in output:  # replay, so the deltas continue exactly where they stopped
             detokenizer.step(token_id)
         self.scheduler.add(seq)
@@ -151,6 +154,11 @@ class Engine:
     def num_free_slots(self) -> int:
         return self.scheduler.num_free_slots()
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's output layer: token ids run from 0 to vocab_size - 1."""
+        return self.runner.vocab_size
+
     def num_free_kv_blocks(self) -> int:
         return self.block_manager.num_free_blocks
 
@@ -160,12 +168,13 @@ class Engine:
         started = time.perf_counter()
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
-        sampled = self.runner.execute(scheduled) if scheduled.seqs else []
-        texts, stop_hits = self._detokenize(scheduled, sampled)
-        self.scheduler.update(scheduled, sampled, stop_hits)
-        for seq, is_sampling in zip(scheduled.seqs, scheduled.is_sampling):
-            if is_sampling:
-                outputs.append(self._emit_token(seq, texts[seq.request_id], seq.request_id in stop_hits))
+        sampled = self.runner.execute(scheduled) if scheduled.seqs else SampledTokens([], [])
+        texts, stop_hits = self._detokenize(scheduled, sampled.token_ids)
+        self.scheduler.update(scheduled, sampled.token_ids, stop_hits)
+        sampling = (seq for seq, is_sampling in zip(scheduled.seqs, scheduled.is_sampling) if is_sampling)
+        for seq, logprobs in zip(sampling, sampled.logprobs):
+            outputs.append(self._emit_token(seq, texts[seq.request_id], seq.request_id in stop_hits,
+                                            logprobs))
         for seq in scheduled.finished:  # retired while scheduling, without a new token
             if self._requests.pop(seq.request_id, None) is not None:
                 outputs.append(self._request_output(seq, []))
@@ -189,13 +198,15 @@ class Engine:
                 stop_hits.add(seq.request_id)
         return texts, stop_hits
 
-    def _emit_token(self, seq: Sequence, text: str, hit_stop: bool) -> RequestOutput:
+    def _emit_token(self, seq: Sequence, text: str, hit_stop: bool,
+                    logprobs: TokenLogprobs | None) -> RequestOutput:
         if seq.is_finished:
             request = self._requests.pop(seq.request_id)
             if not hit_stop:  # text held back for a possible stop string is released at the end
                 text += request.detokenizer.flush()
         token_id = seq.token_ids[-1]
-        return self._request_output(seq, [TokenEntry(seq.num_output_tokens - 1, token_id, text)])
+        entry = TokenEntry(seq.num_output_tokens - 1, token_id, text, logprobs)
+        return self._request_output(seq, [entry])
 
     def _request_output(self, seq: Sequence, tokens: list[TokenEntry]) -> RequestOutput:
         return RequestOutput(

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
+from protocol.generation import TokenLogprobs
 from worker.engine.outputs import SchedulerOutput
-from worker.engine.sampler import Sampler, SamplingMetadata
+from worker.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from worker.model.attention_backend import AttentionMetadata, PagedAttentionBackend
 from worker.model.linear_layers import warm_up_packed_layers
 from worker.model.loader import LoadedModel, ModelLoadError
@@ -29,6 +30,14 @@ class ModelInputs:
     logits_indices: torch.Tensor  # [num_sampling] int64: rows whose next token is sampled
     attention: AttentionMetadata
     sampling: SamplingMetadata
+
+
+@dataclass(slots=True)
+class SampledTokens:
+    """One step's draws, one per sampling sequence in order, with logprobs where asked."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
 
 
 class ModelRunner:
@@ -62,6 +71,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         self.sampler = Sampler()
+        self.eos_token_ids: frozenset[int] = frozenset()  # for min_tokens; set by the engine
         self._pin = device.type == "cuda"
 
     def warm_up(self, max_num_batched_tokens: int, max_num_seqs: int) -> None:
@@ -83,8 +93,8 @@ class ModelRunner:
         self.block_size = block_size
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[int]:
-        """Run the step's forward and sample; return one token per sampling sequence, in order."""
+    def execute(self, out: SchedulerOutput) -> SampledTokens:
+        """Run the step's forward and sample: one token per sampling sequence, in order."""
         inputs = self.prepare_inputs(out)
         logits = self.forward(inputs)
         return self.sample(logits, inputs.sampling)
@@ -98,6 +108,8 @@ class ModelRunner:
         seq_lens: list[int] = []
         logits_indices: list[int] = []
         params, seeds, output_indices = [], [], []
+        histories: list[list[int]] = []
+        num_prompt_tokens: list[int] = []
         for seq, start, num_new, is_sampling in zip(out.seqs, starts, lens, out.is_sampling):
             input_ids += seq.token_ids[start : start + num_new]
             end = query_start_loc[-1] + num_new
@@ -108,6 +120,8 @@ class ModelRunner:
                 params.append(seq.params)
                 seeds.append(seq.seed)
                 output_indices.append(seq.num_output_tokens)  # the index the sampled token gets
+                histories.append(seq.token_ids)  # read only for rows with penalties
+                num_prompt_tokens.append(seq.num_prompt_tokens)
         num_tokens = len(input_ids)
         width = max(len(table) for table in out.block_tables)
         block_tables = [table + [0] * (width - len(table)) for table in out.block_tables]
@@ -133,7 +147,9 @@ class ModelRunner:
             kv_caches=self.kv_caches,
             use_cpu_kernels=self.uses_cpu_kernels,
         )
-        sampling = SamplingMetadata.build(params, seeds, output_indices, self.vocab_size, self.device)
+        sampling = SamplingMetadata.build(
+            params, seeds, output_indices, self.vocab_size, self.device, token_ids=histories,
+            num_prompt_tokens=num_prompt_tokens, eos_token_ids=self.eos_token_ids)
         return ModelInputs(
             input_ids=self._tensor(input_ids, torch.int64).unsqueeze(0),
             position_ids=positions.unsqueeze(0),
@@ -155,10 +171,29 @@ class ModelRunner:
         logits: torch.Tensor = output.logits[0]
         return logits.float()
 
-    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> list[int]:
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SampledTokens:
         if logits.shape[0] == 0:
-            return []
-        return self.sampler.sample(logits, metadata).tolist()  # the step's one host sync
+            return SampledTokens([], [])
+        output = self.sampler.forward(logits, metadata)
+        token_ids: list[int] = output.token_ids.tolist()  # the step's one host sync...
+        return SampledTokens(token_ids, self._logprobs(output, metadata, len(token_ids)))
+
+    @staticmethod
+    def _logprobs(output: SamplerOutput, metadata: SamplingMetadata,
+                  num_rows: int) -> list[TokenLogprobs | None]:
+        logprobs: list[TokenLogprobs | None] = [None] * num_rows
+        request, sampled = metadata.logprobs, output.logprobs
+        if request is None or sampled is None:
+            return logprobs
+        # ...and more copies only in steps where some request asked for logprobs.
+        rows = request.row_list
+        values: list[float] = sampled.sampled.tolist()
+        top_ids: list[list[int]] = sampled.top_ids.tolist()
+        top_values: list[list[float]] = sampled.top_logprobs.tolist()
+        for i, row in enumerate(rows):
+            k = request.num_top[i]
+            logprobs[row] = TokenLogprobs(values[i], tuple(zip(top_ids[i][:k], top_values[i][:k])))
+        return logprobs
 
     def _tensor(self, values: list[Any], dtype: torch.dtype) -> torch.Tensor:
         tensor = torch.tensor(values, dtype=dtype)

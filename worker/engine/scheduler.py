@@ -276,6 +276,8 @@ class Scheduler:
         # A stop string beats max_tokens on the same token, as EOS does.
         if hit_stop_string or (not seq.params.ignore_eos and token_id in self.eos_token_ids):
             return FinishReason.STOP
+        if token_id in seq.params.stop_token_ids:  # sampled only from min_tokens on (masked before)
+            return FinishReason.STOP
         if seq.num_output_tokens >= seq.params.max_tokens:
             return FinishReason.LENGTH
         if seq.num_tokens >= self.max_model_len:

@@ -141,7 +141,8 @@ class BatchingWorker:
                          eos_token=getattr(tokenizer, "eos_token", None),
                          bos_token=getattr(tokenizer, "bos_token", None),
                          chat_template=getattr(tokenizer, "chat_template", None),
-                         generation_defaults=self._generation_defaults())
+                         generation_defaults=self._generation_defaults(),
+                         vocab_size=self.engine.vocab_size)
         tokenizer_json = self.engine.model_dir / "tokenizer.json"
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self.keys.models(), card.name, card.to_json())

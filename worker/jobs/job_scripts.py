@@ -151,8 +151,8 @@ return claimed
 # The per-iteration call, for every job in the batch at once (one script, not one per job).
 # KEYS: leases, canceled, then (lease, stream, state) per job.
 # ARGV: lease_ms, renew ('1': renew every lease of the batch, '0': not this step), then per job:
-#       job_id, token, prompt_tokens, first_token_at, num_tokens and (index, token_id, text) per
-#       token.
+#       job_id, token, prompt_tokens, first_token_at, num_tokens and (index, token_id, text,
+#       logprobs) per token (logprobs '' when the job asked for none: no `lp` field is written).
 # Returns two lists in job order: the append results — 1 (appended, lease renewed if asked), 0
 # (refused: not the lease holder), -1 (gap: refused) — and the cancel flags (1: cancel requested).
 # Per job the hot path is GET (the fence) and XADD per token; PEXPIRE and ZADD only on renewing
@@ -166,20 +166,25 @@ local deadline = renew and now_ms() + lease_ms or 0
 -- The cancel set is empty but between a cancel request and its worker acting on it.
 local any_canceled = redis.call('SCARD', KEYS[2]) > 0
 local function xadd(stream, a)
-  return redis.pcall('XADD', stream, '0-' .. (tonumber(ARGV[a]) + 1), 'kind', 'token',
-                     'index', ARGV[a], 'token_id', ARGV[a + 1], 'text', ARGV[a + 2])
+  local id = '0-' .. (tonumber(ARGV[a]) + 1)
+  if ARGV[a + 3] == '' then
+    return redis.pcall('XADD', stream, id, 'kind', 'token', 'index', ARGV[a],
+                       'token_id', ARGV[a + 1], 'text', ARGV[a + 2])
+  end
+  return redis.pcall('XADD', stream, id, 'kind', 'token', 'index', ARGV[a],
+                     'token_id', ARGV[a + 1], 'text', ARGV[a + 2], 'lp', ARGV[a + 3])
 end
 local function append(lease, stream, state, job_id, token, prompt_tokens, first_token_at, a,
                       num_tokens)
   if redis.call('GET', lease) ~= token then return 0 end
-  local last = a + 3 * (num_tokens - 1)
+  local last = a + 4 * (num_tokens - 1)
   local first = a
   if num_tokens > 0 then
     local added = xadd(stream, a)
     if type(added) == 'table' and added.err then
       local expected = next_index(stream)
       first = nil
-      for i = a, last, 3 do
+      for i = a, last, 4 do
         if tonumber(ARGV[i]) >= expected then first = i; break end
       end
       if first ~= nil then
@@ -188,7 +193,7 @@ local function append(lease, stream, state, job_id, token, prompt_tokens, first_
       end
     end
     if first ~= nil then
-      for i = first + 3, last, 3 do xadd(stream, i) end
+      for i = first + 4, last, 4 do xadd(stream, i) end
       if ARGV[first] == '0' then
         redis.call('HSET', state, 'first_token_at', first_token_at, 'prompt_tokens', prompt_tokens)
       end
@@ -208,7 +213,7 @@ while a <= #ARGV do
   results[#results + 1] = append(KEYS[k], KEYS[k + 1], KEYS[k + 2], job_id, ARGV[a + 1],
                                  ARGV[a + 2], ARGV[a + 3], a + 5, num_tokens)
   canceled[#canceled + 1] = any_canceled and redis.call('SISMEMBER', KEYS[2], job_id) or 0
-  a = a + 5 + 3 * num_tokens
+  a = a + 5 + 4 * num_tokens
   k = k + 3
 end
 return {results, canceled}

@@ -130,7 +130,8 @@ class StreamPublisher:
         self._append_args += [lease.job_id, lease.token, job.num_prompt_tokens,
                               repr(job.first_token_at), len(job.unpublished)]
         for token in job.unpublished:
-            self._append_args += [token.index, token.token_id, token.text]
+            logprobs = token.logprobs.encode() if token.logprobs is not None else ""
+            self._append_args += [token.index, token.token_id, token.text, logprobs]
         self._append_ids.append(lease.job_id)
         self._counters["generated_tokens_total"] += len(job.unpublished)
 

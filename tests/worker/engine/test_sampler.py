@@ -137,3 +137,36 @@ def test_greedy_takes_the_first_of_tied_maxima_like_argmax() -> None:
     params = [SamplingParams(temperature=0.0)] * 3
     metadata = SamplingMetadata.build(params, [0, 0, 0], [0, 0, 0], vocab_size=4)
     assert Sampler().sample(logits, metadata).tolist() == [1, 0, 0] == logits.argmax(dim=-1).tolist()
+
+
+def test_a_batch_without_processing_builds_none_of_it() -> None:
+    """Cheap when unused: no penalties, bias, min_tokens, min_p or logprobs, no tensors for them."""
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=5, seed=1)]
+    metadata = SamplingMetadata.build(params, [1, 2], [0, 0], VOCAB, token_ids=[[1, 2], [3]],
+                                      num_prompt_tokens=[1, 1], eos_token_ids=frozenset({0}))
+    assert metadata.processing is None and metadata.logprobs is None and metadata.min_p is None
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_top() -> None:
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    params = SamplingParams(temperature=1.0, min_p=0.35)  # keeps p >= 0.175: tokens 0 and 1
+    metadata = SamplingMetadata.build([params], [0], [0], 4)
+    kept = Sampler().probabilities(logits, metadata)
+    assert kept[0].tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0])
+    draws = {sample(logits, [params], [seed], [0])[0] for seed in range(200)}
+    assert draws == {0, 1}
+
+
+def test_processing_touches_only_its_own_rows() -> None:
+    logits = random_logits(3)
+    params = [SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logit_bias=((5, 100.0),)),
+              SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(7,))]
+    logits[2, 7] = 50.0  # the stop token would win: min_tokens masks it (and EOS, id 0)
+    metadata = SamplingMetadata.build(params, [0] * 3, [0, 0, 1], VOCAB, token_ids=[[1], [1], [1]],
+                                      num_prompt_tokens=[1, 1, 1], eos_token_ids=frozenset({0}))
+    expected_row2 = logits[2].clone()
+    expected_row2[[0, 7]] = float("-inf")
+    tokens = Sampler().sample(logits.clone(), metadata).tolist()
+    assert tokens == [logits[0].argmax().item(), 5, expected_row2.argmax().item()]

@@ -17,7 +17,15 @@ from rq.registry import (
 from rq.results import Result
 from rq.serializers import JSONSerializer
 
-from protocol import FinishReason, JobReader, JobStatus, StreamEntry, TokenEntry, cancel_job
+from protocol import (
+    FinishReason,
+    JobReader,
+    JobStatus,
+    StreamEntry,
+    TokenEntry,
+    TokenLogprobs,
+    cancel_job,
+)
 from protocol.rq_keys import RQKeys
 from tests.worker.jobs.job_support import (
     KEYS,
@@ -251,3 +259,27 @@ def test_leases_are_renewed_an_eighth_of_a_lease_apart(monkeypatch: pytest.Monke
         leases.append(redis.pttl(KEYS.lease("job-1")) > 7000)
     assert leases == [True, False, True]
     assert [i.decode() for i, _ in redis.xrange(KEYS.stream("job-1"))] == ["0-1", "0-2", "0-3"]
+
+
+def test_logprobs_ride_in_the_token_entries_through_a_resent_append() -> None:
+    redis = fake_redis()
+    submit(redis, "job-1", "job-2")
+    queue = make_queue(redis)
+    job, other = (running(claim) for claim in queue.claim(2))
+    pub = make_publisher(queue)
+    first = TokenLogprobs(-0.5, ((11, -0.5), (3, -1.25)))
+    second = TokenLogprobs(-2.0, ())
+    job.add_tokens([TokenEntry(0, 11, "a", first)], now=2000.0)
+    generate(other, 7)  # a job without logprobs in the same script call
+    pub.append(job)
+    pub.append(other)
+    pub.flush()
+    # A retry overlapping the last write: the entry already there is kept, not doubled.
+    job.unpublished = [TokenEntry(0, 11, "a", first), TokenEntry(1, 12, "b", second)]
+    pub.append(job)
+    assert pub.flush().refused == set()
+    entries = [e for _, e in _stream(redis, "job-1")]
+    assert [(e.index, e.token_id, e.logprobs) for e in entries] == [(0, 11, first), (1, 12, second)]
+    assert JobReader(redis).tokens("job-1") == entries
+    assert [e.logprobs for _, e in _stream(redis, "job-2")] == [None]
+    assert "lp" not in {k.decode() for k in redis.xrange(KEYS.stream("job-2"))[0][1]}

@@ -1,0 +1,80 @@
+"""Logprobs in OpenAI's shapes, from the token entries of a job's stream.
+
+Completions (legacy): `{tokens, token_logprobs, top_logprobs, text_offset}`, where each position's
+top_logprobs maps the most likely tokens and the generated one to their logprob (up to
+logprobs + 1 entries, as OpenAI documents). Chat: `{content: [{token, logprob, bytes,
+top_logprobs: [{token, logprob, bytes}]}]}`. Tokens are each id decoded alone (vLLM's choice), so a
+token holding part of a UTF-8 character reads as U+FFFD; `bytes` are those of that string.
+The values are what the worker computed (protocol.generation.TokenLogprobs says of which
+distribution); this module only renames and decodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from protocol import StreamEntry
+
+TokenText = Callable[[int], str]
+
+
+def token_text_of(tokenizer: Tokenizer | None) -> TokenText:
+    """`id -> text`, cached per response; without a published tokenizer, vLLM's `token_id:<id>`
+    spelling (its --return-tokens-as-token-ids), so a client can still tell tokens apart."""
+    cache: dict[int, str] = {}
+
+    def text(token_id: int) -> str:
+        cached = cache.get(token_id)
+        if cached is None:
+            if tokenizer is None:
+                cached = f"token_id:{token_id}"
+            else:
+                cached = tokenizer.decode([token_id], skip_special_tokens=False)
+            cache[token_id] = cached
+        return cached
+
+    return text
+
+
+@dataclass(slots=True)
+class LogprobsFormatter:
+    """Formats the logprobs of one choice, a batch of token entries at a time (a streamed chunk,
+    or the whole answer); it keeps the running text offset across batches."""
+
+    is_chat: bool
+    token_text: TokenText
+    num_top: int  # the request's count: a worker's longer list is cut to it
+    text_offset: int = 0
+
+    def format(self, entries: Sequence[StreamEntry]) -> dict[str, Any]:
+        entries = [entry for entry in entries if entry.logprobs is not None]
+        if self.is_chat:
+            return {"content": [self._chat_entry(entry) for entry in entries]}
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for entry in entries:
+            assert entry.logprobs is not None
+            token = self.token_text(entry.token_id)
+            tokens.append(token)
+            token_logprobs.append(entry.logprobs.logprob)
+            top = {self.token_text(token_id): logprob
+                   for token_id, logprob in entry.logprobs.top[: self.num_top]}
+            top.setdefault(token, entry.logprobs.logprob)
+            top_logprobs.append(top)
+            offsets.append(self.text_offset)
+            self.text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+    def _chat_entry(self, entry: StreamEntry) -> dict[str, Any]:
+        assert entry.logprobs is not None
+        return {**self._chat_token(entry.token_id, entry.logprobs.logprob),
+                "top_logprobs": [self._chat_token(token_id, logprob)
+                                 for token_id, logprob in entry.logprobs.top[: self.num_top]]}
+
+    def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        token = self.token_text(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
