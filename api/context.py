@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import redis
@@ -20,6 +20,7 @@ from api.settings import ApiSettings
 from api.stream_hub import StreamHub
 from api.tokenizer_cache import TokenizerCache
 from protocol import Keys
+from protocol.stream_shards import shard_urls, stream_shard
 
 # No retries, pinned: Redis down answers 503 at once and a hung Redis after one socket timeout.
 # redis-py's constructor defaults to 10 retries backing off up to 1 s (a hung Redis would hold a
@@ -39,6 +40,9 @@ class AppContext:
     models: ModelRegistry
     jobs: JobService
     hub: StreamHub | None  # None: every SSE subscriber blocks on an XREAD of its own
+    # Stream shards (protocol.stream_shards), each with its own hub: [aio] when not sharded.
+    shard_clients: list[aioredis.Redis] = field(default_factory=list)
+    shard_hubs: list[StreamHub | None] = field(default_factory=list)
 
     @classmethod
     def build(cls, settings: ApiSettings, aio: aioredis.Redis | None = None,
@@ -60,24 +64,44 @@ class AppContext:
         tokenizers = TokenizerCache(aio, keys)
         jobs = JobService(aio, sync, keys, models, tokenizers, settings.max_queue_depth,
                           settings.retry_after_s)
-        hub = None
-        if settings.stream_hub:
-            # Its own connection from the same pool: it stays blocked in XREAD.
-            reader = aioredis.Redis(connection_pool=aio.connection_pool,
-                                    single_connection_client=True)
-            hub = StreamHub(reader, aio, settings.stream_block_ms,
-                            min_interval_ms=settings.stream_hub_interval_ms)
+        shard_clients = [
+            aio if url == settings.redis_url else aioredis.Redis.from_url(
+                url, decode_responses=True, socket_connect_timeout=timeout,
+                socket_timeout=socket_timeout, max_connections=settings.redis_max_connections,
+                retry=redis.asyncio.retry.Retry(_NO_BACKOFF, REDIS_RETRIES))
+            for url in shard_urls(settings.redis_url, settings.stream_redis_urls)]
+        # One hub (one blocked XREAD) per shard.
+        shard_hubs = [_hub(client, settings) for client in shard_clients]
         return cls(settings=settings, keys=keys, aio=aio, sync=sync,
-                   auth=ApiKeyAuth(settings.api_keys), models=models, jobs=jobs, hub=hub)
+                   auth=ApiKeyAuth(settings.api_keys), models=models, jobs=jobs,
+                   hub=shard_hubs[0], shard_clients=shard_clients, shard_hubs=shard_hubs)
 
     def stream(self, job_id: str) -> JobStream:
-        return JobStream(self.aio, self.keys, job_id, self.settings.stream_block_ms, self.hub)
+        if not self.shard_clients:  # a context built by hand, without shards
+            return JobStream(self.aio, self.keys, job_id, self.settings.stream_block_ms, self.hub)
+        index = stream_shard(job_id, len(self.shard_clients))
+        return JobStream(self.aio, self.keys, job_id, self.settings.stream_block_ms,
+                         self.shard_hubs[index], stream_redis=self.shard_clients[index])
 
     async def close(self) -> None:
-        if self.hub is not None:
-            await self.hub.close()
+        hubs = self.shard_hubs or [self.hub]
+        for hub in hubs:
+            if hub is not None:
+                await hub.close()
+        for client in self.shard_clients:
+            if client is not self.aio:
+                await client.aclose()
         await self.aio.aclose()
         self.sync.close()
+
+
+def _hub(client: aioredis.Redis, settings: ApiSettings) -> StreamHub | None:
+    if not settings.stream_hub:
+        return None
+    # Its own connection from the shard's pool: it stays blocked in XREAD.
+    reader = aioredis.Redis(connection_pool=client.connection_pool, single_connection_client=True)
+    return StreamHub(reader, client, settings.stream_block_ms,
+                     min_interval_ms=settings.stream_hub_interval_ms)
 
 
 def get_context(request: Request) -> AppContext:

@@ -45,19 +45,21 @@ class JobStream:
     """Reads `Keys.stream(job_id)` after a given entry id until the final entry."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, job_id: str, block_ms: int,
-                 hub: StreamHub | None = None) -> None:
-        self._redis = redis
+                 hub: StreamHub | None = None, stream_redis: aioredis.Redis | None = None) -> None:
+        self._redis = redis  # the main Redis: the job's state
+        # The job's stream shard (protocol.stream_shards); the main Redis when not sharded.
+        self._streams = stream_redis if stream_redis is not None else redis
         self._keys = keys
         self.job_id = job_id
         self._block_ms = block_ms
         self._hub = hub  # None: this reader blocks on an XREAD (and a connection) of its own
 
     async def last_event(self) -> StreamEvent | None:
-        entries = cast("list[RawEntry]", await self._redis.xrevrange(self._keys.stream(self.job_id), count=1))
+        entries = cast("list[RawEntry]", await self._streams.xrevrange(self._keys.stream(self.job_id), count=1))
         return _event(*entries[0]) if entries else None
 
     async def read_all(self) -> list[StreamEvent]:
-        entries = cast("list[RawEntry]", await self._redis.xrange(self._keys.stream(self.job_id)))
+        entries = cast("list[RawEntry]", await self._streams.xrange(self._keys.stream(self.job_id)))
         return [_event(entry_id, fields) for entry_id, fields in entries]
 
     async def follow(self, after_id: str = STREAM_START) -> AsyncIterator[StreamEvent | None]:
@@ -73,7 +75,7 @@ class JobStream:
         try:
             while True:
                 if subscription is None:
-                    reply = cast(XReadReply, await self._redis.xread(
+                    reply = cast(XReadReply, await self._streams.xread(
                         {key: last_id}, block=self._block_ms, count=_COUNT))
                     entries = reply[0][1] if reply else []
                 else:
@@ -94,7 +96,7 @@ class JobStream:
                 state = JobState.from_fields(state_fields)
                 if state.status.is_final:
                     # Whatever was written with the final status is visible now; read once more.
-                    tail = await self._redis.xread({key: last_id}, count=_COUNT)
+                    tail = await self._streams.xread({key: last_id}, count=_COUNT)
                     if tail:
                         if subscription is not None:  # read them at once, not when the hub does
                             subscription.rearm(cast(XReadReply, tail)[0][1][-1][0])
@@ -112,7 +114,7 @@ class JobStream:
         reader joined (or fell behind), which it reads itself."""
         bound = subscription.take_catch_up()
         if bound is not None and entry_id_key(last_id) < entry_id_key(bound):
-            entries = cast("list[RawEntry]", await self._redis.xrange(
+            entries = cast("list[RawEntry]", await self._streams.xrange(
                 key, min=f"({last_id}", max=bound, count=_COUNT))
             if len(entries) == _COUNT:
                 subscription.rearm(bound)

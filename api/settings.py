@@ -15,6 +15,10 @@ class ApiSettings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535)
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding queues and streams.")
     keys_prefix: str = Field("carpool", description="Prefix of every Carpool key (protocol.Keys).")
+    stream_redis_urls: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Stream shards, as the workers have them (CARPOOL_STREAM_REDIS_URLS=u1,u2): a "
+                    "job's stream is on the one a hash of its id picks; empty: on redis_url.")
     # NoDecode: the variable is a comma-separated list ("key1,key2"), not JSON.
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
@@ -63,6 +67,13 @@ class ApiSettings(BaseSettings):
                     "long timeout makes that race rare. 75 s outlives common proxy and load "
                     "balancer idle timeouts (nginx 75 s, AWS ALB 60 s), so they close first.")
     log_level: str = Field("info")
+
+    @field_validator("stream_redis_urls", mode="before")
+    @classmethod
+    def _split_urls(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [url.strip() for url in value.split(",") if url.strip()]
+        return value
 
     @field_validator("api_keys", mode="before")
     @classmethod
