@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import redis
 import redis.asyncio as aioredis
@@ -48,13 +48,8 @@ class AppContext:
     def build(cls, settings: ApiSettings, aio: aioredis.Redis | None = None,
               sync: redis.Redis | None = None) -> AppContext:
         timeout = settings.redis_timeout_s
-        # A socket timeout must outlast the XREAD BLOCK of a waiting stream.
-        socket_timeout = timeout + settings.stream_block_ms / 1000
         if aio is None:
-            aio = aioredis.Redis.from_url(
-                settings.redis_url, decode_responses=True, socket_connect_timeout=timeout,
-                socket_timeout=socket_timeout, max_connections=settings.redis_max_connections,
-                retry=redis.asyncio.retry.Retry(_NO_BACKOFF, REDIS_RETRIES))
+            aio = _async_client(settings.redis_url, settings)
         if sync is None:
             sync = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=timeout,
                                         socket_timeout=timeout,
@@ -65,10 +60,7 @@ class AppContext:
         jobs = JobService(aio, sync, keys, models, tokenizers, settings.max_queue_depth,
                           settings.retry_after_s)
         shard_clients = [
-            aio if url == settings.redis_url else aioredis.Redis.from_url(
-                url, decode_responses=True, socket_connect_timeout=timeout,
-                socket_timeout=socket_timeout, max_connections=settings.redis_max_connections,
-                retry=redis.asyncio.retry.Retry(_NO_BACKOFF, REDIS_RETRIES))
+            aio if url == settings.redis_url else _async_client(url, settings)
             for url in shard_urls(settings.redis_url, settings.stream_redis_urls)]
         # One hub (one blocked XREAD) per shard.
         shard_hubs = [_hub(client, settings) for client in shard_clients]
@@ -93,6 +85,22 @@ class AppContext:
                 await client.aclose()
         await self.aio.aclose()
         self.sync.close()
+
+
+def _async_client(url: str, settings: ApiSettings) -> aioredis.Redis:
+    timeout = settings.redis_timeout_s
+    # A socket timeout must outlast the XREAD BLOCK of a waiting stream.
+    socket_timeout = timeout + settings.stream_block_ms / 1000
+    kwargs: dict[str, Any] = dict(
+        decode_responses=True, socket_connect_timeout=timeout, socket_timeout=socket_timeout,
+        max_connections=settings.max_redis_connections,
+        retry=redis.asyncio.retry.Retry(_NO_BACKOFF, REDIS_RETRIES))
+    if settings.stream_hub:
+        # Requests only borrow a connection for a command or two: past the cap they queue for
+        # one (bounded connections however many subscribers connect at once) rather than fail.
+        pool = aioredis.BlockingConnectionPool.from_url(url, timeout=timeout, **kwargs)
+        return aioredis.Redis(connection_pool=pool)
+    return aioredis.Redis.from_url(url, **kwargs)
 
 
 def _hub(client: aioredis.Redis, settings: ApiSettings) -> StreamHub | None:

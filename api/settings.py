@@ -53,12 +53,13 @@ class ApiSettings(BaseSettings):
     redis_timeout_s: float = Field(
         5.0, gt=0, description="Connect/command timeout to Redis, so Redis down answers 503 quickly."
     )
-    redis_max_connections: int = Field(
-        10_000, ge=1,
-        description="Redis connections the API may open. Without the stream hub every SSE "
-                    "subscriber holds one while it waits on XREAD (redis-py's default pool of 100 "
-                    "answered 'Too many connections' past 100 subscribers). Redis's own "
-                    "maxclients default is 10000.")
+    redis_max_connections: int | None = Field(
+        None, ge=1,
+        description="Redis connections the API may open, per Redis server. Default: 64 with the "
+                    "stream hub, where a request that finds them all busy waits for one (up to "
+                    "redis_timeout_s) instead of failing, so 10,000 subscribers connecting at once "
+                    "hold 64 at most; 10000 without it, where every SSE subscriber holds one while "
+                    "it waits on XREAD (Redis's own maxclients default is 10000).")
     http_keep_alive_s: int = Field(
         75, ge=1,
         description="How long uvicorn keeps an idle HTTP/1.1 connection open (uvicorn's default is "
@@ -81,3 +82,9 @@ class ApiSettings(BaseSettings):
         if isinstance(value, str):
             return [key.strip() for key in value.split(",") if key.strip()]
         return value
+
+    @property
+    def max_redis_connections(self) -> int:
+        if self.redis_max_connections is not None:
+            return self.redis_max_connections
+        return 64 if self.stream_hub else 10_000
