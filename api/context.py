@@ -17,6 +17,7 @@ from api.job_service import JobService
 from api.job_stream import JobStream
 from api.model_registry import ModelRegistry
 from api.settings import ApiSettings
+from api.state_reads import SharedStateReads
 from api.stream_hub import StreamHub
 from api.tokenizer_cache import TokenizerCache
 from protocol import Keys
@@ -43,6 +44,7 @@ class AppContext:
     # Stream shards (protocol.stream_shards), each with its own hub: [aio] when not sharded.
     shard_clients: list[aioredis.Redis] = field(default_factory=list)
     shard_hubs: list[StreamHub | None] = field(default_factory=list)
+    state_reads: SharedStateReads | None = None
 
     @classmethod
     def build(cls, settings: ApiSettings, aio: aioredis.Redis | None = None,
@@ -66,14 +68,16 @@ class AppContext:
         shard_hubs = [_hub(client, settings) for client in shard_clients]
         return cls(settings=settings, keys=keys, aio=aio, sync=sync,
                    auth=ApiKeyAuth(settings.api_keys), models=models, jobs=jobs,
-                   hub=shard_hubs[0], shard_clients=shard_clients, shard_hubs=shard_hubs)
+                   hub=shard_hubs[0], shard_clients=shard_clients, shard_hubs=shard_hubs,
+                   state_reads=SharedStateReads(aio, settings.stream_block_ms / 1000 / 2))
 
     def stream(self, job_id: str) -> JobStream:
         if not self.shard_clients:  # a context built by hand, without shards
             return JobStream(self.aio, self.keys, job_id, self.settings.stream_block_ms, self.hub)
         index = stream_shard(job_id, len(self.shard_clients))
         return JobStream(self.aio, self.keys, job_id, self.settings.stream_block_ms,
-                         self.shard_hubs[index], stream_redis=self.shard_clients[index])
+                         self.shard_hubs[index], stream_redis=self.shard_clients[index],
+                         state_reads=self.state_reads)
 
     async def close(self) -> None:
         hubs = self.shard_hubs or [self.hub]

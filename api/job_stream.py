@@ -13,6 +13,7 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
+from api.state_reads import SharedStateReads
 from api.stream_hub import StreamHub, Subscription
 from protocol import FinishReason, JobState, JobStatus, Keys, StreamEntry
 from protocol.job_reader import RawEntry, XReadReply
@@ -45,8 +46,10 @@ class JobStream:
     """Reads `Keys.stream(job_id)` after a given entry id until the final entry."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, job_id: str, block_ms: int,
-                 hub: StreamHub | None = None, stream_redis: aioredis.Redis | None = None) -> None:
+                 hub: StreamHub | None = None, stream_redis: aioredis.Redis | None = None,
+                 state_reads: SharedStateReads | None = None) -> None:
         self._redis = redis  # the main Redis: the job's state
+        self._state_reads = state_reads  # shared by this process' readers of the job
         # The job's stream shard (protocol.stream_shards); the main Redis when not sharded.
         self._streams = stream_redis if stream_redis is not None else redis
         self._keys = keys
@@ -90,7 +93,10 @@ class JobStream:
                         if event.is_done:
                             return
                     continue
-                state_fields = await self._redis.hgetall(self._keys.state(self.job_id))
+                state_key = self._keys.state(self.job_id)
+                state_fields = (await self._state_reads.hgetall(state_key)
+                                if self._state_reads is not None
+                                else await self._redis.hgetall(state_key))
                 if not state_fields:
                     return
                 state = JobState.from_fields(state_fields)
