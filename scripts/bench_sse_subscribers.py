@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import resource
 import sys
 import threading
@@ -80,8 +81,11 @@ async def _run(base_url: str, job_ids: list[str], args: argparse.Namespace, api_
     started = time.monotonic()
     for number, event in enumerate(events):
         tasks.append(asyncio.create_task(subscribe(base_url, job_ids[number % len(job_ids)], event)))
-        if number % 200 == 199:
-            await asyncio.sleep(0.05)  # a steady ramp rather than one SYN flood into the backlog
+        if number % 50 == 49:
+            # A steady ramp at --connect-rate: each connect costs the API a request (auth, two
+            # Redis reads); faster than it takes them, they queue in its event loop.
+            await asyncio.sleep(max(0.0, started + (number + 1) / args.connect_rate
+                                    - time.monotonic()))
     await asyncio.wait_for(asyncio.gather(*(event.wait() for event in events)), args.timeout)
     connect_s = time.monotonic() - started
     await asyncio.sleep(1.0)  # every subscriber is inside follow(), blocked on the hub
@@ -124,6 +128,10 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=8, help="tokens per job")
     parser.add_argument("--step-ms", type=float, default=500.0, help="one token per job each step")
     parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--connect-rate", type=float, default=200.0,
+                        help="new subscribers a second")
+    parser.add_argument("--block-ms", type=int, default=1000,
+                        help="the API's stream_block_ms: how often an idle subscriber wakes")
     args = parser.parse_args()
     # This process holds one socket per subscriber, the API as many; the API inherits the limit.
     _raise_fd_limit(args.jobs * args.per_job + 1024)
@@ -131,6 +139,7 @@ def main() -> int:
     server, url = _start_redis()
     redis = Redis.from_url(url)
     port = _free_port()
+    os.environ["CARPOOL_STREAM_BLOCK_MS"] = str(args.block_ms)  # the API process inherits it
     api = _start_api(url, port, "hub", 0.0, [])
     try:
         job_ids = []
