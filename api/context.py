@@ -29,6 +29,7 @@ from protocol.stream_shards import shard_urls, stream_shard
 # restart closed needs no retry: the pool checks a connection as it hands it out.
 REDIS_RETRIES = 0
 _NO_BACKOFF = NoBackoff()
+_POOL_WAIT_S = 60.0  # longest wait for a free pooled connection (with the stream hub)
 
 
 @dataclass(slots=True)
@@ -102,7 +103,10 @@ def _async_client(url: str, settings: ApiSettings) -> aioredis.Redis:
     if settings.stream_hub:
         # Requests only borrow a connection for a command or two: past the cap they queue for
         # one (bounded connections however many subscribers connect at once) rather than fail.
-        pool = aioredis.BlockingConnectionPool.from_url(url, timeout=timeout, **kwargs)
+        # The wait is long: an event loop busy with 10,000 streams holds each connection for its
+        # lag, and a stream whose state check gave up would end. (A down Redis still fails at
+        # once, a hung one after the socket timeout: those waits end as connections free up.)
+        pool = aioredis.BlockingConnectionPool.from_url(url, timeout=_POOL_WAIT_S, **kwargs)
         return aioredis.Redis(connection_pool=pool)
     return aioredis.Redis.from_url(url, **kwargs)
 

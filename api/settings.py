@@ -57,7 +57,7 @@ class ApiSettings(BaseSettings):
         None, ge=1,
         description="Redis connections the API may open, per Redis server. Default: 64 with the "
                     "stream hub, where a request that finds them all busy waits for one (up to "
-                    "redis_timeout_s) instead of failing, so 10,000 subscribers connecting at once "
+                    "60 s) instead of failing, so 10,000 subscribers connecting at once "
                     "hold 64 at most; 10000 without it, where every SSE subscriber holds one while "
                     "it waits on XREAD (Redis's own maxclients default is 10000).")
     http_keep_alive_s: int = Field(

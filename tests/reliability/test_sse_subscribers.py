@@ -33,8 +33,9 @@ def test_two_thousand_subscribers_hold_bounded_memory_and_redis_connections() ->
         pytest.skip(f"ulimit -n allows {hard} open files; the test needs {needed}")
     completed = subprocess.run(
         [sys.executable, "scripts/bench_sse_subscribers.py", "--jobs", str(NUM_JOBS),
-         "--per-job", str(PER_JOB), "--tokens", str(NUM_TOKENS), "--step-ms", "400",
-         "--timeout", "240"], cwd=REPO, capture_output=True, text=True, timeout=420)
+         "--per-job", str(PER_JOB), "--tokens", str(NUM_TOKENS), "--step-ms", "1000",
+         "--block-ms", "5000", "--connect-rate", "100", "--timeout", "240"],
+        cwd=REPO, capture_output=True, text=True, timeout=420)
     lines = [line for line in completed.stdout.splitlines() if line.startswith("{")]
     assert lines, f"no report (exit {completed.returncode}):\n{completed.stderr[-4000:]}"
     report = json.loads(lines[-1])
