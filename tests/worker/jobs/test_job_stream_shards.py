@@ -46,6 +46,18 @@ def test_the_shard_is_a_stable_hash_of_the_job_id_and_defaults_to_the_main_redis
     assert StreamShards(main, [], None, KEYS).remote("job-1") is None  # type: ignore[arg-type]
 
 
+def test_the_shard_list_is_a_comma_separated_setting_for_workers_and_the_api() -> None:
+    from api.settings import ApiSettings
+    from worker.jobs.settings import WorkerSettings
+
+    urls = " redis://a:6379/0, redis://b:6379/0,"
+    assert WorkerSettings(stream_redis_urls=urls).stream_redis_urls == [
+        "redis://a:6379/0", "redis://b:6379/0"]
+    assert ApiSettings(stream_redis_urls=urls).stream_redis_urls == [
+        "redis://a:6379/0", "redis://b:6379/0"]
+    assert WorkerSettings().stream_redis_urls == ApiSettings().stream_redis_urls == []
+
+
 def test_tokens_and_the_final_entry_go_to_the_shard_the_records_stay_on_the_main_redis() -> None:
     main, shard = fake_redis(), fake_redis()
     submit(main, "job-1")
