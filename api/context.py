@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import cast
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import redis
 import redis.asyncio as aioredis
@@ -17,9 +17,11 @@ from api.job_service import JobService
 from api.job_stream import JobStream
 from api.model_registry import ModelRegistry
 from api.settings import ApiSettings
+from api.state_reads import SharedStateReads
 from api.stream_hub import StreamHub
 from api.tokenizer_cache import TokenizerCache
 from protocol import Keys
+from protocol.stream_shards import shard_urls, stream_shard
 
 # No retries, pinned: Redis down answers 503 at once and a hung Redis after one socket timeout.
 # redis-py's constructor defaults to 10 retries backing off up to 1 s (a hung Redis would hold a
@@ -27,6 +29,7 @@ from protocol import Keys
 # restart closed needs no retry: the pool checks a connection as it hands it out.
 REDIS_RETRIES = 0
 _NO_BACKOFF = NoBackoff()
+_POOL_WAIT_S = 60.0  # longest wait for a free pooled connection (with the stream hub)
 
 
 @dataclass(slots=True)
@@ -39,18 +42,17 @@ class AppContext:
     models: ModelRegistry
     jobs: JobService
     hub: StreamHub | None  # None: every SSE subscriber blocks on an XREAD of its own
+    # Stream shards (protocol.stream_shards), each with its own hub: [aio] when not sharded.
+    shard_clients: list[aioredis.Redis] = field(default_factory=list)
+    shard_hubs: list[StreamHub | None] = field(default_factory=list)
+    state_reads: SharedStateReads | None = None
 
     @classmethod
     def build(cls, settings: ApiSettings, aio: aioredis.Redis | None = None,
               sync: redis.Redis | None = None) -> AppContext:
         timeout = settings.redis_timeout_s
-        # A socket timeout must outlast the XREAD BLOCK of a waiting stream.
-        socket_timeout = timeout + settings.stream_block_ms / 1000
         if aio is None:
-            aio = aioredis.Redis.from_url(
-                settings.redis_url, decode_responses=True, socket_connect_timeout=timeout,
-                socket_timeout=socket_timeout, max_connections=settings.redis_max_connections,
-                retry=redis.asyncio.retry.Retry(_NO_BACKOFF, REDIS_RETRIES))
+            aio = _async_client(settings.redis_url, settings)
         if sync is None:
             sync = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=timeout,
                                         socket_timeout=timeout,
@@ -61,24 +63,62 @@ class AppContext:
         jobs = JobService(aio, sync, keys, models, tokenizers, settings.max_queue_depth,
                           settings.retry_after_s, settings.idempotency_ttl_s,
                           settings.result_ttl_s, settings.failure_ttl_s, settings.max_logprobs)
-        hub = None
-        if settings.stream_hub:
-            # Its own connection from the same pool: it stays blocked in XREAD.
-            reader = aioredis.Redis(connection_pool=aio.connection_pool,
-                                    single_connection_client=True)
-            hub = StreamHub(reader, aio, settings.stream_block_ms,
-                            min_interval_ms=settings.stream_hub_interval_ms)
+        shard_clients = [
+            aio if url == settings.redis_url else _async_client(url, settings)
+            for url in shard_urls(settings.redis_url, settings.stream_redis_urls)]
+        # One hub (one blocked XREAD) per shard.
+        shard_hubs = [_hub(client, settings) for client in shard_clients]
         return cls(settings=settings, keys=keys, aio=aio, sync=sync,
-                   auth=ApiKeyAuth(settings.api_keys), models=models, jobs=jobs, hub=hub)
+                   auth=ApiKeyAuth(settings.api_keys), models=models, jobs=jobs,
+                   hub=shard_hubs[0], shard_clients=shard_clients, shard_hubs=shard_hubs,
+                   state_reads=SharedStateReads(aio, settings.stream_block_ms / 1000 / 2))
 
     def stream(self, job_id: str) -> JobStream:
-        return JobStream(self.aio, self.keys, job_id, self.settings.stream_block_ms, self.hub)
+        if not self.shard_clients:  # a context built by hand, without shards
+            return JobStream(self.aio, self.keys, job_id, self.settings.stream_block_ms, self.hub)
+        index = stream_shard(job_id, len(self.shard_clients))
+        return JobStream(self.aio, self.keys, job_id, self.settings.stream_block_ms,
+                         self.shard_hubs[index], stream_redis=self.shard_clients[index],
+                         state_reads=self.state_reads)
 
     async def close(self) -> None:
-        if self.hub is not None:
-            await self.hub.close()
+        hubs = self.shard_hubs or [self.hub]
+        for hub in hubs:
+            if hub is not None:
+                await hub.close()
+        for client in self.shard_clients:
+            if client is not self.aio:
+                await client.aclose()
         await self.aio.aclose()
         self.sync.close()
+
+
+def _async_client(url: str, settings: ApiSettings) -> aioredis.Redis:
+    timeout = settings.redis_timeout_s
+    # A socket timeout must outlast the XREAD BLOCK of a waiting stream.
+    socket_timeout = timeout + settings.stream_block_ms / 1000
+    kwargs: dict[str, Any] = dict(
+        decode_responses=True, socket_connect_timeout=timeout, socket_timeout=socket_timeout,
+        max_connections=settings.max_redis_connections,
+        retry=redis.asyncio.retry.Retry(_NO_BACKOFF, REDIS_RETRIES))
+    if settings.stream_hub:
+        # Requests only borrow a connection for a command or two: past the cap they queue for
+        # one (bounded connections however many subscribers connect at once) rather than fail.
+        # The wait is long: an event loop busy with 10,000 streams holds each connection for its
+        # lag, and a stream whose state check gave up would end. (A down Redis still fails at
+        # once, a hung one after the socket timeout: those waits end as connections free up.)
+        pool = aioredis.BlockingConnectionPool.from_url(url, timeout=_POOL_WAIT_S, **kwargs)
+        return aioredis.Redis(connection_pool=pool)
+    return aioredis.Redis.from_url(url, **kwargs)
+
+
+def _hub(client: aioredis.Redis, settings: ApiSettings) -> StreamHub | None:
+    if not settings.stream_hub:
+        return None
+    # Its own connection from the shard's pool: it stays blocked in XREAD.
+    reader = aioredis.Redis(connection_pool=client.connection_pool, single_connection_client=True)
+    return StreamHub(reader, client, settings.stream_block_ms,
+                     min_interval_ms=settings.stream_hub_interval_ms)
 
 
 def get_context(request: Request) -> AppContext:

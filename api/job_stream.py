@@ -13,6 +13,7 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
+from api.state_reads import SharedStateReads
 from api.stream_hub import StreamHub, Subscription
 from protocol import FinishReason, JobState, JobStatus, Keys, StreamEntry
 from protocol.job_reader import RawEntry, XReadReply
@@ -45,19 +46,23 @@ class JobStream:
     """Reads `Keys.stream(job_id)` after a given entry id until the final entry."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, job_id: str, block_ms: int,
-                 hub: StreamHub | None = None) -> None:
-        self._redis = redis
+                 hub: StreamHub | None = None, stream_redis: aioredis.Redis | None = None,
+                 state_reads: SharedStateReads | None = None) -> None:
+        self._redis = redis  # the main Redis: the job's state
+        self._state_reads = state_reads  # shared by this process' readers of the job
+        # The job's stream shard (protocol.stream_shards); the main Redis when not sharded.
+        self._streams = stream_redis if stream_redis is not None else redis
         self._keys = keys
         self.job_id = job_id
         self._block_ms = block_ms
         self._hub = hub  # None: this reader blocks on an XREAD (and a connection) of its own
 
     async def last_event(self) -> StreamEvent | None:
-        entries = cast("list[RawEntry]", await self._redis.xrevrange(self._keys.stream(self.job_id), count=1))
+        entries = cast("list[RawEntry]", await self._streams.xrevrange(self._keys.stream(self.job_id), count=1))
         return _event(*entries[0]) if entries else None
 
     async def read_all(self) -> list[StreamEvent]:
-        entries = cast("list[RawEntry]", await self._redis.xrange(self._keys.stream(self.job_id)))
+        entries = cast("list[RawEntry]", await self._streams.xrange(self._keys.stream(self.job_id)))
         return [_event(entry_id, fields) for entry_id, fields in entries]
 
     async def follow(self, after_id: str = STREAM_START) -> AsyncIterator[StreamEvent | None]:
@@ -73,7 +78,7 @@ class JobStream:
         try:
             while True:
                 if subscription is None:
-                    reply = cast(XReadReply, await self._redis.xread(
+                    reply = cast(XReadReply, await self._streams.xread(
                         {key: last_id}, block=self._block_ms, count=_COUNT))
                     entries = reply[0][1] if reply else []
                 else:
@@ -88,13 +93,16 @@ class JobStream:
                         if event.is_done:
                             return
                     continue
-                state_fields = await self._redis.hgetall(self._keys.state(self.job_id))
+                state_key = self._keys.state(self.job_id)
+                state_fields = (await self._state_reads.hgetall(state_key)
+                                if self._state_reads is not None
+                                else await self._redis.hgetall(state_key))
                 if not state_fields:
                     return
                 state = JobState.from_fields(state_fields)
                 if state.status.is_final:
                     # Whatever was written with the final status is visible now; read once more.
-                    tail = await self._redis.xread({key: last_id}, count=_COUNT)
+                    tail = await self._streams.xread({key: last_id}, count=_COUNT)
                     if tail:
                         if subscription is not None:  # read them at once, not when the hub does
                             subscription.rearm(cast(XReadReply, tail)[0][1][-1][0])
@@ -112,7 +120,7 @@ class JobStream:
         reader joined (or fell behind), which it reads itself."""
         bound = subscription.take_catch_up()
         if bound is not None and entry_id_key(last_id) < entry_id_key(bound):
-            entries = cast("list[RawEntry]", await self._redis.xrange(
+            entries = cast("list[RawEntry]", await self._streams.xrange(
                 key, min=f"({last_id}", max=bound, count=_COUNT))
             if len(entries) == _COUNT:
                 subscription.rearm(bound)

@@ -17,6 +17,10 @@ class ApiSettings(BaseSettings):
     port: int = Field(8000, ge=1, le=65535)
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding queues and streams.")
     keys_prefix: str = Field("carpool", description="Prefix of every Carpool key (protocol.Keys).")
+    stream_redis_urls: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Stream shards, as the workers have them (CARPOOL_STREAM_REDIS_URLS=u1,u2): a "
+                    "job's stream is on the one a hash of its id picks; empty: on redis_url.")
     # NoDecode: the variable is a comma-separated list ("key1,key2"), not JSON.
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
@@ -69,12 +73,13 @@ class ApiSettings(BaseSettings):
     redis_timeout_s: float = Field(
         5.0, gt=0, description="Connect/command timeout to Redis, so Redis down answers 503 quickly."
     )
-    redis_max_connections: int = Field(
-        10_000, ge=1,
-        description="Redis connections the API may open. Without the stream hub every SSE "
-                    "subscriber holds one while it waits on XREAD (redis-py's default pool of 100 "
-                    "answered 'Too many connections' past 100 subscribers). Redis's own "
-                    "maxclients default is 10000.")
+    redis_max_connections: int | None = Field(
+        None, ge=1,
+        description="Redis connections the API may open, per Redis server. Default: 64 with the "
+                    "stream hub, where a request that finds them all busy waits for one (up to "
+                    "60 s) instead of failing, so 10,000 subscribers connecting at once "
+                    "hold 64 at most; 10000 without it, where every SSE subscriber holds one while "
+                    "it waits on XREAD (Redis's own maxclients default is 10000).")
     http_keep_alive_s: int = Field(
         75, ge=1,
         description="How long uvicorn keeps an idle HTTP/1.1 connection open (uvicorn's default is "
@@ -84,9 +89,22 @@ class ApiSettings(BaseSettings):
                     "balancer idle timeouts (nginx 75 s, AWS ALB 60 s), so they close first.")
     log_level: str = Field("info")
 
+    @field_validator("stream_redis_urls", mode="before")
+    @classmethod
+    def _split_urls(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [url.strip() for url in value.split(",") if url.strip()]
+        return value
+
     @field_validator("api_keys", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):
             return [key.strip() for key in value.split(",") if key.strip()]
         return value
+
+    @property
+    def max_redis_connections(self) -> int:
+        if self.redis_max_connections is not None:
+            return self.redis_max_connections
+        return 64 if self.stream_hub else 10_000

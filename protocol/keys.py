@@ -63,6 +63,12 @@ class Keys:
         """Counter: incremented at each claim; its value is the new owner's fencing token."""
         return f"{self.prefix}:job:{job_id}:fence"
 
+    def stream_fence(self, job_id: str) -> str:
+        """String, on the job's stream shard (protocol.stream_shards) when that is not the main
+        Redis: the fencing token of the newest claim that adopted the stream; appends carrying
+        another token are refused there (see worker/jobs/shard_scripts.py)."""
+        return f"{self.prefix}:job:{job_id}:stream-fence"
+
     # Shared sets.
     def leases(self) -> str:
         """Sorted set job_id -> lease deadline (ms since epoch): where recovery looks for lapsed jobs."""

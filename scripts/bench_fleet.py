@@ -9,8 +9,14 @@ before and after a measurement window, on a private redis-server.
 
     python scripts/bench_fleet.py                       # both readers, side by side
     python scripts/bench_fleet.py --reader hub --workers 2 --seats 32 --step-ms 20 --seconds 20
+    python scripts/bench_fleet.py --reader hub --shards 1,2   # streams on 1, then 2 shards
 
-Reported: us of Redis CPU per generated token (counted once, as one subscriber sees it), per
+With `--shards N` the token streams live on N private redis-servers of their own (stream
+shards, CARPOOL_STREAM_REDIS_URLS) and the queue on another; each server's CPU is read apart.
+One busy Redis core is the limit of each server, so the fleet's ceiling is the generated tokens/s
+at which the busiest server would reach one core: tokens/s / (its CPU seconds per second).
+
+Reported: us of Redis CPU per generated token (the workers' own count), per
 token delivered (every subscriber), the generated tokens/s one Redis core would carry at that
 cost, and Redis commands per generated token.
 """
@@ -28,7 +34,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,93 +44,11 @@ import httpx  # noqa: E402
 from redis import Redis  # noqa: E402
 from redis.exceptions import ConnectionError as RedisConnectionError  # noqa: E402
 
-from protocol.generation import FinishReason, SamplingParams, TokenEntry  # noqa: E402
-from worker.engine.outputs import RequestOutput, StepOutput, StepStats  # noqa: E402
+from protocol.keys import Keys  # noqa: E402
+from worker.engine.synthetic_engine import SyntheticEngine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "synthetic"
-
-
-class _Tokenizer:
-    eos_token = "</s>"
-    bos_token = "<s>"
-    chat_template = None
-
-    def encode(self, text: str) -> list[int]:
-        return [1 + (ord(c) % 100) for c in text]
-
-
-@dataclass(slots=True)
-class _Request:
-    max_tokens: int
-    num_prompt_tokens: int
-    num_output_tokens: int
-    is_aborted: bool = False
-
-
-class SyntheticEngine:
-    """The engine surface BatchingWorker uses: one token per seat every `step_s`, no model."""
-
-    def __init__(self, max_num_seqs: int, step_s: float) -> None:
-        self.tokenizer = _Tokenizer()
-        self.max_model_len = 1 << 16
-        self.model_dir = Path("/nonexistent-synthetic-model")
-        self._max_num_seqs = max_num_seqs
-        self._step_s = step_s
-        self._requests: dict[str, _Request] = {}
-        self._next_step_at = time.monotonic()
-
-    def generate(self, prompts: Sequence[str], sampling: SamplingParams) -> None:
-        return None  # the worker's warm-up: nothing to warm
-
-    def has_unfinished(self) -> bool:
-        return bool(self._requests)
-
-    def num_free_slots(self) -> int:
-        return self._max_num_seqs - len(self._requests)
-
-    def num_free_kv_blocks(self) -> int:
-        return 1 << 20
-
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.tokenizer.encode(" ".join(m["content"] for m in messages))
-
-    def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                    output_token_ids: tuple[int, ...] = ()) -> None:
-        self._requests[request_id] = _Request(sampling.max_tokens, len(prompt_ids),
-                                              len(output_token_ids))
-
-    def abort(self, request_id: str) -> None:
-        if request_id in self._requests:
-            self._requests[request_id].is_aborted = True
-
-    def step(self) -> StepOutput:
-        now = time.monotonic()
-        if self._next_step_at > now:
-            time.sleep(self._next_step_at - now)
-        self._next_step_at = max(now, self._next_step_at) + self._step_s
-        outputs = []
-        for request_id, request in list(self._requests.items()):
-            if request.is_aborted:
-                del self._requests[request_id]
-                outputs.append(RequestOutput(request_id, [], FinishReason.CANCELED,
-                                             request.num_prompt_tokens, request.num_output_tokens))
-                continue
-            index = request.num_output_tokens
-            request.num_output_tokens += 1
-            reason = FinishReason.LENGTH if request.num_output_tokens >= request.max_tokens else None
-            if reason is not None:
-                del self._requests[request_id]
-            outputs.append(RequestOutput(request_id, [TokenEntry(index, 1000 + index % 500, " tok")],
-                                         reason, request.num_prompt_tokens,
-                                         request.num_output_tokens))
-        num = len(outputs)
-        stats = StepStats(num_seqs=num, num_scheduled_tokens=num, num_prefill_tokens=0,
-                          num_decode_tokens=num, num_kv_blocks_used=0, num_kv_blocks_total=1 << 20,
-                          num_running=len(self._requests), num_waiting=0,
-                          slot_utilisation=len(self._requests) / self._max_num_seqs,
-                          num_preemptions=0, step_time_s=self._step_s)
-        return StepOutput(outputs=outputs, preempted=[], stats=stats)
 
 
 def _free_port() -> int:
@@ -152,8 +75,10 @@ def _start_redis() -> tuple[subprocess.Popen[bytes], str]:
     sys.exit("redis-server did not start")
 
 
-def _start_api(url: str, port: int, reader: str, interval_ms: float) -> subprocess.Popen[bytes]:
+def _start_api(url: str, port: int, reader: str, interval_ms: float,
+               shard_urls: list[str]) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "CARPOOL_REDIS_URL": url,
+           "CARPOOL_STREAM_REDIS_URLS": ",".join(shard_urls),
            "CARPOOL_STREAM_HUB_INTERVAL_MS": str(interval_ms),
            "CARPOOL_PORT": str(port), "CARPOOL_STREAM_HUB": "true" if reader == "hub" else "false",
            "CARPOOL_LOG_LEVEL": "warning", "CARPOOL_MAX_QUEUE_DEPTH": "100000"}
@@ -170,14 +95,16 @@ def _start_api(url: str, port: int, reader: str, interval_ms: float) -> subproce
     sys.exit("the API did not start")
 
 
-def _start_workers(url: str, args: argparse.Namespace) -> list[tuple[Any, threading.Thread]]:
+def _start_workers(url: str, args: argparse.Namespace,
+                   shard_urls: list[str]) -> list[tuple[Any, threading.Thread]]:
     from worker.jobs.batching_worker import BatchingWorker
     from worker.jobs.settings import WorkerSettings
 
     workers = []
     for number in range(args.workers):
         settings = WorkerSettings(model=MODEL, redis_url=url, name=f"synthetic-{number}",
-                                  max_num_seqs=args.seats, drain_seconds=0)
+                                  max_num_seqs=args.seats, drain_seconds=0,
+                                  stream_redis_urls=shard_urls)
         worker = BatchingWorker(settings, SyntheticEngine(args.seats, args.step_ms / 1000),  # type: ignore[arg-type]
                                 Redis.from_url(url), register_presence=False)
         thread = threading.Thread(target=worker.run, name=settings.name, daemon=True)
@@ -233,7 +160,22 @@ def _command_stats(redis: Redis) -> dict[str, tuple[int, int]]:
             for name, stats in redis.info("commandstats").items()}
 
 
-async def _measure(base_url: str, redis: Redis, args: argparse.Namespace) -> dict[str, Any]:
+def _published(redis: Redis) -> int:
+    """Tokens the workers have published so far (their generated_tokens_total counter)."""
+    return int(redis.hget(Keys().counters(), "generated_tokens_total") or 0)
+
+
+def _sum_stats(servers: dict[str, Redis]) -> dict[str, tuple[int, int]]:
+    total: dict[str, tuple[int, int]] = {}
+    for redis in servers.values():
+        for name, (calls, usec) in _command_stats(redis).items():
+            before = total.get(name, (0, 0))
+            total[name] = (before[0] + calls, before[1] + usec)
+    return total
+
+
+async def _measure(base_url: str, servers: dict[str, Redis],
+                   args: argparse.Namespace) -> dict[str, Any]:
     counts = Counts()
     stop = asyncio.Event()
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -241,23 +183,42 @@ async def _measure(base_url: str, redis: Redis, args: argparse.Namespace) -> dic
         slots = [asyncio.create_task(_job_slot(client, args, counts, stop))
                  for _ in range(args.concurrency)]
         await asyncio.sleep(args.warmup)
-        cpu0, calls0, gen0, del0, t0 = (_redis_cpu_s(redis), _command_stats(redis),
-                                         counts.generated, counts.delivered, time.monotonic())
+        cpus0 = {name: _redis_cpu_s(redis) for name, redis in servers.items()}
+        published0 = _published(servers["main"])
+        calls0, gen0, del0, t0 = (_sum_stats(servers), counts.generated, counts.delivered,
+                                  time.monotonic())
         await asyncio.sleep(args.seconds)
-        cpu1, calls1, gen1, del1, t1 = (_redis_cpu_s(redis), _command_stats(redis),
-                                         counts.generated, counts.delivered, time.monotonic())
+        cpus1 = {name: _redis_cpu_s(redis) for name, redis in servers.items()}
+        published1 = _published(servers["main"])
+        calls1, gen1, del1, t1 = (_sum_stats(servers), counts.generated, counts.delivered,
+                                  time.monotonic())
         stop.set()
         await asyncio.wait(slots, timeout=60)
-    generated, delivered = gen1 - gen0, del1 - del0
-    cpu_us = (cpu1 - cpu0) * 1e6
+    # Generated: what the workers published in the window (their generated_tokens_total). The
+    # subscribers' count is not it: a subscriber that joined late reads its job's earlier tokens
+    # inside the window (at 256 jobs on a loaded box it ran 1.4x above what was published).
+    generated, delivered = published1 - published0, del1 - del0
+    first_subscriber_tokens = gen1 - gen0
+    window = t1 - t0
+    cpu_by_server = {name: cpus1[name] - cpus0[name] for name in servers}
+    cpu_us = sum(cpu_by_server.values()) * 1e6
+    # Each server saturates at one core: the busiest one sets the fleet's ceiling.
+    busiest = max(cpu_by_server, key=lambda name: cpu_by_server[name])
+    busiest_share = cpu_by_server[busiest] / window
     calls = {name: calls1[name][0] - calls0.get(name, (0, 0))[0] for name in calls1}
     usec = {name: calls1[name][1] - calls0.get(name, (0, 0))[1] for name in calls1}
     per_token = cpu_us / max(generated, 1)
     command_us = sum(usec.values())
     return {
         "generated_tokens": generated, "delivered_tokens": delivered,
-        "window_s": round(t1 - t0, 2), "generated_tokens_per_s": round(generated / (t1 - t0), 1),
-        "redis_cpu_s": round(cpu1 - cpu0, 3),
+        "first_subscriber_tokens": first_subscriber_tokens,
+        "window_s": round(window, 2), "generated_tokens_per_s": round(generated / window, 1),
+        "redis_cpu_s": round(cpu_us / 1e6, 3),
+        "redis_cpu_us_per_generated_token_by_server": {
+            name: round(cpu * 1e6 / max(generated, 1), 2) for name, cpu in cpu_by_server.items()},
+        "busiest_server": busiest,
+        "ceiling_generated_tokens_per_s": (round(generated / window / busiest_share)
+                                           if busiest_share else None),
         "redis_cpu_us_per_generated_token": round(per_token, 2),
         "redis_cpu_us_per_delivered_token": round(cpu_us / max(delivered, 1), 2),
         "generated_tokens_per_s_per_redis_core": round(1e6 / per_token) if per_token else None,
@@ -287,41 +248,54 @@ def main() -> int:
     parser.add_argument("--subscribers", type=int, default=1, help="SSE readers per job")
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--seconds", type=float, default=20.0, help="measurement window")
+    parser.add_argument("--shards", default="0",
+                        help="stream shards, a comma-separated list of counts run one after the "
+                             "other (0: the streams on the queue's Redis, as by default)")
     args = parser.parse_args()
     args.concurrency = args.concurrency or args.workers * args.seats
     readers = ["per-subscriber", "hub"] if args.reader == "both" else [args.reader]
+    shard_counts = [int(n) for n in args.shards.split(",")]
 
-    server, url = _start_redis()
-    redis = Redis.from_url(url)
+    servers = [_start_redis() for _ in range(1 + max(shard_counts))]
+    url = servers[0][1]
     results = {}
     try:
-        for reader in readers:
-            redis.flushdb()
-            workers = _start_workers(url, args)
-            port = _free_port()
-            api = _start_api(url, port, reader, args.hub_interval_ms)
-            try:
-                results[reader] = asyncio.run(_measure(f"http://127.0.0.1:{port}", redis, args))
-            finally:
-                api.terminate()
-                api.wait(timeout=30)
-                for worker, _ in workers:
-                    worker.request_stop(0, None)
-                for _, thread in workers:
-                    thread.join(timeout=30)
-            print(json.dumps({"reader": reader, **results[reader]}), flush=True)
+        for num_shards in shard_counts:
+            shard_urls = [shard_url for _, shard_url in servers[1:1 + num_shards]]
+            clients = {"main": Redis.from_url(url),
+                       **{f"shard-{i}": Redis.from_url(u) for i, u in enumerate(shard_urls)}}
+            for reader in readers:
+                for client in clients.values():
+                    client.flushdb()
+                workers = _start_workers(url, args, shard_urls)
+                port = _free_port()
+                api = _start_api(url, port, reader, args.hub_interval_ms, shard_urls)
+                label = f"{reader}, {num_shards} shards" if num_shards else reader
+                try:
+                    results[label] = asyncio.run(_measure(f"http://127.0.0.1:{port}", clients, args))
+                finally:
+                    api.terminate()
+                    api.wait(timeout=30)
+                    for worker, _ in workers:
+                        worker.request_stop(0, None)
+                    for _, thread in workers:
+                        thread.join(timeout=30)
+                print(json.dumps({"run": label, **results[label]}), flush=True)
     finally:
-        server.terminate()
-        server.wait(timeout=10)
+        for process, _ in servers:
+            process.terminate()
+            process.wait(timeout=10)
     config = {k: getattr(args, k) for k in ("hub_interval_ms", "workers", "seats", "step_ms", "tokens", "concurrency",
-                                            "subscribers", "seconds")}
+                                            "subscribers", "seconds", "shards")}
     print(json.dumps({"config": config}))
-    print(f"{'reader':<16}{'tok/s':>9}{'us/gen tok':>12}{'us/deliv tok':>14}{'tok/s/core':>12}")
-    for reader, r in results.items():
-        print(f"{reader:<16}{r['generated_tokens_per_s']:>9}"
+    print(f"{'run':<20}{'tok/s':>9}{'us/gen tok':>12}{'us/deliv tok':>14}{'tok/s/core':>12}"
+          f"{'ceiling tok/s':>15}")
+    for label, r in results.items():
+        print(f"{label:<20}{r['generated_tokens_per_s']:>9}"
               f"{r['redis_cpu_us_per_generated_token']:>12}"
               f"{r['redis_cpu_us_per_delivered_token']:>14}"
-              f"{r['generated_tokens_per_s_per_redis_core']!s:>12}")
+              f"{r['generated_tokens_per_s_per_redis_core']!s:>12}"
+              f"{r['ceiling_generated_tokens_per_s']!s:>15}")
     return 0
 
 

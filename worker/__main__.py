@@ -21,6 +21,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--model", help="bundled model name (smollm2) or a local Hugging Face directory")
     add("--served-model-name", help="the model name jobs use (default: --model, or its dir name)")
     add("--redis-url")
+    add("--stream-redis-urls", help="stream shards, comma-separated (default: --redis-url)")
     add("--name", help="worker name (rq info, stats); default host-pid-random")
     add("--mode", choices=["continuous", "static", "sequential"])
     add("--max-num-seqs", type=int)

@@ -27,14 +27,17 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from redis import Redis
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 from rq.worker import WorkerStatus
 
 from protocol.generation import FinishReason, SamplingParams
 from protocol.generation_defaults import generation_defaults
 from protocol.keys import Keys
 from protocol.messages import JobSpec, JobStatus, ModelCard, WorkerStats
+from protocol.stream_shards import shard_urls
 from worker.engine.config import BatchingMode
 from worker.engine.outputs import StepOutput, StepStats
 from worker.jobs.backoff import Backoff
@@ -44,6 +47,7 @@ from worker.jobs.rq_presence import RQPresence
 from worker.jobs.running_job import RunningJob
 from worker.jobs.settings import WorkerSettings
 from worker.jobs.stream_publisher import JobEnd, PublishReport, StreamPublisher
+from worker.jobs.stream_shards import StreamShards
 
 if TYPE_CHECKING:  # the engine (torch) is handed in by worker.__main__, never imported here
     from worker.engine.engine import Engine
@@ -79,8 +83,12 @@ class BatchingWorker:
                                    self.queue.queue_names,
                                    ttl_seconds=int(max(settings.heartbeat_seconds * 3, 30))
                                    ) if register_presence else None
+        self.shards = StreamShards(redis, [
+            redis if url == settings.redis_url else _shard_client(url, settings)
+            for url in shard_urls(settings.redis_url, settings.stream_redis_urls)],
+            self.scripts, self.keys)
         self.publisher = StreamPublisher(redis, self.scripts, self.keys, self.name,
-                                         settings.lease_ms, self.presence)
+                                         settings.lease_ms, self.presence, self.shards)
         self.jobs: dict[str, RunningJob] = {}
         self._pending: list[_Pending] = []
         self._stop_requested = False
@@ -104,6 +112,7 @@ class BatchingWorker:
     def run(self) -> int:
         self._warm_up()
         self.scripts.load(self.redis)
+        self.shards.load_scripts()
         if self.presence is not None:
             self.presence.register_birth()
         self._publish_model()
@@ -237,7 +246,7 @@ class BatchingWorker:
 
     # Boundary: jobs in.
     def _admit(self, claims: list[ClaimedJob]) -> None:
-        for claim in claims:
+        for claim in self.shards.adopt(claims):
             job = RunningJob(lease=claim.lease, spec=claim.spec, state=claim.state,
                              result_ttl=claim.result_ttl, failure_ttl=claim.failure_ttl,
                              num_prompt_tokens=claim.state.prompt_tokens,
@@ -443,3 +452,9 @@ def _has_started(claim: ClaimedJob) -> bool:
     claim's time (`claimed_at`, passed to it as repr, so equal when it was this claim) only on
     the first one."""
     return bool(claim.tokens) or claim.state.started_at != claim.claimed_at
+def _shard_client(url: str, settings: WorkerSettings) -> Redis:
+    """A stream shard's client, with the main one's timeouts and one quiet retry on a fresh
+    connection (a pooled one may predate a shard restart)."""
+    return Redis.from_url(url, socket_timeout=settings.redis_timeout_seconds,
+                          socket_connect_timeout=settings.redis_timeout_seconds,
+                          health_check_interval=30, retry=Retry(NoBackoff(), 1))

@@ -30,6 +30,8 @@ from redis import Redis
 from redis.client import Pipeline
 from redis.typing import EncodableT
 
+from worker.jobs.shard_scripts import SHARD_ADOPT, SHARD_APPEND, SHARD_END
+
 _COMMON = """
 local function is_final(status)
   return status == 'finished' or status == 'failed' or status == 'canceled'
@@ -153,6 +155,9 @@ return claimed
 # ARGV: lease_ms, renew ('1': renew every lease of the batch, '0': not this step), then per job:
 #       job_id, token, prompt_tokens, first_token_at, num_tokens and (index, token_id, text,
 #       logprobs) per token (logprobs '' when the job asked for none: no `lp` field is written).
+#       A job whose stream is on a shard (protocol.stream_shards) comes with no tokens, for its
+#       lease check, renewal and cancel flag, and with first_token_at ('' or the time) when its
+#       shard got its first token this step.
 # Returns two lists in job order: the append results — 1 (appended, lease renewed if asked), 0
 # (refused: not the lease holder), -1 (gap: refused) — and the cancel flags (1: cancel requested).
 # Per job the hot path is GET (the fence) and XADD per token; PEXPIRE and ZADD only on renewing
@@ -199,6 +204,10 @@ local function append(lease, stream, state, job_id, token, prompt_tokens, first_
       end
     end
   end
+  if num_tokens == 0 and first_token_at ~= '' then
+    -- The job's stream is on a shard, which got its first token this step.
+    redis.call('HSET', state, 'first_token_at', first_token_at, 'prompt_tokens', prompt_tokens)
+  end
   if renew then
     redis.call('PEXPIRE', lease, lease_ms)
     redis.call('ZADD', KEYS[1], 'XX', deadline, job_id)
@@ -224,8 +233,9 @@ return {results, canceled}
 #       worker executions, rq worker hash, fence.
 # ARGV: token, job_id, outcome (finished|failed|canceled), finish_reason, error, prompt_tokens,
 #       completion_tokens, text, token_ids (JSON), result_ttl, failure_ttl, composite,
-#       execution_id, rq_now, now_s, working_seconds, exc_info, cached_tokens, then rq Result
-#       fields as pairs.
+#       execution_id, rq_now, now_s, working_seconds, exc_info, cached_tokens, stream_here ('1':
+#       the stream is on this Redis; '0': on a shard, whose END script the worker sends once this
+#       ran), then rq Result fields as pairs.
 # Returns the status written, or false when refused (not the lease holder / already final).
 FINISH = _COMMON + """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
@@ -241,10 +251,13 @@ end
 local ttl = tonumber(ARGV[10])
 if outcome == 'failed' then ttl = tonumber(ARGV[11]) end
 local now_s = tonumber(ARGV[15])
-local done = next_index(KEYS[2])
-redis.call('XADD', KEYS[2], '0-' .. (done + 1), 'kind', 'done', 'finish_reason', reason,
-           'prompt_tokens', ARGV[6], 'completion_tokens', ARGV[7], 'error', ARGV[5],
-           'cached_tokens', ARGV[18])
+local stream_here = ARGV[19] == '1'
+if stream_here then
+  local done = next_index(KEYS[2])
+  redis.call('XADD', KEYS[2], '0-' .. (done + 1), 'kind', 'done', 'finish_reason', reason,
+             'prompt_tokens', ARGV[6], 'completion_tokens', ARGV[7], 'error', ARGV[5],
+             'cached_tokens', ARGV[18])
+end
 redis.call('HSET', KEYS[4], 'status', outcome, 'finish_reason', reason, 'error', ARGV[5],
            'prompt_tokens', ARGV[6], 'completion_tokens', ARGV[7], 'text', ARGV[8],
            'token_ids', ARGV[9], 'finished_at', ARGV[15], 'execution', '',
@@ -260,7 +273,7 @@ else
     redis.call('ZADD', KEYS[11], math.floor(now_s) + ttl, job_id)
   end
   local result = {}
-  for i = 19, #ARGV do result[#result + 1] = ARGV[i] end
+  for i = 20, #ARGV do result[#result + 1] = ARGV[i] end
   redis.call('XADD', KEYS[7], 'MAXLEN', '~', 10, '*', unpack(result))
   redis.call('EXPIRE', KEYS[7], ttl)
 end
@@ -275,19 +288,21 @@ else
 end
 redis.call('HINCRBYFLOAT', KEYS[15], 'total_working_time', ARGV[16])
 if ttl > 0 then
-  for _, k in ipairs({KEYS[2], KEYS[4], KEYS[6], KEYS[16]}) do redis.call('EXPIRE', k, ttl) end
+  for _, k in ipairs({KEYS[4], KEYS[6], KEYS[16]}) do redis.call('EXPIRE', k, ttl) end
+  if stream_here then redis.call('EXPIRE', KEYS[2], ttl) end
 end
 return outcome
 """
 
 # KEYS: lease, leases, state, rq job, queue (the job's origin), started registry, rq execution,
 #       rq executions, worker executions, stream, the queue's wake-up list.
-# ARGV: token, job_id, composite, execution_id, prompt_tokens, count_as_preemption (1|0).
+# ARGV: token, job_id, composite, execution_id, prompt_tokens, count_as_preemption (1|0),
+#       num_tokens (what the job's stream holds, wherever it lives).
 # Returns 1 (back at the queue's front), 0 (refused: not the lease holder).
 REQUEUE = _COMMON + """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 local status = 'queued'
-if redis.call('XLEN', KEYS[10]) > 0 then status = 'preempted' end
+if redis.call('XLEN', KEYS[10]) > 0 or tonumber(ARGV[7]) > 0 then status = 'preempted' end
 redis.call('HSET', KEYS[3], 'status', status, 'prompt_tokens', ARGV[5], 'execution', '')
 if ARGV[6] == '1' then redis.call('HINCRBY', KEYS[3], 'num_preemptions', 1) end
 redis.call('HSET', KEYS[4], 'status', 'queued')
@@ -354,6 +369,9 @@ class ScriptShas:
     finish: str
     requeue: str
     recover: str
+    shard_adopt: str
+    shard_append: str
+    shard_end: str
 
 
 class JobScripts:
@@ -365,7 +383,8 @@ class JobScripts:
     """
 
     SOURCES = {"claim": CLAIM, "append": APPEND, "finish": FINISH, "requeue": REQUEUE,
-               "recover": RECOVER}
+               "recover": RECOVER, "shard_adopt": SHARD_ADOPT, "shard_append": SHARD_APPEND,
+               "shard_end": SHARD_END}
 
     def __init__(self) -> None:
         self.shas: ScriptShas | None = None

@@ -10,10 +10,10 @@ import os
 import socket
 import uuid
 from pathlib import Path
-from typing import Literal, TypedDict
+from typing import Annotated, Literal, TypedDict
 
-from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from worker.engine.config import BatchingMode, EngineConfig
 
@@ -41,6 +41,12 @@ class WorkerSettings(BaseSettings):
         "", description="The name jobs and the API use for it; default: the model name, or the "
         "directory's name for a path.")
     redis_url: str = Field("redis://127.0.0.1:6379/0")
+    # NoDecode: the variable is a comma-separated list ("redis://a,redis://b"), not JSON.
+    stream_redis_urls: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Stream shards: Redis servers for the token streams, a job's chosen by a hash "
+                    "of its id (protocol.stream_shards); empty: the streams stay on redis_url. "
+                    "List redis_url itself to keep its share of streams there.")
     keys_prefix: str = Field("carpool", description="Prefix of every Carpool key (protocol.Keys).")
     name: str = Field("", description="Worker name in rq info and stats; default host-pid-random.")
     mode: BatchingMode = BatchingMode.CONTINUOUS
@@ -79,6 +85,13 @@ class WorkerSettings(BaseSettings):
     openmp: Literal["intel", "gnu"] = Field(
         "gnu", description="OpenMP runtime of the model's CPU threads: torch's GNU one, or Intel's "
         "(preloaded from the intel-openmp package, as vLLM does; opt-in, see openmp_runtime).")
+
+    @field_validator("stream_redis_urls", mode="before")
+    @classmethod
+    def _split_urls(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [url.strip() for url in value.split(",") if url.strip()]
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> WorkerSettings:

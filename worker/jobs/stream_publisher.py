@@ -1,6 +1,12 @@
-"""Everything a worker writes in one iteration, sent as ONE round trip (a MULTI/EXEC pipeline).
+"""Everything a worker writes in one iteration, sent as ONE round trip (a MULTI/EXEC pipeline)
+to the main Redis, plus one to each stream shard that holds some of the batch's streams.
 
 Per job: the fenced append script (new tokens + lease renewal), or the finish/requeue script.
+A job whose stream lives on a shard (protocol.stream_shards) has its tokens appended there by
+the shard's fenced script (worker/jobs/shard_scripts.py), sent before the main round trip, and
+its lease checked and renewed on the main Redis as before; its final entry goes to the shard
+once the main Redis recorded the end (an extra round trip to that shard in a step where one of
+its jobs ended).
 For the batch: SMISMEMBER on the canceled set, the WorkerStats hash, metric counters and
 histograms, and, when due, RQ heartbeats and the recovery script. `flush()` sends it and
 reports what Redis refused or flagged, for the worker to act on at the next boundary.
@@ -9,6 +15,7 @@ reports what Redis refused or flagged, for the worker to act on at the next boun
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import logging
 import math
@@ -21,7 +28,9 @@ from typing import Any, cast
 
 from redis import Redis
 from redis.client import Pipeline
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT
 from rq.results import Result
 from rq.serializers import JSONSerializer
@@ -43,6 +52,7 @@ from worker.jobs.job_scripts import JobScripts
 from worker.jobs.lease import Lease
 from worker.jobs.rq_presence import RQPresence
 from worker.jobs.running_job import RunningJob
+from worker.jobs.stream_shards import StreamShards
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +80,21 @@ class PublishReport:
     recovered: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class _EndMarker:
+    """A sharded job's final stream entry, written to its shard after its end on the main Redis."""
+
+    shard: int
+    job_id: str
+    token: str
+    ttl_s: int
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    error: str
+    cached_tokens: int = 0
+
+
 @dataclass(slots=True)
 class _ScriptCall:
     kind: str  # append | finish | requeue | recover
@@ -77,12 +102,18 @@ class _ScriptCall:
     name: str
     keys: list[str]
     args: list[EncodableT]
+    end: _EndMarker | None = None  # finish of a sharded job: its final entry, reason as asked
 
 
 class StreamPublisher:
     def __init__(self, redis: Redis, scripts: JobScripts, keys: Keys, worker_name: str,
-                 lease_ms: int, presence: RQPresence | None = None) -> None:
+                 lease_ms: int, presence: RQPresence | None = None,
+                 shards: StreamShards | None = None) -> None:
         self.redis = redis
+        self.shards = shards or StreamShards(redis, [redis], scripts, keys)
+        # Final entries owed to shards: kept across failed flushes (the end is already recorded
+        # on the main Redis, so they are resent until a shard takes them).
+        self._pending_ends: list[_EndMarker] = []
         self.presence = presence
         self.scripts = scripts
         self.keys = keys
@@ -109,6 +140,9 @@ class StreamPublisher:
         self._append_ids: list[str] = []
         self._append_keys: list[str] = []
         self._append_args: list[EncodableT] = []
+        self._shard_ids: dict[int, list[str]] = defaultdict(list)
+        self._shard_keys: dict[int, list[str]] = defaultdict(list)
+        self._shard_args: dict[int, list[EncodableT]] = defaultdict(list)
         self._extra: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []  # plain commands (stats, heartbeats)
         self._heartbeat = False
         self._worker_state: WorkerStatus | None = None
@@ -118,20 +152,32 @@ class StreamPublisher:
     @property
     def is_empty(self) -> bool:
         return not (self._calls or self._append_ids or self._extra or self._counters
-                    or self._observations or self._heartbeat)
+                    or self._observations or self._heartbeat or self._pending_ends)
 
     # Per job.
     def append(self, job: RunningJob) -> None:
         """New tokens (maybe none), the lease renewal and the cancel check, fenced by the job's
         token. All the batch's appends go to Redis as one script call."""
         lease = job.lease
-        self._append_keys += [self.keys.lease(lease.job_id), self.keys.stream(lease.job_id),
-                              self.keys.state(lease.job_id)]
-        self._append_args += [lease.job_id, lease.token, job.num_prompt_tokens,
-                              repr(job.first_token_at), len(job.unpublished)]
+        tokens: list[EncodableT] = []
         for token in job.unpublished:
             logprobs = token.logprobs.encode() if token.logprobs is not None else ""
-            self._append_args += [token.index, token.token_id, token.text, logprobs]
+            tokens += [token.index, token.token_id, token.text, logprobs]
+        shard = self.shards.remote(lease.job_id)
+        self._append_keys += [self.keys.lease(lease.job_id), self.keys.stream(lease.job_id),
+                              self.keys.state(lease.job_id)]
+        if shard is None:
+            self._append_args += [lease.job_id, lease.token, job.num_prompt_tokens,
+                                  repr(job.first_token_at), len(job.unpublished), *tokens]
+        else:
+            # The main Redis checks and renews the lease; the shard takes the tokens.
+            is_first = bool(job.unpublished) and job.unpublished[0].index == 0
+            self._append_args += [lease.job_id, lease.token, job.num_prompt_tokens,
+                                  repr(job.first_token_at) if is_first else "", 0]
+            self._shard_ids[shard].append(lease.job_id)
+            self._shard_keys[shard] += [self.keys.stream_fence(lease.job_id),
+                                        self.keys.stream(lease.job_id)]
+            self._shard_args[shard] += [lease.token, len(job.unpublished), *tokens]
         self._append_ids.append(lease.job_id)
         self._counters["generated_tokens_total"] += len(job.unpublished)
 
@@ -174,9 +220,16 @@ class StreamPublisher:
             repr(max(0.0, now - (job.claimed_at or now))),
             zlib.compress(end.error.encode()) if end.status == JobStatus.FAILED else b"",
             job.num_cached_tokens]
+        shard = self.shards.remote(lease.job_id)
+        args.append("1" if shard is None else "0")
         for name, value in rq_result.serialize().items():
             args += [name, value]
-        self._calls.append(_ScriptCall("finish", lease.job_id, "finish", keys, args))
+        marker = None if shard is None else _EndMarker(
+            shard, lease.job_id, lease.token,
+            job.failure_ttl if end.status == JobStatus.FAILED else job.result_ttl,
+            end.finish_reason.value, job.num_prompt_tokens, job.num_tokens, end.error,
+            job.num_cached_tokens)
+        self._calls.append(_ScriptCall("finish", lease.job_id, "finish", keys, args, marker))
         self._counters["prompt_tokens_total"] += job.num_prompt_tokens
         # vLLM's prefix cache counters count tokens: the prompt's, and those found cached.
         self._counters["prefix_cache_queries_total"] += job.num_prompt_tokens
@@ -195,7 +248,8 @@ class StreamPublisher:
                 RQKeys.executions(lease.job_id), RQKeys.worker_executions(self.worker_name),
                 self.keys.stream(lease.job_id), self.keys.wakeups(lease.queue_name)]
         args: list[EncodableT] = [lease.token, lease.job_id, lease.composite, lease.execution_id,
-                                  job.num_prompt_tokens, 1 if count_as_preemption else 0]
+                                  job.num_prompt_tokens, 1 if count_as_preemption else 0,
+                                  job.num_tokens]
         self._calls.append(_ScriptCall("requeue", lease.job_id, "requeue", keys, args))
         self._counters["jobs_preempted_total"] += 1
 
@@ -260,8 +314,11 @@ class StreamPublisher:
         On a connection error the queued work is kept, so calling flush again resends it: a
         resent append skips the tokens already there, a resent finish or requeue is refused
         (the job already ended or left), so a retry after an ambiguous failure is harmless
-        (metric counters aside, which may count that iteration twice).
+        (metric counters aside, which may count that iteration twice). Stream shards go first,
+        so a job's tokens are in its stream before the main Redis records its end.
         """
+        report = PublishReport()
+        self._flush_shards(report)
         calls = self._calls
         started = time.monotonic()
         # Renewing every lease costs two commands a job: do it a few times a lease, not each step.
@@ -288,17 +345,73 @@ class StreamPublisher:
         # Reset only once the scripts have run too: if Redis drops while they are reloaded, the
         # next flush resends the whole iteration (its appends are idempotent; its finishes and
         # requeues are refused if they ran; only metric counters may count twice).
-        replies = self._retry_missing_scripts(calls, replies)
+        replies = self._retry_missing_scripts(self.redis, calls, replies)
         if renew and self._append_ids:
             self._renewed_at = started
         self._reset()
-        report = PublishReport()
         for call, reply in zip(calls, replies):
             if call.kind == "append":
                 self._read_appends(append_ids, reply, report)
             else:
                 self._read(call, reply, report)
+        if self._pending_ends:
+            self._send_ends()
         return report
+
+    def _flush_shards(self, report: PublishReport) -> None:
+        """Each shard's appends (and final entries still owed to it) as one MULTI/EXEC; raises
+        on a shard that cannot be reached, keeping everything queued for the retry."""
+        ends_by_shard: dict[int, list[_EndMarker]] = defaultdict(list)
+        for marker in self._pending_ends:
+            ends_by_shard[marker.shard].append(marker)
+        sent_ends: list[_EndMarker] = []
+        for shard in sorted(set(self._shard_ids) | set(ends_by_shard)):
+            calls: list[_ScriptCall] = []
+            if self._shard_ids.get(shard):
+                calls.append(_ScriptCall("append", "", "shard_append", self._shard_keys[shard],
+                                         self._shard_args[shard]))
+            calls += [self._end_call(marker) for marker in ends_by_shard[shard]]
+            client = self.shards.clients[shard]
+            pipe = client.pipeline(transaction=True)
+            for call in calls:
+                self.scripts.call(pipe, call.name, call.keys, call.args)
+            replies = self._retry_missing_scripts(client, calls, pipe.execute(raise_on_error=False))
+            for call, reply in zip(calls, replies):
+                if call.kind == "append":
+                    self._read_shard_appends(self._shard_ids[shard], reply, report)
+                elif reply != 1:
+                    log.warning("job %s: final entry refused by its stream shard (%s)",
+                                call.job_id, reply)
+            sent_ends += ends_by_shard[shard]
+        self._pending_ends = [m for m in self._pending_ends if m not in sent_ends]
+
+    def _end_call(self, marker: _EndMarker) -> _ScriptCall:
+        return _ScriptCall("end", marker.job_id, "shard_end",
+                           [self.keys.stream_fence(marker.job_id), self.keys.stream(marker.job_id)],
+                           [marker.token, marker.ttl_s, marker.finish_reason,
+                            marker.prompt_tokens, marker.completion_tokens, marker.error,
+                            marker.cached_tokens])
+
+    def _send_ends(self) -> None:
+        """The final entries of sharded jobs that just ended; a shard out of reach gets them
+        with the next flush (meanwhile readers see the end in the job's state)."""
+        try:
+            self._flush_shards(PublishReport())  # nothing else is queued: only the ends go
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            log.warning("stream shard unreachable, %d final entries kept for the next flush: %s",
+                        len(self._pending_ends), exc)
+
+    def _read_shard_appends(self, job_ids: list[str], reply: object,
+                            report: PublishReport) -> None:
+        if isinstance(reply, ResponseError):
+            log.error("shard append script failed: %s", reply)
+            report.refused.update(job_ids)
+            return
+        for job_id, result in zip(job_ids, cast("list[int]", reply)):
+            if result != 1:
+                report.refused.add(job_id)
+                if result == -1:
+                    log.error("job %s: token gap refused by the stream shard", job_id)
 
     def _read_appends(self, job_ids: list[str], reply: object, report: PublishReport) -> None:
         if isinstance(reply, ResponseError):
@@ -315,17 +428,19 @@ class StreamPublisher:
                 report.canceled.add(job_id)
 
     def discard(self) -> None:
-        """Forget what is queued (the worker gave up on Redis and dropped its jobs)."""
+        """Forget what is queued (the worker gave up on Redis and dropped its jobs); final
+        entries owed to shards stay owed (their jobs' ends are recorded already)."""
         self._reset()
 
-    def _retry_missing_scripts(self, calls: list[_ScriptCall], replies: list[Any]) -> list[Any]:
+    def _retry_missing_scripts(self, client: Redis, calls: list[_ScriptCall],
+                               replies: list[Any]) -> list[Any]:
         """After a Redis restart or SCRIPT FLUSH no script ran: load them and rerun just those."""
         missing = [i for i, reply in enumerate(replies[:len(calls)])
                    if isinstance(reply, NoScriptError)]
         if not missing:
             return replies
-        self.scripts.load(self.redis)
-        pipe = self.redis.pipeline(transaction=True)
+        self.scripts.load(client)
+        pipe = client.pipeline(transaction=True)
         for i in missing:
             self.scripts.call(pipe, calls[i].name, calls[i].keys, calls[i].args)
         for i, reply in zip(missing, pipe.execute(raise_on_error=False)):
@@ -343,8 +458,13 @@ class StreamPublisher:
             if reply is None:
                 report.refused.add(call.job_id)
             else:
-                report.ended[call.job_id] = JobStatus(
-                    reply.decode() if isinstance(reply, bytes) else reply)
+                status = JobStatus(reply.decode() if isinstance(reply, bytes) else reply)
+                report.ended[call.job_id] = status
+                if call.end is not None:
+                    # The cancel guard may have turned a finish into a cancel.
+                    reason = (FinishReason.CANCELED.value if status == JobStatus.CANCELED
+                              else call.end.finish_reason)
+                    self._pending_ends.append(dataclasses.replace(call.end, finish_reason=reason))
         elif call.kind == "requeue":
             if reply == 1:
                 report.requeued.add(call.job_id)

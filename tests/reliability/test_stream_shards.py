@@ -1,0 +1,156 @@
+"""Token streams on two stream shards (private redis-servers, append-only file on), the queue and
+job records on a third: synthetic workers (the real worker loop, no model), the real API process
+and SSE subscribers; one shard is SIGKILLed and restarted while jobs stream through it.
+
+Every job must finish with every token exactly once, in order, in its subscriber's events (which
+reconnect with Last-Event-ID when the API ends their stream), and its stream must be on the shard
+its id hashes to and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from redis import Redis
+
+from protocol import JobReader, JobStatus, Keys
+from protocol.stream_shards import stream_shard
+from tests.conftest import RedisServer
+from tests.reliability.api_support import ApiProcess, start_redis, stop_redis
+from worker.engine.synthetic_engine import SYNTHETIC_TEXT, SyntheticEngine, synthetic_token_id
+from worker.jobs.batching_worker import BatchingWorker
+from worker.jobs.settings import WorkerSettings
+
+pytestmark = pytest.mark.reliability
+
+KEYS = Keys()
+NUM_JOBS = 24
+NUM_TOKENS = 120
+SEATS = 8
+STEP_S = 0.02
+
+
+def _start_workers(main_url: str, shard_urls: list[str]) -> list[tuple[BatchingWorker, threading.Thread]]:
+    workers = []
+    for number in range(2):
+        settings = WorkerSettings(model="synthetic", redis_url=main_url, name=f"synthetic-{number}",
+                                  stream_redis_urls=shard_urls, max_num_seqs=SEATS,
+                                  drain_seconds=0, lease_seconds=6, redis_timeout_seconds=2)
+        worker = BatchingWorker(settings, SyntheticEngine(SEATS, STEP_S),  # type: ignore[arg-type]
+                                Redis.from_url(main_url), register_presence=False)
+        thread = threading.Thread(target=worker.run, name=settings.name, daemon=True)
+        thread.start()
+        workers.append((worker, thread))
+    return workers
+
+
+async def _follow(client: httpx.AsyncClient, job_id: str, reconnects: dict[str, int]
+                  ) -> list[dict[str, str]]:
+    """Every event of the job's stream, reconnecting after the last id it got, as EventSource."""
+    events: list[dict[str, str]] = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        headers = {"Last-Event-ID": events[-1]["id"]} if events else {}
+        try:
+            async with client.stream("GET", f"/v1/jobs/{job_id}/stream", headers=headers) as response:
+                if response.status_code == 204:
+                    return events
+                if response.status_code == 200:
+                    event: dict[str, str] = {}
+                    async for line in response.aiter_lines():
+                        if not line:
+                            if event:
+                                events.append(event)
+                                if event.get("event") == "done":
+                                    return events
+                            event = {}
+                        elif not line.startswith(":"):
+                            name, _, value = line.partition(":")
+                            event[name] = value.removeprefix(" ")
+        except httpx.HTTPError:
+            pass
+        reconnects[job_id] = reconnects.get(job_id, 0) + 1
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"job {job_id}: no final event within 120 s ({len(events)} events)")
+
+
+async def _run(api: ApiProcess, shards: list[RedisServer]) -> tuple[dict[str, list[dict[str, str]]],
+                                                                    dict[str, int], int]:
+    reconnects: dict[str, int] = {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=api.url, timeout=30, limits=limits) as client:
+        job_ids = []
+        for _ in range(NUM_JOBS):
+            response = await client.post("/v1/jobs", json={"prompt": "hello",
+                                                           "max_tokens": NUM_TOKENS})
+            assert response.status_code == 202, response.text
+            job_ids.append(response.json()["job_id"])
+        followers = {job_id: asyncio.create_task(_follow(client, job_id, reconnects))
+                     for job_id in job_ids}
+        # The shard with the most jobs dies mid-stream (append-only file: it comes back whole).
+        counts = [0, 0]
+        for job_id in job_ids:
+            counts[stream_shard(job_id, 2)] += 1
+        victim = 0 if counts[0] >= counts[1] else 1
+        await asyncio.sleep(1.0)
+        shards[victim].kill()
+        await asyncio.sleep(1.5)
+        shards[victim].start(appendonly=True)
+        results = {job_id: await task for job_id, task in followers.items()}
+    return results, reconnects, victim
+
+
+def test_streams_on_two_shards_survive_a_shard_restart(tmp_path: Path) -> None:
+    main = start_redis(tmp_path / "main", appendonly=True)
+    shards = [start_redis(tmp_path / f"shard-{i}", appendonly=True) for i in range(2)]
+    workers: list[tuple[BatchingWorker, threading.Thread]] = []
+    api = None
+    try:
+        shard_urls = [shard.url for shard in shards]
+        workers = _start_workers(main.url, shard_urls)
+        api = ApiProcess.start(main.url, tmp_path / "api.log", stream_redis_urls=",".join(shard_urls),
+                               max_queue_depth="1000")
+        api.wait_healthy()
+        main_redis = Redis.from_url(main.url)
+        deadline = time.monotonic() + 60
+        while not main_redis.hexists(KEYS.models(), "synthetic") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        results, reconnects, victim = asyncio.run(_run(api, shards))
+
+        reader = JobReader(main_redis)
+        shard_redis = [Redis.from_url(url) for url in shard_urls]
+        for job_id, events in results.items():
+            tokens = [(e["id"], json.loads(e["data"])) for e in events if e["event"] == "token"]
+            assert tokens == [(f"0-{i + 1}", {"index": i, "token_id": synthetic_token_id(i),
+                                              "text": SYNTHETIC_TEXT})
+                              for i in range(NUM_TOKENS)], job_id
+            done = json.loads(events[-1]["data"])
+            assert (events[-1]["event"], events[-1]["id"], done["finish_reason"],
+                    done["usage"]["completion_tokens"]) == (
+                "done", f"0-{NUM_TOKENS + 1}", "length", NUM_TOKENS)
+            assert reader.state(job_id).status == JobStatus.FINISHED
+            home = stream_shard(job_id, 2)
+            assert shard_redis[home].xlen(KEYS.stream(job_id)) == NUM_TOKENS + 1
+            assert shard_redis[1 - home].exists(KEYS.stream(job_id)) == 0
+            assert main_redis.exists(KEYS.stream(job_id)) == 0
+        victims = [job_id for job_id in results if stream_shard(job_id, 2) == victim]
+        # The restart hit live subscribers: they were cut off and resumed.
+        assert any(reconnects.get(job_id, 0) for job_id in victims), reconnects
+        print(f"RELIABILITY stream shards: {NUM_JOBS} jobs x {NUM_TOKENS} tokens on 2 shards, "
+              f"shard {victim} killed and restarted; {sum(reconnects.values())} reconnects, "
+              f"every token once, 0 lost")
+    finally:
+        if api is not None:
+            api.stop()
+        for worker, _ in workers:
+            worker.request_stop(0, None)
+        for _, thread in workers:
+            thread.join(timeout=30)
+        for server in [main, *shards]:
+            stop_redis(server)

@@ -1,0 +1,189 @@
+"""Token streams on a stream shard: tokens, fencing and the final entry on the shard, the lease,
+the cancel flag and the job's records on the main Redis (two fakeredis servers)."""
+
+from __future__ import annotations
+
+import fakeredis
+
+from protocol import FinishReason, JobReader, JobStatus, StreamEntry, cancel_job
+from protocol.stream_shards import shard_urls, stream_shard
+from tests.worker.jobs.job_support import (
+    KEYS,
+    expire_lease,
+    fake_redis,
+    generate,
+    make_queue,
+    running,
+    submit,
+)
+from worker.jobs.job_queue import JobQueue
+from worker.jobs.stream_publisher import JobEnd, StreamPublisher
+from worker.jobs.stream_shards import StreamShards
+
+
+def _stream(redis, job_id: str) -> list[tuple[str, StreamEntry]]:
+    return [(i.decode(), StreamEntry.from_fields(f)) for i, f in redis.xrange(KEYS.stream(job_id))]
+
+
+def _worker(main, shard, name: str = "w1", lease_ms: int = 10_000):
+    queue = make_queue(main, worker=name, lease_ms=lease_ms)
+    shards = StreamShards(main, [shard], queue.scripts, KEYS)  # every stream on the shard
+    shards.load_scripts()
+    publisher = StreamPublisher(main, queue.scripts, KEYS, name, lease_ms, shards=shards)
+    return queue, shards, publisher
+
+
+def _claim(queue: JobQueue, shards: StreamShards, n: int = 1):
+    return [running(claim) for claim in shards.adopt(queue.claim(n))]
+
+
+def test_the_shard_is_a_stable_hash_of_the_job_id_and_defaults_to_the_main_redis() -> None:
+    assert shard_urls("redis://main", []) == ["redis://main"]
+    assert shard_urls("redis://main", ["redis://a", "redis://b"]) == ["redis://a", "redis://b"]
+    assert [stream_shard(f"job-{i}", 3) for i in range(8)] == [1, 2, 0, 0, 2, 0, 0, 1]
+    assert stream_shard("job-1", 1) == 0
+    main = fake_redis()
+    assert StreamShards(main, [], None, KEYS).remote("job-1") is None  # type: ignore[arg-type]
+
+
+def test_the_shard_list_is_a_comma_separated_setting_for_workers_and_the_api() -> None:
+    from api.settings import ApiSettings
+    from worker.jobs.settings import WorkerSettings
+
+    urls = " redis://a:6379/0, redis://b:6379/0,"
+    assert WorkerSettings(stream_redis_urls=urls).stream_redis_urls == [
+        "redis://a:6379/0", "redis://b:6379/0"]
+    assert ApiSettings(stream_redis_urls=urls).stream_redis_urls == [
+        "redis://a:6379/0", "redis://b:6379/0"]
+    assert WorkerSettings().stream_redis_urls == ApiSettings().stream_redis_urls == []
+
+
+def test_tokens_and_the_final_entry_go_to_the_shard_the_records_stay_on_the_main_redis() -> None:
+    main, shard = fake_redis(), fake_redis()
+    submit(main, "job-1")
+    queue, shards, pub = _worker(main, shard)
+    (job,) = _claim(queue, shards)
+    generate(job, 11, 12)
+    pub.append(job)
+    assert pub.flush().refused == set()
+    generate(job, 13)
+    pub.append(job)
+    pub.finish(job, JobEnd(JobStatus.FINISHED, FinishReason.LENGTH), now=3000.0)
+    report = pub.flush()
+    assert report.ended == {"job-1": JobStatus.FINISHED}
+    assert [(i, e.kind, e.token_id, e.text) for i, e in _stream(shard, "job-1")][:3] == [
+        ("0-1", "token", 11, "<11>"), ("0-2", "token", 12, "<12>"), ("0-3", "token", 13, "<13>")]
+    done_id, done = _stream(shard, "job-1")[3]
+    assert (done_id, done.kind, done.finish_reason, done.prompt_tokens, done.completion_tokens) == (
+        "0-4", "done", FinishReason.LENGTH, 3, 3)
+    assert main.exists(KEYS.stream("job-1")) == 0
+    state = JobReader(main).state("job-1")
+    assert (state.status, state.first_token_at, state.prompt_tokens, state.text) == (
+        JobStatus.FINISHED, 2000.0, 3, "<11><12><13>")
+    assert shard.ttl(KEYS.stream("job-1")) > 0
+
+
+def test_a_zombie_cannot_append_once_a_new_owner_adopted_and_what_it_wrote_before_is_resumed() -> None:
+    main, shard = fake_redis(), fake_redis()
+    submit(main, "job-1")
+    queue_a, shards_a, pub_a = _worker(main, shard, "a")
+    (job_a,) = _claim(queue_a, shards_a)
+    generate(job_a, 11)
+    pub_a.append(job_a)
+    pub_a.flush()
+    expire_lease(main, "job-1")
+    queue_b, shards_b, pub_b = _worker(main, shard, "b")
+    pub_b.recover()
+    assert pub_b.flush().recovered == ["job-1"]
+    claim_b = queue_b.claim(1)  # claimed on the main Redis, not adopted on the shard yet
+    generate(job_a, 12)  # the zombie's last step lands between the two: it is part of the stream
+    pub_a.append(job_a)
+    pub_a.flush()
+    (job_b,) = [running(c) for c in shards_b.adopt(claim_b)]
+    assert job_b.token_ids == [11, 12]
+    generate(job_a, 13)
+    pub_a.append(job_a)
+    assert pub_a.flush().refused == {"job-1"}
+    generate(job_b, 23)
+    pub_b.append(job_b)
+    assert pub_b.flush().refused == set()
+    assert [e.token_id for _, e in _stream(shard, "job-1")] == [11, 12, 23]
+
+
+def test_an_old_claim_cannot_lower_the_shards_fence() -> None:
+    main, shard = fake_redis(), fake_redis()
+    submit(main, "job-1")
+    queue_a, shards_a, _ = _worker(main, shard, "a")
+    old_claim = queue_a.claim(1)
+    expire_lease(main, "job-1")
+    queue_b, shards_b, pub_b = _worker(main, shard, "b")
+    pub_b.recover()
+    pub_b.flush()
+    assert len(shards_b.adopt(queue_b.claim(1))) == 1
+    assert shards_a.adopt(old_claim) == []  # its adopt came late: refused, left to lapse
+
+
+def test_a_cancel_during_the_last_step_ends_the_shards_stream_canceled() -> None:
+    main, shard = fake_redis(), fake_redis()
+    submit(main, "job-1")
+    queue, shards, pub = _worker(main, shard)
+    (job,) = _claim(queue, shards)
+    generate(job, 11)
+    pub.append(job)
+    pub.flush()
+    assert cancel_job(main, "job-1") == JobStatus.RUNNING
+    pub.finish(job, JobEnd(JobStatus.FINISHED, FinishReason.STOP))
+    assert pub.flush().ended == {"job-1": JobStatus.CANCELED}
+    done = _stream(shard, "job-1")[-1][1]
+    assert (done.kind, done.finish_reason) == ("done", FinishReason.CANCELED)
+
+
+def test_a_final_entry_for_a_shard_out_of_reach_is_sent_with_a_later_flush() -> None:
+    main = fake_redis()
+    shard_server = fakeredis.FakeServer()
+    shard = fakeredis.FakeRedis(server=shard_server)
+    submit(main, "job-1")
+    queue, shards, pub = _worker(main, shard)
+    (job,) = _claim(queue, shards)
+    generate(job, 11)
+    pub.append(job)
+    pub.flush()
+    pub.finish(job, JobEnd(JobStatus.FINISHED, FinishReason.STOP))
+    shard_server.connected = False
+    # The main Redis records the end; the shard's entry waits (readers see the end in the state).
+    assert pub.flush().ended == {"job-1": JobStatus.FINISHED}
+    assert not pub.is_empty
+    shard_server.connected = True
+    pub.flush()
+    assert pub.is_empty
+    assert [(i, e.kind) for i, e in _stream(shard, "job-1")] == [("0-1", "token"), ("0-2", "done")]
+
+
+def test_a_shard_restarted_without_its_data_refuses_the_appends_of_its_jobs() -> None:
+    main, shard = fake_redis(), fake_redis()
+    submit(main, "job-1")
+    queue, shards, pub = _worker(main, shard)
+    (job,) = _claim(queue, shards)
+    generate(job, 11)
+    pub.append(job)
+    pub.flush()
+    shard.flushall()
+    shard.script_flush()
+    generate(job, 12)
+    pub.append(job)
+    assert pub.flush().refused == {"job-1"}  # its lease lapses, recovery hands it on
+    assert shard.exists(KEYS.stream("job-1")) == 0
+
+
+def test_a_preempted_sharded_job_is_requeued_as_preempted() -> None:
+    main, shard = fake_redis(), fake_redis()
+    submit(main, "job-1")
+    queue, shards, pub = _worker(main, shard)
+    (job,) = _claim(queue, shards)
+    generate(job, 11)
+    pub.append(job)
+    pub.requeue(job, count_as_preemption=True)
+    assert pub.flush().requeued == {"job-1"}
+    assert JobReader(main).state("job-1").status == JobStatus.PREEMPTED
+    (again,) = _claim(queue, shards)
+    assert again.token_ids == [11]

@@ -1,0 +1,121 @@
+"""Lua run on a stream shard (a Redis server holding token streams but not the queue; see
+protocol/stream_shards.py). Only used for jobs whose stream is not on the main Redis.
+
+Fencing across two servers. On the main Redis a claim INCRs the job's fence counter and the
+append script compares the lease with the caller's token, in the same script as the XADD. A
+shard cannot see the main lease, so it keeps a copy of the fence, `Keys.stream_fence`:
+
+- ADOPT runs right after a claim, before the worker generates anything: it raises the shard's
+  fence to the new claim's token (tokens only grow, so an older claim can never lower it) and,
+  in the same script, returns the stream as it is. From then on an append by any older owner is
+  refused by the shard; whatever an older owner appended before is in what the new owner read,
+  so it continues after it. The stream never holds two owners' tokens interleaved or a gap.
+- APPEND checks the shard's fence against the caller's token before each job's XADDs; the
+  worker also sends the main lease check (and renewal) in its main round trip of the same step,
+  and drops a job whose lease either server refuses.
+- END writes the final entry after the main Redis recorded the job's end (whose cancel guard
+  decides the outcome), fenced the same way, and idempotent: a resent END finds its entry.
+
+A shard restarted without its data loses the fence copies too: appends then find no fence and
+are refused, the jobs' leases lapse, and recovery hands them on to a claim that adopts anew.
+"""
+
+from __future__ import annotations
+
+_NEXT_INDEX = """
+-- The index the next token gets: explicit ids are 0-(index+1), so it is the last id's sequence.
+local function next_index(stream)
+  local last = redis.call('XREVRANGE', stream, '+', '-', 'COUNT', 1)
+  if #last == 0 then return 0, nil end
+  return tonumber(string.match(last[1][1], '%-(%d+)$')), last[1][2]
+end
+"""
+
+# KEYS: (stream fence, stream) per job.  ARGV: keep_ms (TTL of an adopted stream until its job
+#       ends: a job abandoned for good must not keep its stream forever), then a token per job.
+# Returns per job {1, entries} (adopted: the stream as it is) or {0, {}} (a newer claim holds it).
+SHARD_ADOPT = """
+local keep_ms = tonumber(ARGV[1])
+local replies = {}
+for j = 1, #ARGV - 1 do
+  local fence, stream, token = KEYS[2 * j - 1], KEYS[2 * j], ARGV[j + 1]
+  local held = redis.call('GET', fence)
+  if held and tonumber(held) > tonumber(token) then
+    replies[j] = {0, {}}
+  else
+    redis.call('SET', fence, token, 'PX', keep_ms)
+    if redis.call('EXISTS', stream) == 1 then redis.call('PEXPIRE', stream, keep_ms) end
+    replies[j] = {1, redis.call('XRANGE', stream, '-', '+')}
+  end
+end
+return replies
+"""
+
+# KEYS: (stream fence, stream) per job.
+# ARGV: per job: token, num_tokens, then (index, token_id, text, logprobs) per token (logprobs ''
+#       when the job asked for none: no `lp` field is written), as the main append takes them.
+# Returns per job 1 (appended), 0 (refused: another claim adopted the stream), -1 (gap: refused).
+# A resent round trip finds its first tokens there: it skips them, as the main append does.
+SHARD_APPEND = _NEXT_INDEX + """
+local function xadd(stream, a)
+  local id = '0-' .. (tonumber(ARGV[a]) + 1)
+  if ARGV[a + 3] == '' then
+    return redis.pcall('XADD', stream, id, 'kind', 'token', 'index', ARGV[a],
+                       'token_id', ARGV[a + 1], 'text', ARGV[a + 2])
+  end
+  return redis.pcall('XADD', stream, id, 'kind', 'token', 'index', ARGV[a],
+                     'token_id', ARGV[a + 1], 'text', ARGV[a + 2], 'lp', ARGV[a + 3])
+end
+local function append(fence, stream, token, a, num_tokens)
+  if redis.call('GET', fence) ~= token then return 0 end
+  if num_tokens == 0 then return 1 end
+  local last = a + 4 * (num_tokens - 1)
+  local first = a
+  local added = xadd(stream, a)
+  if type(added) == 'table' and added.err then
+    local expected = next_index(stream)
+    first = nil
+    for i = a, last, 4 do
+      if tonumber(ARGV[i]) >= expected then first = i; break end
+    end
+    if first == nil then return 1 end
+    if tonumber(ARGV[first]) ~= expected then return -1 end
+    xadd(stream, first)
+  end
+  for i = first + 4, last, 4 do xadd(stream, i) end
+  -- A new stream expires with its fence copy until the job's end sets its TTL.
+  if ARGV[first] == '0' then redis.call('PEXPIRE', stream, redis.call('PTTL', fence)) end
+  return 1
+end
+local results = {}
+local a, k = 1, 1
+while a <= #ARGV do
+  local num_tokens = tonumber(ARGV[a + 1])
+  results[#results + 1] = append(KEYS[k], KEYS[k + 1], ARGV[a], a + 2, num_tokens)
+  a = a + 2 + 4 * num_tokens
+  k = k + 2
+end
+return results
+"""
+
+# KEYS: stream fence, stream.
+# ARGV: token, ttl_s (0: keep), finish_reason, prompt_tokens, completion_tokens, error,
+#       cached_tokens.
+# Returns 1 (written, or already there), 0 (refused: another claim adopted the stream).
+SHARD_END = _NEXT_INDEX + """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+local done, fields = next_index(KEYS[2])
+if fields and fields[2] == 'done' then return 1 end
+redis.call('XADD', KEYS[2], '0-' .. (done + 1), 'kind', 'done', 'finish_reason', ARGV[3],
+           'prompt_tokens', ARGV[4], 'completion_tokens', ARGV[5], 'error', ARGV[6],
+           'cached_tokens', ARGV[7])
+local ttl = tonumber(ARGV[2])
+if ttl > 0 then
+  redis.call('EXPIRE', KEYS[1], ttl)
+  redis.call('EXPIRE', KEYS[2], ttl)
+else
+  redis.call('PERSIST', KEYS[1])
+  redis.call('PERSIST', KEYS[2])
+end
+return 1
+"""

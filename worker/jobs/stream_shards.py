@@ -1,0 +1,96 @@
+"""The worker's view of the stream shards: which server holds a job's stream, and the adoption
+of a claimed job's stream there (see worker/jobs/shard_scripts.py for the fencing)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, cast
+
+from redis import Redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.typing import EncodableT
+
+from protocol.job_reader import parse_entries
+from protocol.keys import Keys
+from protocol.stream_shards import stream_shard
+from worker.jobs.job_queue import ClaimedJob
+from worker.jobs.job_scripts import JobScripts
+
+log = logging.getLogger(__name__)
+
+# How long an adopted stream and its fence copy outlive a job that never ends (abandoned for
+# good); the job's end sets its result TTL instead.
+STREAM_KEEP_MS = 24 * 3600 * 1000
+
+
+class StreamShards:
+    """`clients[i]` holds the streams of the jobs `stream_shard` sends to i. A client that *is*
+    the main one keeps its jobs on the single-server path (one script per transition)."""
+
+    def __init__(self, main: Redis, clients: list[Redis], scripts: JobScripts, keys: Keys) -> None:
+        self.main = main
+        self.clients = clients or [main]
+        self.scripts = scripts
+        self.keys = keys
+
+    def remote(self, job_id: str) -> int | None:
+        """The shard index of `job_id`'s stream, or None when it is on the main Redis."""
+        index = stream_shard(job_id, len(self.clients))
+        return None if self.clients[index] is self.main else index
+
+    @property
+    def has_remote(self) -> bool:
+        return any(client is not self.main for client in self.clients)
+
+    def load_scripts(self) -> None:
+        for client in self.clients:
+            if client is not self.main:
+                self.scripts.load(client)
+
+    def call(self, index: int, name: str, keys: list[str], args: list[EncodableT]) -> Any:
+        client = self.clients[index]
+        try:
+            return self.scripts.call(client, name, keys, args)
+        except NoScriptError:
+            self.scripts.load(client)  # the shard restarted (or its script cache was flushed)
+            return self.scripts.call(client, name, keys, args)
+
+    def adopt(self, claims: list[ClaimedJob]) -> list[ClaimedJob]:
+        """Raise each sharded claim's fence on its shard and read its stream there (what a
+        resumed job continues after). A claim whose shard cannot be reached, or whose stream a
+        newer claim adopted, is left out: its lease lapses and recovery hands it on."""
+        by_shard: dict[int, list[int]] = {}
+        for position, claim in enumerate(claims):
+            index = self.remote(claim.lease.job_id)
+            if index is not None:
+                by_shard.setdefault(index, []).append(position)
+        if not by_shard:
+            return claims
+        adopted: list[ClaimedJob | None] = list(claims)
+        for index, positions in by_shard.items():
+            keys: list[str] = []
+            args: list[EncodableT] = [STREAM_KEEP_MS]
+            for position in positions:
+                job_id = claims[position].lease.job_id
+                keys += [self.keys.stream_fence(job_id), self.keys.stream(job_id)]
+                args.append(claims[position].lease.token)
+            try:
+                replies = cast("list[list[Any]]", self.call(index, "shard_adopt", keys, args))
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                log.warning("stream shard %d unreachable, %d claimed jobs left to recovery: %s",
+                            index, len(positions), exc)
+                for position in positions:
+                    adopted[position] = None
+                continue
+            for position, (is_adopted, entries) in zip(positions, replies):
+                if is_adopted != 1:
+                    log.warning("job %s: a newer claim adopted its stream", claims[position].lease.job_id)
+                    adopted[position] = None
+                    continue
+                tokens = parse_entries([(entry[0], dict(zip(entry[1][::2], entry[1][1::2])))
+                                        for entry in entries]).tokens
+                adopted[position] = dataclasses.replace(claims[position], tokens=tokens)
+        return [claim for claim in adopted if claim is not None]
