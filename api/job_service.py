@@ -21,6 +21,7 @@ from api.chat_template import ChatTemplateError, render_chat
 from api.errors import InvalidRequestError, NotFoundError
 from api.model_registry import ModelRegistry
 from api.queue_admission import QueueAdmission
+from api.structured_output import StructuredOutputParams
 from api.tokenizer_cache import TokenizerCache
 from protocol import JobSpec, JobState, JobStatus, Keys, ModelCard, Priority, SamplingParams
 from protocol.job_submission import cancel_job, submit_job
@@ -56,8 +57,11 @@ class AcceptedJob:
 def sampling_of(body: BaseModel) -> SamplingParams:
     """The sampling spec of a validated request body: every field named as one of SamplingParams'
     (max_tokens aside, which the job service resolves against the model's context)."""
-    names = SamplingParams.field_names() - {"max_tokens"}
-    return SamplingParams.from_fields(body.model_dump(include=set(names)))
+    names = SamplingParams.field_names() - {"max_tokens", "structured_output"}
+    sampling = SamplingParams.from_fields(body.model_dump(include=set(names)))
+    if isinstance(body, StructuredOutputParams):  # compiled here: a bad schema is a 400 naming it
+        sampling = dataclasses.replace(sampling, structured_output=body.structured_output())
+    return sampling
 
 
 def new_job_id() -> str:

@@ -22,6 +22,7 @@ from api.fields import (
     TopK,
     TopP,
 )
+from api.structured_output import StructuredOutputParams
 from protocol import Priority
 
 
@@ -77,7 +78,7 @@ class StreamOptions(BaseModel):
                                 description="Send a last chunk with usage and no choices.")
 
 
-class _CommonParams(BaseModel):
+class _CommonParams(StructuredOutputParams):
     """Parameters shared by /v1/completions and /v1/chat/completions.
 
     Every number and flag is strict, as in api/fields.py: lax pydantic would take `"store": 0.0`
@@ -197,7 +198,6 @@ class ChatCompletionRequest(_CommonParams):
     max_completion_tokens: MaxTokens | None = Field(None, description="Newer name of max_tokens.")
     logprobs: bool | None = Field(None, strict=True, description="Only false is supported.")
     top_logprobs: int | None = Field(None, strict=True, description="Not supported.")
-    response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'}.")
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported (must be empty).")
     tool_choice: str | dict[str, Any] | None = Field(None, description="Only 'none'.")
     parallel_tool_calls: bool | None = Field(None, strict=True,
@@ -217,13 +217,6 @@ class ChatCompletionRequest(_CommonParams):
     def _no_top_logprobs(cls, value: int | None) -> int | None:
         if value:
             raise _unsupported("log probabilities are not available")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type") != "text":
-            raise _unsupported(f"only type 'text' is accepted; got {value.get('type')!r}")
         return value
 
     @field_validator("tools")

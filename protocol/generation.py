@@ -18,6 +18,7 @@ from typing import Any
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_SEED = 2**63 - 1
+MAX_STRUCTURED_OUTPUT_CHARS = 256 * 1024  # a schema or grammar longer than this is refused
 
 
 class FinishReason(str, Enum):
@@ -45,6 +46,50 @@ class TokenEntry:
     text: str
 
 
+class StructuredOutputKind(str, Enum):
+    """What a structured-output constraint's `spec` holds (the grammar engine's format names)."""
+
+    JSON_SCHEMA = "json_schema"  # a JSON schema, as JSON text
+    REGEX = "regex"
+    CHOICE = "choice"  # a JSON array of the strings allowed, as JSON text
+    GRAMMAR = "grammar"  # a Lark or GBNF grammar
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the generated text: the sampler masks every token that would leave it.
+
+    Plain text both ways so that it hashes (the worker caches compiled grammars by it) and
+    crosses Redis as is; the API compiles it once at submit, so a worker never meets a bad one.
+    """
+
+    kind: StructuredOutputKind
+    spec: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, StructuredOutputKind):
+            raise ValueError(f"structured_output kind must be a StructuredOutputKind, got {self.kind!r}")
+        if not isinstance(self.spec, str) or not self.spec:
+            raise ValueError(f"structured_output spec must be a non-empty string, got {self.spec!r}")
+        if len(self.spec) > MAX_STRUCTURED_OUTPUT_CHARS:
+            raise ValueError(f"structured_output spec may be at most {MAX_STRUCTURED_OUTPUT_CHARS} "
+                             f"characters, got {len(self.spec)}")
+
+    def to_dict(self) -> dict[str, str]:
+        return {"kind": self.kind.value, "spec": self.spec}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StructuredOutput:
+        if not isinstance(data, dict) or set(data) != {"kind", "spec"}:
+            raise ValueError(f"structured_output must be an object with kind and spec, got {data!r}")
+        try:
+            kind = StructuredOutputKind(data["kind"])
+        except ValueError:
+            kinds = [kind.value for kind in StructuredOutputKind]
+            raise ValueError(f"structured_output kind must be one of {kinds}, got {data['kind']!r}") from None
+        return cls(kind, data["spec"])
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -54,6 +99,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    structured_output: StructuredOutput | None = None  # None: any text
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -88,6 +134,8 @@ class SamplingParams:
                 )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError(f"structured_output must be a StructuredOutput, got {self.structured_output!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -95,8 +143,14 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data (tuples as lists)."""
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+        data = {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
                 for f in dataclasses.fields(self)}
+        # Left out when unset, so unconstrained jobs read the same as before the field existed.
+        if self.structured_output is None:
+            del data["structured_output"]
+        else:
+            data["structured_output"] = self.structured_output.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
@@ -114,6 +168,8 @@ class SamplingParams:
             raise ValueError(f"sampling params have unknown fields: {', '.join(unknown)}")
         values: dict[str, Any] = {name: tuple(v) if isinstance(v := source[name], list) else v
                   for name in names if name in source}
+        if isinstance(values.get("structured_output"), dict):
+            values["structured_output"] = StructuredOutput.from_dict(values["structured_output"])
         return cls(**values)
 
     @classmethod

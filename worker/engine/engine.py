@@ -33,6 +33,7 @@ from worker.engine.outputs import (
 )
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
+from worker.engine.structured_output import StructuredOutputs
 from worker.model.loader import LoadedModel, load_model
 from worker.model.routing import resolve_device, resolve_dtype
 
@@ -80,6 +81,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             requeue_preempted=config.requeue_preempted,
         )
+        self.structured_outputs = StructuredOutputs(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
         self._decode = make_decode(self.tokenizer)
         self._requests: dict[str, _Request] = {}
         self._pending: list[RequestOutput] = []  # aborts, reported by the next step
@@ -133,6 +135,8 @@ class Engine:
         detokenizer = Detokenizer(self._decode, prompt, params.stop)
         for token_id in output:  # replay, so the deltas continue exactly where they stopped
             detokenizer.step(token_id)
+        if params.structured_output is not None:  # replays `output` into the grammar, or raises
+            self.structured_outputs.add(request_id, params.structured_output, output)
         self.scheduler.add(seq)
         self._requests[request_id] = _Request(seq, detokenizer)
 
@@ -142,6 +146,7 @@ class Engine:
         if seq is None:
             return False
         del self._requests[request_id]
+        self.structured_outputs.remove(request_id)
         self._pending.append(self._request_output(seq, []))
         return True
 
@@ -160,19 +165,26 @@ class Engine:
         started = time.perf_counter()
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
-        sampled = self.runner.execute(scheduled) if scheduled.seqs else []
+        sampling_ids = [seq.request_id for seq, is_sampling in zip(scheduled.seqs, scheduled.is_sampling)
+                        if is_sampling]
+        mask = self.structured_outputs.bitmask(sampling_ids) if len(self.structured_outputs) else None
+        sampled = self.runner.execute(scheduled, mask) if scheduled.seqs else []
         texts, stop_hits = self._detokenize(scheduled, sampled)
-        self.scheduler.update(scheduled, sampled, stop_hits)
+        # A complete grammar ends its request as a stop string would, but keeps its held-back text.
+        grammar_done = self.structured_outputs.advance(sampling_ids, sampled) if mask is not None else set()
+        self.scheduler.update(scheduled, sampled, stop_hits | grammar_done)
         for seq, is_sampling in zip(scheduled.seqs, scheduled.is_sampling):
             if is_sampling:
                 outputs.append(self._emit_token(seq, texts[seq.request_id], seq.request_id in stop_hits))
         for seq in scheduled.finished:  # retired while scheduling, without a new token
+            self.structured_outputs.remove(seq.request_id)
             if self._requests.pop(seq.request_id, None) is not None:
                 outputs.append(self._request_output(seq, []))
         preempted = []
         if not self.config.requeue_preempted:
             for seq in scheduled.preempted:
                 del self._requests[seq.request_id]
+                self.structured_outputs.remove(seq.request_id)
                 preempted.append(PreemptedRequest(seq.request_id, seq.output_token_ids))
         return StepOutput(outputs, preempted, self._stats(scheduled, started))
 
@@ -192,6 +204,7 @@ class Engine:
     def _emit_token(self, seq: Sequence, text: str, hit_stop: bool) -> RequestOutput:
         if seq.is_finished:
             request = self._requests.pop(seq.request_id)
+            self.structured_outputs.remove(seq.request_id)
             if not hit_stop:  # text held back for a possible stop string is released at the end
                 text += request.detokenizer.flush()
         token_id = seq.token_ids[-1]
