@@ -59,11 +59,7 @@ class StructuredOutputParams(BaseModel):
         if len(found) > 1:
             names = ", ".join(f"'{name}'" for name, _ in found)
             raise InvalidRequestError(f"Give at most one output constraint; got {names}", param=found[1][0])
-        if not found:
-            return None
-        param, constraint = found[0]
-        check_compiles(constraint, param)
-        return constraint
+        return found[0][1] if found else None
 
 
 def check_compiles(constraint: StructuredOutput, param: str) -> None:
@@ -117,7 +113,7 @@ def _from_structured_outputs(value: dict[str, Any]) -> StructuredOutput:
     if key == "json_object":
         if value[key] is not True:
             raise InvalidRequestError(f"'{param}' must be true", param=param)
-        return StructuredOutput(StructuredOutputKind.JSON_SCHEMA, ANY_JSON_OBJECT)
+        return _constraint(StructuredOutputKind.JSON_SCHEMA, ANY_JSON_OBJECT, param)
     kind = _STRUCTURED_OUTPUTS_KEYS[key]
     if kind is StructuredOutputKind.JSON_SCHEMA:
         return _json_schema(value[key], param)
@@ -160,4 +156,6 @@ def _constraint(kind: StructuredOutputKind, spec: str, param: str) -> Structured
     if len(spec) > MAX_STRUCTURED_OUTPUT_CHARS:
         raise InvalidRequestError(f"'{param}' may be at most {MAX_STRUCTURED_OUTPUT_CHARS} characters "
                                   f"(got {len(spec)})", param=param)
-    return StructuredOutput(kind, spec)
+    constraint = StructuredOutput(kind, spec)
+    check_compiles(constraint, param)
+    return constraint
