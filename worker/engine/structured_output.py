@@ -17,16 +17,22 @@ import os
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.torch as llguidance_torch
 import torch
 
-from protocol.generation import StructuredOutput
+from protocol.generation import StructuredOutput, StructuredOutputKind
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # declared in the stubs only
 
 log = logging.getLogger(__name__)
 
+# Whitespace between JSON tokens is bounded (a schema's own "x-guidance" may change it): small
+# models otherwise spin in newlines until max_tokens; 32 still fits deeply indented JSON.
+JSON_DEFAULTS: JsonCompileOptions = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,32}"}
 DEFAULT_CACHE_SIZE = 128  # compiled grammars kept across requests
 # Mask threads: enough for a batch's matchers without starving the forward's own threads.
 _MASK_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
@@ -120,7 +126,10 @@ class StructuredOutputs:
         if compiled is not None:
             self._compiled.move_to_end(constraint)
             return compiled
-        grammar = llguidance.grammar_from(constraint.kind.value, constraint.spec)
+        if constraint.kind is StructuredOutputKind.JSON_SCHEMA:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(constraint.spec, defaults=JSON_DEFAULTS)
+        else:
+            grammar = llguidance.grammar_from(constraint.kind.value, constraint.spec)
         compiled = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
         if compiled.is_error():
             raise ValueError(f"the structured output does not compile: {compiled.get_error()}")
