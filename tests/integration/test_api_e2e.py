@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from tests.integration.conftest import REPO, Fleet, sse_events, wait_until
 
@@ -238,3 +241,42 @@ def test_playground_streams_a_job_in_a_real_browser(api: ApiServer, tmp_path: Pa
     width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
     assert (width, height) == (1200, 800)
     assert len(data) > 20_000  # a rendered page, not a blank canvas (a blank one is ~5 kB)
+
+
+class Verdict(BaseModel):
+    answer: Literal["yes", "no"]
+    confident: bool
+    votes: list[Literal["a", "b"]] = Field(max_length=3)
+
+
+def test_openai_parse_returns_the_pydantic_model_even_from_a_random_model(api: ApiServer) -> None:
+    # The tiny model's weights are random: only the grammar makes its output a Verdict.
+    for seed in range(3):
+        completion = api.openai().chat.completions.parse(
+            model=api.model, messages=CHAT, response_format=Verdict, max_tokens=400,  # type: ignore[arg-type]
+            temperature=0.8, seed=seed)
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, Verdict)
+        assert Verdict.model_validate_json(choice.message.content or "") == choice.message.parsed
+
+
+def test_openai_client_gets_a_400_for_a_schema_that_does_not_compile(api: ApiServer) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.openai().chat.completions.create(
+            model=api.model, messages=CHAT,  # type: ignore[arg-type]
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "x", "schema": {"type": "frob"}}})
+    assert caught.value.param == "response_format.json_schema.schema"
+
+
+def test_guided_choice_and_regex_through_extra_body(api: ApiServer) -> None:
+    client = api.openai()
+    chosen = client.chat.completions.create(model=api.model, messages=CHAT, max_tokens=20,  # type: ignore[arg-type]
+                                            extra_body={"guided_choice": ["four", "five"]})
+    assert chosen.choices[0].message.content in ("four", "five")
+    assert chosen.choices[0].finish_reason == "stop"
+    stream = client.completions.create(model=api.model, prompt="2+2=", max_tokens=20, stream=True,
+                                       extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    assert re.fullmatch("[0-9]{3}", text), text
