@@ -280,3 +280,11 @@ def test_guided_choice_and_regex_through_extra_body(api: ApiServer) -> None:
                                        extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
     text = "".join(c.choices[0].text for c in stream if c.choices)
     assert re.fullmatch("[0-9]{3}", text), text
+
+
+def test_langchain_with_structured_output_returns_the_pydantic_model(api: ApiServer) -> None:
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(base_url=f"{api.url}/v1", api_key=KEY_A, model=api.model,
+                                      max_tokens=400, temperature=0.8, seed=1, max_retries=0)
+    verdict = llm.with_structured_output(Verdict, method="json_schema").invoke("Is 2+2 four?")
+    assert isinstance(verdict, Verdict)
