@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import llguidance
-import llguidance.torch as llguidance_torch
 import torch
 
 from protocol.generation import StructuredOutput, StructuredOutputKind
@@ -34,8 +33,11 @@ log = logging.getLogger(__name__)
 # models otherwise spin in newlines until max_tokens; 32 still fits deeply indented JSON.
 JSON_DEFAULTS: JsonCompileOptions = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,32}"}
 DEFAULT_CACHE_SIZE = 128  # compiled grammars kept across requests
-# Mask threads: enough for a batch's matchers without starving the forward's own threads.
-_MASK_THREADS = max(1, min(4, (os.cpu_count() or 2) // 2))
+# Filling several masks in parallel (llguidance's thread pool) pays only where cores are many: on
+# a small CPU box its spinning threads steal the forward's cores (a 16-row SmolLM2 batch on 2
+# cores ran 15x slower with a 4-thread pool), so there the masks are filled one after another.
+_MASK_THREADS = min(8, (os.cpu_count() or 1) // 4)
+_PARALLEL_MIN_ROWS = 4
 
 
 @dataclass(slots=True)
@@ -94,13 +96,17 @@ class StructuredOutputs:
         rows = [(row, self._matchers[r]) for row, r in enumerate(request_ids) if r in self._matchers]
         if not rows:
             return None
-        bits = llguidance_torch.allocate_token_bitmask(len(rows), self.vocab_size)
-        if len(rows) == 1:
-            llguidance_torch.fill_next_token_bitmask(rows[0][1], bits, 0)
-        else:  # the matchers in parallel, without the GIL
-            assert self._executor is not None
-            llguidance_torch.fill_next_token_bitmask_par(
-                self._executor, [(matcher, i) for i, (_, matcher) in enumerate(rows)], bits)
+        # llguidance.torch has these helpers, but importing it sets up torch.compile for a kernel
+        # we do not use; the raw calls are the same two lines.
+        num_words = (self.vocab_size + 31) // 32
+        bits = torch.empty((len(rows), num_words), dtype=torch.int32)
+        row_bytes = num_words * 4
+        if self._executor is not None and len(rows) >= _PARALLEL_MIN_ROWS:  # in parallel, off the GIL
+            self._executor.unsafe_compute_mask_ptr(
+                [(matcher, i) for i, (_, matcher) in enumerate(rows)], bits.data_ptr(), row_bytes, len(rows))
+        else:
+            for i, (_, matcher) in enumerate(rows):
+                matcher.unsafe_compute_mask_ptr(bits[i].data_ptr(), row_bytes)
         return GrammarBitmask(torch.tensor([row for row, _ in rows], dtype=torch.int64), bits)
 
     def advance(self, request_ids: list[str], token_ids: list[int]) -> set[str]:
@@ -144,5 +150,6 @@ class StructuredOutputs:
 
             self._tokenizer = llguidance.hf.from_tokenizer(
                 self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids)
-            self._executor = llguidance.LLExecutor(num_threads=_MASK_THREADS)
+            if _MASK_THREADS >= 2:
+                self._executor = llguidance.LLExecutor(num_threads=_MASK_THREADS)
         return self._tokenizer
