@@ -27,6 +27,7 @@ from api.fields import (
     TopK,
     TopP,
 )
+from api.structured_output import StructuredOutputParams
 from protocol import FinishReason, JobStatus, Priority
 
 
@@ -37,7 +38,7 @@ class JobMessage(BaseModel):
     content: Annotated[Text, Field(description="What they say.")]
 
 
-class JobCreate(BaseModel):
+class JobCreate(StructuredOutputParams):
     """A generation job: give exactly one of `prompt` (plain text) and `messages` (a chat)."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [

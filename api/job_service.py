@@ -28,6 +28,7 @@ from api.idempotency_key import IDEMPOTENCY_HEADER
 from api.model_registry import ModelRegistry
 from api.queue_admission import QueueAdmission
 from api.sampling_defaults import served_defaults, with_model_defaults
+from api.structured_output import StructuredOutputParams
 from api.tokenizer_cache import TokenizerCache
 from protocol import JobSpec, JobState, JobStatus, Keys, ModelCard, Priority, SamplingParams
 from protocol.generation import MAX_SEED
@@ -83,8 +84,11 @@ def sampling_of(body: BaseModel, **overrides: Any) -> SamplingParams:
     """The sampling spec of a validated request body: every field named as one of SamplingParams'
     (max_tokens aside, which the job service resolves against the model's context), except those
     given in `overrides` (a field the body spells differently, as chat's logprobs)."""
-    names = SamplingParams.field_names() - {"max_tokens"} - set(overrides)
-    return SamplingParams.from_fields({**body.model_dump(include=set(names)), **overrides})
+    names = SamplingParams.field_names() - {"max_tokens", "structured_output"} - set(overrides)
+    sampling = SamplingParams.from_fields({**body.model_dump(include=set(names)), **overrides})
+    if isinstance(body, StructuredOutputParams):  # compiled here: a bad schema is a 400 naming it
+        sampling = dataclasses.replace(sampling, structured_output=body.structured_output())
+    return sampling
 
 
 def _after(start: float, seconds: float | None) -> float:

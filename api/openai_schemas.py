@@ -29,6 +29,7 @@ from api.fields import (
     TopK,
     TopP,
 )
+from api.structured_output import StructuredOutputParams
 from protocol import Priority
 
 
@@ -107,7 +108,7 @@ class StreamOptions(BaseModel):
         False, strict=True, description="vLLM's: usage so far on every chunk (with include_usage).")
 
 
-class _CommonParams(BaseModel):
+class _CommonParams(StructuredOutputParams):
     """Parameters shared by /v1/completions and /v1/chat/completions.
 
     Every number and flag is strict, as in api/fields.py: lax pydantic would take `"store": 0.0`
@@ -221,7 +222,6 @@ class ChatCompletionRequest(_CommonParams):
         None, strict=True, ge=0,
         description="With logprobs: also the this many most likely tokens at each position "
                     "(capped by the server's max_logprobs).")
-    response_format: dict[str, Any] | None = Field(None, description="Only {'type': 'text'}.")
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported (must be empty).")
     tool_choice: str | dict[str, Any] | None = Field(None, description="Only 'none'.")
     parallel_tool_calls: bool | None = Field(None, strict=True,
@@ -240,13 +240,6 @@ class ChatCompletionRequest(_CommonParams):
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs: how many alternatives per token (None: no logprobs)."""
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type") != "text":
-            raise _unsupported(f"only type 'text' is accepted; got {value.get('type')!r}")
-        return value
 
     @field_validator("tools")
     @classmethod

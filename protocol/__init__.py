@@ -12,7 +12,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from protocol.generation import FinishReason, SamplingParams, TokenEntry, TokenLogprobs
+from protocol.generation import (
+    FinishReason,
+    SamplingParams,
+    StructuredOutput,
+    StructuredOutputKind,
+    TokenEntry,
+    TokenLogprobs,
+)
 from protocol.keys import Keys
 from protocol.messages import (
     JobResult,
@@ -35,8 +42,9 @@ _LAZY = {"JobReader": "protocol.job_reader", "StreamRead": "protocol.job_reader"
 
 __all__ = [
     "FinishReason", "JobReader", "JobResult", "JobSpec", "JobState", "JobStatus", "Keys",
-    "ModelCard", "Priority", "SamplingParams", "StreamEntry", "StreamRead", "TokenEntry",
-    "TokenLogprobs", "WorkerStats", "cancel_job", "submit_job", "submit_jobs",
+    "ModelCard", "Priority", "SamplingParams", "StreamEntry", "StreamRead", "StructuredOutput",
+    "StructuredOutputKind", "TokenEntry", "TokenLogprobs", "WorkerStats", "cancel_job",
+    "submit_job", "submit_jobs",
 ]
 
 

@@ -23,6 +23,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
+MAX_STRUCTURED_OUTPUT_CHARS = 256 * 1024  # a schema or grammar longer than this is refused
 
 
 class FinishReason(str, Enum):
@@ -75,6 +76,50 @@ class TokenEntry:
     logprobs: TokenLogprobs | None = None  # only when the request asked for logprobs
 
 
+class StructuredOutputKind(str, Enum):
+    """What a structured-output constraint's `spec` holds (the grammar engine's format names)."""
+
+    JSON_SCHEMA = "json_schema"  # a JSON schema, as JSON text
+    REGEX = "regex"
+    CHOICE = "choice"  # a JSON array of the strings allowed, as JSON text
+    GRAMMAR = "grammar"  # a Lark or GBNF grammar
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the generated text: the sampler masks every token that would leave it.
+
+    Plain text both ways so that it hashes (the worker caches compiled grammars by it) and
+    crosses Redis as is; the API compiles it once at submit, so a worker never meets a bad one.
+    """
+
+    kind: StructuredOutputKind
+    spec: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, StructuredOutputKind):
+            raise ValueError(f"structured_output kind must be a StructuredOutputKind, got {self.kind!r}")
+        if not isinstance(self.spec, str) or not self.spec:
+            raise ValueError(f"structured_output spec must be a non-empty string, got {self.spec!r}")
+        if len(self.spec) > MAX_STRUCTURED_OUTPUT_CHARS:
+            raise ValueError(f"structured_output spec may be at most {MAX_STRUCTURED_OUTPUT_CHARS} "
+                             f"characters, got {len(self.spec)}")
+
+    def to_dict(self) -> dict[str, str]:
+        return {"kind": self.kind.value, "spec": self.spec}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StructuredOutput:
+        if not isinstance(data, dict) or set(data) != {"kind", "spec"}:
+            raise ValueError(f"structured_output must be an object with kind and spec, got {data!r}")
+        try:
+            kind = StructuredOutputKind(data["kind"])
+        except ValueError:
+            kinds = [kind.value for kind in StructuredOutputKind]
+            raise ValueError(f"structured_output kind must be one of {kinds}, got {data['kind']!r}") from None
+        return cls(kind, data["spec"])
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -95,6 +140,7 @@ class SamplingParams:
     # Whether the sampler has any of the above to do (processing or logprobs): computed once here,
     # so that a step of plain requests pays one attribute read per row to learn it has none.
     has_extras: bool = dataclasses.field(init=False, repr=False, compare=False, default=False)
+    structured_output: StructuredOutput | None = None  # None: any text
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -129,6 +175,8 @@ class SamplingParams:
                 )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError(f"structured_output must be a StructuredOutput, got {self.structured_output!r}")
         self._check_processing()
         object.__setattr__(self, "has_extras", self.is_processed or self.logprobs is not None)
 
@@ -192,13 +240,17 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data (tuples as lists; logit_bias as OpenAI's {"id": bias} object).
-        The logits-processing fields are left out at their defaults, so a job that uses none of
-        them reads the same to a worker that predates them."""
+        The logits-processing fields and the structured output are left out at their defaults, so
+        a job that uses none of them reads the same to a worker that predates them."""
         data = {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
                 for f in dataclasses.fields(self)
                 if f.init and (f.name not in _OMITTED_AT_DEFAULT or getattr(self, f.name) != f.default)}
         if "logit_bias" in data:
             data["logit_bias"] = {str(token_id): bias for token_id, bias in self.logit_bias}
+        if self.structured_output is None:
+            del data["structured_output"]
+        else:
+            data["structured_output"] = self.structured_output.to_dict()
         return data
 
     @classmethod
@@ -219,6 +271,8 @@ class SamplingParams:
                   for name in names if name in source}
         if "logit_bias" in values:
             values["logit_bias"] = _bias_pairs(values["logit_bias"])
+        if isinstance(values.get("structured_output"), dict):
+            values["structured_output"] = StructuredOutput.from_dict(values["structured_output"])
         return cls(**values)
 
     @classmethod

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
 import pytest
+from pydantic import BaseModel, Field
 
 from tests.integration.conftest import REPO, Fleet, sse_events, wait_until
 
@@ -356,3 +358,48 @@ def test_openai_bad_sampling_values_are_400_naming_the_field(api: ApiServer) -> 
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(model=api.model, messages=CHAT, max_tokens=4, **kwargs)  # type: ignore[arg-type]
         assert caught.value.param == param, kwargs
+class Verdict(BaseModel):
+    answer: Literal["yes", "no"]
+    confident: bool
+    votes: list[Literal["a", "b"]] = Field(max_length=3)
+
+
+def test_openai_parse_returns_the_pydantic_model_even_from_a_random_model(api: ApiServer) -> None:
+    # The tiny model's weights are random: only the grammar makes its output a Verdict.
+    for seed in range(3):
+        completion = api.openai().chat.completions.parse(
+            model=api.model, messages=CHAT, response_format=Verdict, max_tokens=400,  # type: ignore[arg-type]
+            temperature=0.8, seed=seed)
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, Verdict)
+        assert Verdict.model_validate_json(choice.message.content or "") == choice.message.parsed
+
+
+def test_openai_client_gets_a_400_for_a_schema_that_does_not_compile(api: ApiServer) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        api.openai().chat.completions.create(
+            model=api.model, messages=CHAT,  # type: ignore[arg-type]
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": "x", "schema": {"type": "frob"}}})
+    assert caught.value.param == "response_format.json_schema.schema"
+
+
+def test_guided_choice_and_regex_through_extra_body(api: ApiServer) -> None:
+    client = api.openai()
+    chosen = client.chat.completions.create(model=api.model, messages=CHAT, max_tokens=20,  # type: ignore[arg-type]
+                                            extra_body={"guided_choice": ["four", "five"]})
+    assert chosen.choices[0].message.content in ("four", "five")
+    assert chosen.choices[0].finish_reason == "stop"
+    stream = client.completions.create(model=api.model, prompt="2+2=", max_tokens=20, stream=True,
+                                       extra_body={"structured_outputs": {"regex": "[0-9]{3}"}})
+    text = "".join(c.choices[0].text for c in stream if c.choices)
+    assert re.fullmatch("[0-9]{3}", text), text
+
+
+def test_langchain_with_structured_output_returns_the_pydantic_model(api: ApiServer) -> None:
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(base_url=f"{api.url}/v1", api_key=KEY_A, model=api.model,
+                                      max_tokens=400, temperature=0.8, seed=1, max_retries=0)
+    verdict = llm.with_structured_output(Verdict, method="json_schema").invoke("Is 2+2 four?")
+    assert isinstance(verdict, Verdict)

@@ -33,6 +33,7 @@ from worker.engine.outputs import (
 )
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
+from worker.engine.structured_output import StructuredOutputs
 from worker.model.loader import LoadedModel, load_model
 from worker.model.routing import resolve_device, resolve_dtype
 
@@ -81,6 +82,7 @@ class Engine:
             eos_token_ids=self.eos_token_ids,
             requeue_preempted=config.requeue_preempted,
         )
+        self.structured_outputs = StructuredOutputs(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
         self._decode = make_decode(self.tokenizer)
         self._requests: dict[str, _Request] = {}
         self._pending: list[RequestOutput] = []  # aborts, reported by the next step
@@ -136,6 +138,8 @@ class Engine:
         detokenizer = Detokenizer(self._decode, prompt, params.stop, params.min_tokens)
         for token_id in output:  # replay, so the deltas continue exactly where they stopped
             detokenizer.step(token_id)
+        if params.structured_output is not None:  # replays `output` into the grammar, or raises
+            self.structured_outputs.add(request_id, params.structured_output, output)
         self.scheduler.add(seq)
         self._requests[request_id] = _Request(seq, detokenizer)
 
@@ -145,6 +149,7 @@ class Engine:
         if seq is None:
             return False
         del self._requests[request_id]
+        self.structured_outputs.remove(request_id)
         self._pending.append(self._request_output(seq, []))
         return True
 
@@ -168,20 +173,28 @@ class Engine:
         started = time.perf_counter()
         outputs, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
-        sampled = self.runner.execute(scheduled) if scheduled.seqs else SampledTokens([], [])
+        sampling_ids = [seq.request_id for seq, is_sampling in zip(scheduled.seqs, scheduled.is_sampling)
+                        if is_sampling]
+        mask = self.structured_outputs.bitmask(sampling_ids) if len(self.structured_outputs) else None
+        sampled = self.runner.execute(scheduled, mask) if scheduled.seqs else SampledTokens([], [])
         texts, stop_hits = self._detokenize(scheduled, sampled.token_ids)
-        self.scheduler.update(scheduled, sampled.token_ids, stop_hits)
+        # A complete grammar ends its request as a stop string would, but keeps its held-back text.
+        grammar_done = (self.structured_outputs.advance(sampling_ids, sampled.token_ids)
+                        if mask is not None else set())
+        self.scheduler.update(scheduled, sampled.token_ids, stop_hits | grammar_done)
         sampling = (seq for seq, is_sampling in zip(scheduled.seqs, scheduled.is_sampling) if is_sampling)
         for seq, logprobs in zip(sampling, sampled.logprobs):
             outputs.append(self._emit_token(seq, texts[seq.request_id], seq.request_id in stop_hits,
                                             logprobs))
         for seq in scheduled.finished:  # retired while scheduling, without a new token
+            self.structured_outputs.remove(seq.request_id)
             if self._requests.pop(seq.request_id, None) is not None:
                 outputs.append(self._request_output(seq, []))
         preempted = []
         if not self.config.requeue_preempted:
             for seq in scheduled.preempted:
                 del self._requests[seq.request_id]
+                self.structured_outputs.remove(seq.request_id)
                 preempted.append(PreemptedRequest(seq.request_id, seq.output_token_ids))
         return StepOutput(outputs, preempted, self._stats(scheduled, started))
 
@@ -202,6 +215,7 @@ class Engine:
                     logprobs: TokenLogprobs | None) -> RequestOutput:
         if seq.is_finished:
             request = self._requests.pop(seq.request_id)
+            self.structured_outputs.remove(seq.request_id)
             if not hit_stop:  # text held back for a possible stop string is released at the end
                 text += request.detokenizer.flush()
         token_id = seq.token_ids[-1]

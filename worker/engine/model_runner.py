@@ -15,6 +15,7 @@ import torch
 from protocol.generation import TokenLogprobs
 from worker.engine.outputs import SchedulerOutput
 from worker.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
+from worker.engine.structured_output import GrammarBitmask
 from worker.model.attention_backend import AttentionMetadata, PagedAttentionBackend
 from worker.model.linear_layers import warm_up_packed_layers
 from worker.model.loader import LoadedModel, ModelLoadError
@@ -93,10 +94,14 @@ class ModelRunner:
         self.block_size = block_size
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> SampledTokens:
-        """Run the step's forward and sample: one token per sampling sequence, in order."""
+    def execute(self, out: SchedulerOutput,
+                grammar_mask: GrammarBitmask | None = None) -> SampledTokens:
+        """Run the step's forward and sample: one token per sampling sequence, in order.
+        `grammar_mask` rules out, on its rows, every token that would leave their grammars."""
         inputs = self.prepare_inputs(out)
         logits = self.forward(inputs)
+        if grammar_mask is not None:
+            grammar_mask.apply(logits)
         return self.sample(logits, inputs.sampling)
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
