@@ -47,6 +47,7 @@ class SyntheticEngine:
         self.tokenizer = _Tokenizer()
         self.max_model_len = 1 << 16
         self.model_dir = Path("/nonexistent-synthetic-model")
+        self.vocab_size = 0  # unknown: the API skips its vocabulary checks
         self._max_num_seqs = max_num_seqs
         self.limits = BatchLimits(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_seqs)
         self._step_s = step_s
