@@ -30,7 +30,7 @@ from redis import Redis
 from redis.client import Pipeline
 from redis.typing import EncodableT
 
-from worker.jobs.shard_scripts import SHARD_ADOPT, SHARD_APPEND, SHARD_END
+from worker.jobs.shard_scripts import SHARD_ADOPT, SHARD_APPEND, SHARD_END, XADD_TOKEN
 
 _COMMON = """
 local function is_final(status)
@@ -164,21 +164,12 @@ return claimed
 # steps, SISMEMBER only while some job is canceled. Redis itself refuses an id that is not after
 # the stream's last, and only then does the script read the stream, to tell a resent round trip
 # (skip what is there) from a gap.
-APPEND = _COMMON + """
+APPEND = _COMMON + XADD_TOKEN + """
 local lease_ms = tonumber(ARGV[1])
 local renew = ARGV[2] == '1'
 local deadline = renew and now_ms() + lease_ms or 0
 -- The cancel set is empty but between a cancel request and its worker acting on it.
 local any_canceled = redis.call('SCARD', KEYS[2]) > 0
-local function xadd(stream, a)
-  local id = '0-' .. (tonumber(ARGV[a]) + 1)
-  if ARGV[a + 3] == '' then
-    return redis.pcall('XADD', stream, id, 'kind', 'token', 'index', ARGV[a],
-                       'token_id', ARGV[a + 1], 'text', ARGV[a + 2])
-  end
-  return redis.pcall('XADD', stream, id, 'kind', 'token', 'index', ARGV[a],
-                     'token_id', ARGV[a + 1], 'text', ARGV[a + 2], 'lp', ARGV[a + 3])
-end
 local function append(lease, stream, state, job_id, token, prompt_tokens, first_token_at, a,
                       num_tokens)
   if redis.call('GET', lease) ~= token then return 0 end

@@ -22,6 +22,22 @@ are refused, the jobs' leases lapse, and recovery hands them on to a claim that 
 
 from __future__ import annotations
 
+# One token entry at ARGV[a..a+3] (index, token_id, text, logprobs: '' for none, then no `lp`
+# field), at its explicit id 0-(index+1); pcall, so that an id already there is an error reply the
+# caller reads (a resent round trip) rather than the script's end. Shared with the main append
+# (job_scripts.APPEND).
+XADD_TOKEN = """
+local function xadd(stream, a)
+  local id = '0-' .. (tonumber(ARGV[a]) + 1)
+  if ARGV[a + 3] == '' then
+    return redis.pcall('XADD', stream, id, 'kind', 'token', 'index', ARGV[a],
+                       'token_id', ARGV[a + 1], 'text', ARGV[a + 2])
+  end
+  return redis.pcall('XADD', stream, id, 'kind', 'token', 'index', ARGV[a],
+                     'token_id', ARGV[a + 1], 'text', ARGV[a + 2], 'lp', ARGV[a + 3])
+end
+"""
+
 _NEXT_INDEX = """
 -- The index the next token gets: explicit ids are 0-(index+1), so it is the last id's sequence.
 local function next_index(stream)
@@ -56,16 +72,7 @@ return replies
 #       when the job asked for none: no `lp` field is written), as the main append takes them.
 # Returns per job 1 (appended), 0 (refused: another claim adopted the stream), -1 (gap: refused).
 # A resent round trip finds its first tokens there: it skips them, as the main append does.
-SHARD_APPEND = _NEXT_INDEX + """
-local function xadd(stream, a)
-  local id = '0-' .. (tonumber(ARGV[a]) + 1)
-  if ARGV[a + 3] == '' then
-    return redis.pcall('XADD', stream, id, 'kind', 'token', 'index', ARGV[a],
-                       'token_id', ARGV[a + 1], 'text', ARGV[a + 2])
-  end
-  return redis.pcall('XADD', stream, id, 'kind', 'token', 'index', ARGV[a],
-                     'token_id', ARGV[a + 1], 'text', ARGV[a + 2], 'lp', ARGV[a + 3])
-end
+SHARD_APPEND = _NEXT_INDEX + XADD_TOKEN + """
 local function append(fence, stream, token, a, num_tokens)
   if redis.call('GET', fence) ~= token then return 0 end
   if num_tokens == 0 then return 1 end
