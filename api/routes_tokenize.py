@@ -63,6 +63,8 @@ class DetokenizeResponse(BaseModel):
 
 _ERRORS: dict[int | str, dict[str, object]] = {
     400: {"model": OpenAIError, "description": "Invalid request (the message names the field)."},
+    401: {"model": OpenAIError, "description": "Missing or wrong API key."},
+    404: {"model": OpenAIError, "description": "No model of that name was ever served here."},
     503: {"model": OpenAIError, "description": "No model or tokenizer registered yet."},
 }
 
