@@ -128,12 +128,16 @@ class HermesStreamingParser:
         # An unclosed call (cut by max_tokens) or a held-back prefix is plain text after all.
         rest = (CALL_OPEN if self._in_call else "") + self._buffer
         self._buffer, self._in_call = "", False
+        if self._count and not rest.strip():
+            return []
         return [{"content": rest}] if rest else []
 
     def _step(self) -> bool:
         if not self._in_call:
             start = self._buffer.find(CALL_OPEN)
             if start < 0:
+                if self._count and not self._buffer.strip():
+                    return False  # whitespace after a call: content only if text follows it
                 keep = _partial_suffix(self._buffer, CALL_OPEN)
                 self._content(self._buffer[:len(self._buffer) - keep])
                 self._buffer = self._buffer[len(self._buffer) - keep:]
