@@ -136,9 +136,9 @@ class HermesStreamingParser:
         if not self._in_call:
             start = self._buffer.find(CALL_OPEN)
             if start < 0:
-                if self._count and not self._buffer.strip():
-                    return False  # whitespace after a call: content only if text follows it
                 keep = _partial_suffix(self._buffer, CALL_OPEN)
+                if self._count and not self._buffer[:len(self._buffer) - keep].strip():
+                    return False  # whitespace after a call: content only if text follows it
                 self._content(self._buffer[:len(self._buffer) - keep])
                 self._buffer = self._buffer[len(self._buffer) - keep:]
                 return False
