@@ -136,7 +136,10 @@ def call_schema(tool: FunctionTool) -> dict[str, Any]:
 
 def call_grammar(tools: tuple[FunctionTool, ...], *, parallel: bool) -> StructuredOutput:
     """A Lark grammar for one `<tool_call>` (of any of `tools`), or one or more with `parallel`."""
-    schema = call_schema(tools[0]) if len(tools) == 1 else {"anyOf": [call_schema(t) for t in tools]}
+    schema: dict[str, Any] = (call_schema(tools[0]) if len(tools) == 1
+                              else {"anyOf": [call_schema(t) for t in tools]})
+    # Compact JSON: free whitespace would let a weak model pad a call until max_tokens.
+    schema["x-guidance"] = {"whitespace_flexible": False}
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
     grammar = (f"{start}\ncall: {json.dumps(CALL_OPEN)} call_json {json.dumps(CALL_CLOSE)}\n"
                f"call_json: %json {json.dumps(schema)}\n")

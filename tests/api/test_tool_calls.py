@@ -24,7 +24,8 @@ def test_named_choice_forces_one_call_of_that_function() -> None:
     assert constraint is not None and constraint.kind is StructuredOutputKind.GRAMMAR
     time_schema = {"type": "object", "properties": {"name": {"const": "get_time"},
                                                     "arguments": {"type": "object"}},
-                   "required": ["name", "arguments"], "additionalProperties": False}
+                   "required": ["name", "arguments"], "additionalProperties": False,
+                   "x-guidance": {"whitespace_flexible": False}}
     assert constraint.spec == ('start: call\ncall: "<tool_call>" call_json "</tool_call>"\n'
                                f"call_json: %json {json.dumps(time_schema)}\n")
 
@@ -32,7 +33,8 @@ def test_named_choice_forces_one_call_of_that_function() -> None:
 def test_required_allows_any_tool_and_several_calls_unless_parallel_is_false() -> None:
     parallel = tool_calling_of([WEATHER, TIME], "required", None).constraint()
     assert parallel is not None
-    schema = {"anyOf": [call_schema(t) for t in tool_calling_of([WEATHER, TIME], None, None).tools]}
+    schema = {"anyOf": [call_schema(t) for t in tool_calling_of([WEATHER, TIME], None, None).tools],
+              "x-guidance": {"whitespace_flexible": False}}
     assert parallel.spec == ('start: call ("\\n" call)*\ncall: "<tool_call>" call_json "</tool_call>"\n'
                              f"call_json: %json {json.dumps(schema)}\n")
     single = tool_calling_of([WEATHER, TIME], "required", False).constraint()
