@@ -213,7 +213,7 @@ class HistoryToolCall(BaseModel):
 
     id: str = Field(description="The call's id, which the tool message answering it names.")
     type: Literal["function"] = Field(description="Always 'function'.")
-    function: ToolCallFunction
+    function: ToolCallFunction = Field(description="The name and the arguments (JSON text).")
 
 
 class ChatMessage(BaseModel):
