@@ -52,7 +52,7 @@ from api.openai_schemas import (
 )
 from api.sampling_defaults import served_defaults
 from api.sse import EventStreamResponse, sse_comment
-from api.tool_calls import ToolCalling, plain_messages, tool_calling_of
+from api.tool_calls import ToolCalling, plain_messages, template_messages, template_tools, tool_calling_of
 from api.tool_parsers import StreamingToolParser, ToolParser, chat_message, get_parser, tool_finish_reason
 from protocol import FinishReason, ModelCard, SamplingParams, StreamEntry
 
@@ -111,12 +111,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     _check_counts(ctx, body.n, 1)
     max_tokens, max_tokens_param = body.requested_max_tokens
     calling = tool_calling_of(body.tools, body.tool_choice, body.parallel_tool_calls)
-    messages = plain_messages([{**m.model_dump(), "role": "system" if m.role == "developer" else m.role}
-                               for m in body.messages], calling)
+    given = [{**m.model_dump(), "role": "system" if m.role == "developer" else m.role}
+             for m in body.messages]
+    messages = plain_messages(given, calling)
+    # A template that renders tools itself gets them (the job service decides, knowing the model).
+    tools = template_tools(calling) if calling.parses_calls else None
+    tool_messages = template_messages(given) if calling.parses_calls else None
     requests = [GenerationRequest(
         **_common(body, owner, request), messages=messages, max_tokens=max_tokens, input_param="messages",
         max_tokens_param=max_tokens_param, logprobs_param="top_logprobs",
-        sampling=choice_sampling(sampling, choice))
+        sampling=choice_sampling(sampling, choice), template_tools=tools,
+        template_messages=tool_messages)
         for choice, sampling in _choices(body, calling)]
     accepted = await ctx.jobs.submit_many(requests)
     parser = get_parser(ctx.settings.tool_parser) if calling.parses_calls else None

@@ -1,7 +1,9 @@
 """The tool-calling fields of a chat request (`tools`, `tool_choice`, `parallel_tool_calls`), checked
 and turned into what a job carries: plain chat messages and, when a call is required, a grammar.
 
-Tools reach the prompt through a system message in the Hermes style (the signatures inside
+A model whose chat template reads `tools` gets them through it (the job service renders that
+prompt, see `template_messages`); for the others, tools reach the prompt through a system message
+in the Hermes style (the signatures inside
 <tools></tools> and the instruction to answer with <tool_call>{...}</tool_call>); earlier calls and
 their results in the history become Hermes text too (<tool_call> in the assistant's turn, a
 <tool_response> user turn). Every chat template can render that, so the job's messages stay plain
@@ -187,6 +189,27 @@ def plain_messages(messages: list[dict[str, Any]], calling: ToolCalling) -> list
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{prompt}"}
         else:
             out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def template_tools(calling: ToolCalling) -> list[dict[str, Any]]:
+    """The tools as a chat template reads them (transformers' `tools`: OpenAI's function specs)."""
+    return [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                              "parameters": t.parameters}} for t in calling.tools]
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation as a template that renders tools reads it: calls' arguments as objects
+    (what the templates' `tojson` expects, as vLLM passes them), null content as ""."""
+    out = []
+    for message in messages:
+        item: dict[str, Any] = {"role": message["role"], "content": message.get("content") or ""}
+        if message.get("tool_calls"):
+            item["tool_calls"] = [{"id": call["id"], "type": "function", "function": _history_call(call)}
+                                  for call in message["tool_calls"]]
+        if message.get("tool_call_id"):
+            item["tool_call_id"] = message["tool_call_id"]
+        out.append(item)
     return out
 
 
