@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from protocol import ModelCard
@@ -23,15 +24,18 @@ class ChatTemplateError(ValueError):
     """The template refused the conversation (e.g. roles that do not alternate): the client's fault."""
 
 
-def render_chat(card: ModelCard, messages: list[dict[str, str]],
-                add_generation_prompt: bool = True) -> tuple[str, bool]:
-    """The prompt text for `messages`, and whether it came from the model's own template."""
+def render_chat(card: ModelCard, messages: list[dict[str, Any]],
+                add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None) -> tuple[str, bool]:
+    """The prompt text for `messages` (and `tools`, for a template that reads them, as
+    transformers' apply_chat_template passes them), and whether it came from the model's own
+    template."""
     if card.chat_template:
         try:
             template = _compile(card.chat_template)
             text = template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, bos_token=card.bos_token or "",
-                eos_token=card.eos_token or "", tools=None, documents=None,
+                eos_token=card.eos_token or "", tools=tools, documents=None,
             )
             return text, True
         except ChatTemplateError:
@@ -41,7 +45,23 @@ def render_chat(card: ModelCard, messages: list[dict[str, str]],
     return _approximate(messages, add_generation_prompt), False
 
 
-def _approximate(messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+def template_takes_tools(card: ModelCard) -> bool:
+    """Whether the model's chat template reads the `tools` variable (renders tools itself)."""
+    if not card.chat_template:
+        return False
+    try:
+        return "tools" in _variables(card.chat_template)
+    except jinja2.TemplateError:
+        return False
+
+
+@lru_cache(maxsize=16)
+def _variables(source: str) -> frozenset[str]:
+    env = ImmutableSandboxedEnvironment(extensions=[jinja2.ext.loopcontrols])
+    return frozenset(jinja2.meta.find_undeclared_variables(env.parse(source)))
+
+
+def _approximate(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
     parts = [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
     return "".join(parts) + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 

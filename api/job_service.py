@@ -22,7 +22,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from tokenizers import Tokenizer
 
-from api.chat_template import ChatTemplateError, render_chat
+from api.chat_template import ChatTemplateError, render_chat, template_takes_tools
 from api.errors import ConflictError, InvalidRequestError, NotFoundError
 from api.idempotency_key import IDEMPOTENCY_HEADER
 from api.model_registry import ModelRegistry
@@ -69,6 +69,10 @@ class GenerationRequest:
     idempotency_key: str | None = None  # the Idempotency-Key header
     retention_s: int | None = None  # kept this long once ended; None: the server's defaults
     logprobs_param: str = "logprobs"  # chat calls it top_logprobs
+    # A chat with tools, as a model whose template reads `tools` renders it (api/tool_calls.py);
+    # `messages` then holds the Hermes rendering for the other templates.
+    template_tools: list[dict[str, Any]] | None = None
+    template_messages: list[dict[str, Any]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +138,7 @@ class JobService:
         card = await self._models.resolve(requests[0].model)
         checked = []
         for request in requests:
+            request = await self._with_template_tools(card, request)
             self._check_sampling(card, request)
             prompt_tokens, is_exact, prompt_text = await self._count_prompt(card, request)
             max_tokens = self._check_lengths(card, request, prompt_tokens, is_exact)
@@ -260,6 +265,28 @@ class JobService:
                     raise InvalidRequestError(
                         f"'{param}' names token id {token_id}, outside the vocabulary of model "
                         f"'{card.name}' (ids 0 to {card.vocab_size - 1})", param=param)
+
+    async def _with_template_tools(self, card: ModelCard,
+                                   request: GenerationRequest) -> GenerationRequest:
+        """A chat with tools for a model whose template renders tools itself: rendered here with
+        `tools` (the worker renders plain messages only) and queued as token ids. Without a
+        tokenizer or such a template, the request keeps its Hermes-style messages."""
+        if request.template_tools is None or request.template_messages is None \
+                or not template_takes_tools(card):
+            return request
+        tokenizer = await self._tokenizers.get(card)
+        if tokenizer is None:
+            return request
+        try:
+            text, is_exact = render_chat(card, request.template_messages, tools=request.template_tools)
+        except ChatTemplateError as exc:
+            raise InvalidRequestError(f"The model's chat template rejects these messages: {exc}",
+                                      param=request.input_param) from exc
+        if not is_exact:
+            return request
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        return dataclasses.replace(request, messages=None, prompt_token_ids=ids,
+                                   template_tools=None, template_messages=None)
 
     async def _count_prompt(self, card: ModelCard,
                             request: GenerationRequest) -> tuple[int | None, bool, str | None]:

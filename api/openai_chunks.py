@@ -44,12 +44,19 @@ class ChunkWriter:
         payload = {"content": text} if self.is_chat else text
         return self._chunk([self._choice(index, payload, None, logprobs)], usage)
 
+    def delta(self, delta: dict[str, Any], index: int = 0, usage: dict[str, Any] | None = None,
+              logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """A chat chunk with any delta: content, or tool_calls (api/tool_parsers.py)."""
+        return self._chunk([self._choice(index, delta, None, logprobs)], usage)
+
     def finish(self, reason: FinishReason | None, index: int = 0,
                usage: dict[str, Any] | None = None,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+               logprobs: dict[str, Any] | None = None,
+               reason_name: str | None = None) -> dict[str, Any]:
+        """The choice's last chunk; `reason_name` overrides the reason's name (tool_calls)."""
         payload: dict[str, Any] | str = {} if self.is_chat else ""
-        return self._chunk([self._choice(index, payload, openai_finish_reason(reason), logprobs)],
-                           usage)
+        name = reason_name or openai_finish_reason(reason)
+        return self._chunk([self._choice(index, payload, name, logprobs)], usage)
 
     def usage(self, prompt_tokens: int, completion_tokens: int,
               cached_tokens: int | None = None) -> dict[str, Any]:

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from api.fields import (
     FrequencyPenalty,
@@ -191,16 +199,49 @@ class CompletionRequest(_CommonParams):
         return value
 
 
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="The function called.")
+    arguments: str = Field(description="Its arguments, as JSON text.")
+
+
+class HistoryToolCall(BaseModel):
+    """A tool call the assistant made earlier in the conversation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(description="The call's id, which the tool message answering it names.")
+    type: Literal["function"] = Field(description="Always 'function'.")
+    function: ToolCallFunction = Field(description="The name and the arguments (JSON text).")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "developer", "user", "assistant"] = Field(
-        description="developer is treated as system.")
+    role: Literal["system", "developer", "user", "assistant", "tool"] = Field(
+        description="developer is treated as system; tool carries a tool call's result.")
     # The documented input is what _text_content takes, so the OpenAPI spec admits exactly that.
-    content: Annotated[Text, BeforeValidator(
-        _text_content, json_schema_input_type=Text | Annotated[list[TextContentPart], Field(min_length=1)]),
-        Field(description="Text, or a list of text parts.")]
+    content: Annotated[Text | None, BeforeValidator(
+        _text_content, json_schema_input_type=Text | Annotated[list[TextContentPart], Field(min_length=1)]
+        | None), Field(description="Text, or a list of text parts (null: an assistant message "
+                                   "with tool_calls).")] = None
     name: str | None = Field(None, description="Accepted and ignored.")
+    tool_calls: list[HistoryToolCall] | None = Field(
+        None, description="An assistant message's tool calls.")
+    tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
+
+    @model_validator(mode="after")
+    def _content_where_needed(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only tool messages carry tool_call_id")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only in an assistant message with tool_calls")
+        return self
 
 
 class ChatCompletionRequest(_CommonParams):
@@ -222,10 +263,15 @@ class ChatCompletionRequest(_CommonParams):
         None, strict=True, ge=0,
         description="With logprobs: also the this many most likely tokens at each position "
                     "(capped by the server's max_logprobs).")
-    tools: list[dict[str, Any]] | None = Field(None, description="Not supported (must be empty).")
-    tool_choice: str | dict[str, Any] | None = Field(None, description="Only 'none'.")
-    parallel_tool_calls: bool | None = Field(None, strict=True,
-                                             description="Accepted and ignored (no tools).")
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="Functions the model may call: {'type': 'function', 'function': {'name', "
+                          "'description', 'parameters' (a JSON schema)}}.")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="none, auto (default with tools), required, or {'type': 'function', "
+                          "'function': {'name': ...}}; required and named are enforced by a grammar.")
+    parallel_tool_calls: bool | None = Field(
+        None, strict=True, description="With tool_choice required: allow more than one call "
+                                       "(default true).")
     store: bool | None = Field(None, strict=True, description="Accepted and ignored.")
     metadata: dict[str, str] | None = Field(None, description="Accepted and ignored.")
 
@@ -240,20 +286,6 @@ class ChatCompletionRequest(_CommonParams):
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs: how many alternatives per token (None: no logprobs)."""
         return (self.top_logprobs or 0) if self.logprobs else None
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        if value:
-            raise _unsupported("tool calling is not available")
-        return value
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, value: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
-        if value is not None and value != "none":
-            raise _unsupported("tool calling is not available; only 'none' is accepted")
-        return value
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:
@@ -300,9 +332,17 @@ class Completion(BaseModel):
     usage: CompletionUsage = Field(description="Token counts.")
 
 
+class ToolCall(BaseModel):
+    id: str = Field(description="call_<random>.")
+    type: Literal["function"] = Field("function", description="Always 'function'.")
+    function: ToolCallFunction = Field(description="The name and the arguments (JSON text).")
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = Field("assistant", description="Always assistant.")
-    content: str = Field(description="The generated text.")
+    content: str | None = Field(description="The generated text (with tool calls: the text outside "
+                                             "them, or null).")
+    tool_calls: list[ToolCall] | None = Field(None, description="The calls the model made.")
 
 
 class ChatTopLogprob(BaseModel):
@@ -323,7 +363,7 @@ class ChatChoice(BaseModel):
     index: int = Field(0, description="The choice's number, 0 to n - 1.")
     message: AssistantMessage = Field(description="The model's answer.")
     logprobs: ChatLogprobs | None = Field(None, description="When asked (logprobs: true).")
-    finish_reason: str | None = Field(description="stop, length, or abort (canceled).")
+    finish_reason: str | None = Field(description="stop, length, tool_calls, or abort (canceled).")
 
 
 class ChatCompletion(BaseModel):

@@ -7,6 +7,7 @@ its completion ends has its job canceled, so no worker keeps generating for nobo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -51,6 +52,8 @@ from api.openai_schemas import (
 )
 from api.sampling_defaults import served_defaults
 from api.sse import EventStreamResponse, sse_comment
+from api.tool_calls import ToolCalling, plain_messages, template_messages, template_tools, tool_calling_of
+from api.tool_parsers import StreamingToolParser, ToolParser, chat_message, get_parser, tool_finish_reason
 from protocol import FinishReason, ModelCard, SamplingParams, StreamEntry
 
 log = logging.getLogger(__name__)
@@ -107,15 +110,22 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                                  ctx: Context) -> Response:
     _check_counts(ctx, body.n, 1)
     max_tokens, max_tokens_param = body.requested_max_tokens
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content}
-                for m in body.messages]
+    calling = tool_calling_of(body.tools, body.tool_choice, body.parallel_tool_calls)
+    given = [{**m.model_dump(), "role": "system" if m.role == "developer" else m.role}
+             for m in body.messages]
+    messages = plain_messages(given, calling)
+    # A template that renders tools itself gets them (the job service decides, knowing the model).
+    tools = template_tools(calling) if calling.parses_calls else None
+    tool_messages = template_messages(given) if calling.parses_calls else None
     requests = [GenerationRequest(
         **_common(body, owner, request), messages=messages, max_tokens=max_tokens, input_param="messages",
         max_tokens_param=max_tokens_param, logprobs_param="top_logprobs",
-        sampling=choice_sampling(sampling, choice))
-        for choice, sampling in _choices(body)]
+        sampling=choice_sampling(sampling, choice), template_tools=tools,
+        template_messages=tool_messages)
+        for choice, sampling in _choices(body, calling)]
     accepted = await ctx.jobs.submit_many(requests)
-    return await _answer(ctx, request, body, accepted, is_chat=True, echo=False)
+    parser = get_parser(ctx.settings.tool_parser) if calling.parses_calls else None
+    return await _answer(ctx, request, body, accepted, is_chat=True, echo=False, tool_parser=parser)
 
 
 def _check_counts(ctx: AppContext, n: int, num_prompts: int) -> None:
@@ -136,9 +146,18 @@ def _common(body: CompletionRequest | ChatCompletionRequest, owner: str,
             **deadlines_of(request.headers), "idempotency_key": idempotency_key_of(request.headers)}
 
 
-def _choices(body: CompletionRequest | ChatCompletionRequest) -> list[tuple[int, SamplingParams]]:
+def _choices(body: CompletionRequest | ChatCompletionRequest,
+             calling: ToolCalling | None = None) -> list[tuple[int, SamplingParams]]:
     # Chat's logprobs is a flag (top_logprobs the count): the sampler wants the count.
     sampling = sampling_of(body, logprobs=body.num_logprobs)
+    forced_call = calling.constraint() if calling is not None else None
+    if forced_call is not None:
+        if sampling.structured_output is not None:
+            raise InvalidRequestError("A forced tool call ('tool_choice' required or a function) "
+                                      "cannot be combined with an output constraint "
+                                      "(response_format, structured_outputs, guided_*)",
+                                      param="tool_choice")
+        sampling = dataclasses.replace(sampling, structured_output=forced_call)
     return [(choice, sampling) for choice in range(body.n)]
 
 
@@ -149,7 +168,7 @@ def _model_object(card: ModelCard) -> ModelObject:
 
 async def _answer(ctx: AppContext, request: Request,
                   body: CompletionRequest | ChatCompletionRequest, accepted: list[AcceptedJob], *,
-                  is_chat: bool, echo: bool) -> Response:
+                  is_chat: bool, echo: bool, tool_parser: ToolParser | None = None) -> Response:
     first = accepted[0].spec
     jobs = [ChoiceJob(index=index, prompt_number=index // body.n, job_id=job.spec.job_id,
                       echo=(job.prompt_text or "") if echo else "",
@@ -171,7 +190,8 @@ async def _answer(ctx: AppContext, request: Request,
         formatters = {job.index: LogprobsFormatter(is_chat, token_text, first.sampling.logprobs,
                                                    text_offset=len(job.echo)) for job in jobs}
     if body.stream:
-        return EventStreamResponse(_stream_chunks(ctx, jobs, writer, formatters), headers=headers,
+        return EventStreamResponse(_stream_chunks(ctx, jobs, writer, formatters, tool_parser),
+                                   headers=headers,
                                    on_abandon=partial(cancel_jobs, ctx, jobs))
     results = await _wait_for_results(ctx, request, jobs)
     if results is None:
@@ -187,9 +207,9 @@ async def _answer(ctx: AppContext, request: Request,
         formatter = formatters.get(result.job.index)
         logprobs = formatter.format(result.tokens) if formatter is not None else None
         if is_chat:
+            message, reason = chat_message(tool_parser, result.text, reason)
             choices.append({"index": result.job.index, "logprobs": logprobs,
-                            "finish_reason": reason,
-                            "message": {"role": "assistant", "content": result.text}})
+                            "finish_reason": reason, "message": message})
         else:
             choices.append({"index": result.job.index, "text": result.job.echo + result.text,
                             "logprobs": logprobs, "finish_reason": reason})
@@ -227,8 +247,12 @@ async def _wait_for_results(ctx: AppContext, request: Request,
 
 
 async def _stream_chunks(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWriter,
-                         formatters: dict[int, LogprobsFormatter]) -> AsyncIterator[bytes]:
+                         formatters: dict[int, LogprobsFormatter],
+                         tool_parser: ToolParser | None = None) -> AsyncIterator[bytes]:
     num_tokens = {job.index: 0 for job in jobs}
+    # With tools, each choice's text goes through a streaming parser: content and tool_calls deltas.
+    call_streams: dict[int, StreamingToolParser] = (
+        {job.index: tool_parser.stream() for job in jobs} if tool_parser is not None else {})
     # Tokens whose text is held back (a possible stop string, a split character) send their
     # logprobs with their choice's next chunk that carries text, or with its finish chunk.
     unsent: dict[int, list[StreamEntry]] = {job.index: [] for job in jobs}
@@ -266,7 +290,10 @@ async def _stream_chunks(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
                     num_tokens[job.index] += 1
                     if job.index in formatters:
                         unsent[job.index].append(entry)
-                    if entry.text:  # text held back (a possible stop string) arrives later
+                    if entry.text and job.index in call_streams:
+                        for delta in call_streams[job.index].feed(entry.text):
+                            yield _data(writer.delta(delta, job.index, usage_so_far(job), logprobs(job)))
+                    elif entry.text:  # text held back (a possible stop string) arrives later
                         yield _data(writer.text(entry.text, job.index, usage_so_far(job),
                                                 logprobs(job)))
                     continue
@@ -278,9 +305,16 @@ async def _stream_chunks(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
                                             and j.index not in {r.job.index for r in results}])
                     break
                 results.append(ChoiceResult(job, "", entry))
+                reason_name = None
+                call_stream = call_streams.get(job.index)
+                if call_stream is not None:
+                    for delta in call_stream.finish():
+                        yield _data(writer.delta(delta, job.index, usage_so_far(job)))
+                    reason_name = tool_finish_reason(openai_finish_reason(entry.finish_reason),
+                                                     call_stream.called)
                 yield _data(writer.finish(entry.finish_reason, job.index,
                                           usage_dict(entry.prompt_tokens, entry.completion_tokens),
-                                          logprobs(job)))
+                                          logprobs(job), reason_name))
             else:
                 if writer.include_usage:
                     yield _data(writer.usage(*summed_usage(results)))

@@ -15,6 +15,7 @@ from api.context import AppContext, get_context
 from api.errors import OPENAI_TAG, InvalidRequestError, ServiceUnavailableError
 from api.fields import Text
 from api.openai_schemas import ChatMessage, OpenAIError
+from api.tool_calls import NO_TOOLS, plain_messages
 from protocol import ModelCard
 
 router = APIRouter(tags=[OPENAI_TAG], dependencies=[Depends(caller_owner)])
@@ -74,8 +75,9 @@ _ERRORS: dict[int | str, dict[str, object]] = {
 async def tokenize(body: TokenizeRequest, ctx: Context) -> TokenizeResponse:
     card, tokenizer = await _tokenizer(ctx, body.model)
     if body.messages is not None:
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.content}
-                    for m in body.messages]
+        # Tool calls and results in the history render as a chat request renders them.
+        messages = plain_messages([{**m.model_dump(), "role": "system" if m.role == "developer" else m.role}
+                                   for m in body.messages], NO_TOOLS)
         try:
             text, _ = render_chat(card, messages, add_generation_prompt=body.add_generation_prompt)
         except ChatTemplateError as exc:

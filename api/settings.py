@@ -87,7 +87,19 @@ class ApiSettings(BaseSettings):
                     "fails with a reset the client cannot safely retry (a POST may have landed); a "
                     "long timeout makes that race rare. 75 s outlives common proxy and load "
                     "balancer idle timeouts (nginx 75 s, AWS ALB 60 s), so they close first.")
+    tool_parser: str = Field(
+        "hermes", description="How tool calls are read from the output of chat requests with "
+                              "tools (api/tool_parsers.py: hermes).")
     log_level: str = Field("info")
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _known_tool_parser(cls, value: str) -> str:
+        from api.tool_parsers import parser_names  # here: settings load before the routes
+
+        if value not in parser_names():
+            raise ValueError(f"unknown tool parser {value!r} (known: {', '.join(parser_names())})")
+        return value
 
     @field_validator("stream_redis_urls", mode="before")
     @classmethod

@@ -11,6 +11,7 @@ from api_support import CONTEXT
 pytestmark = pytest.mark.anyio
 
 CHAT = [{"role": "user", "content": "hello"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 
 
 def _error(response: httpx.Response) -> dict[str, Any]:
@@ -74,8 +75,8 @@ async def test_completions_rejects(client: httpx.AsyncClient, body: dict[str, An
 
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({"messages": []}, "messages", "at least 1 item"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role", "'assistant'"),
-    ({"messages": [{"role": "user"}]}, "messages.0.content", "Missing required parameter"),
+    ({"messages": [{"role": "function", "content": "x"}]}, "messages.0.role", "'tool'"),
+    ({"messages": [{"role": "user"}]}, "messages.0", "content may be null only in an assistant"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages.0.content", "only text content parts are supported (got 'image_url')"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
@@ -90,9 +91,23 @@ async def test_completions_rejects(client: httpx.AsyncClient, body: dict[str, An
     ({"messages": CHAT, "top_logprobs": 3}, "top_logprobs", "top_logprobs needs logprobs set to true"),
     ({"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "must be at most 20"),
     ({"messages": CHAT, "logprobs": 1}, "logprobs", "valid boolean"),
-    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
-     "tool calling is not available"),
-    ({"messages": CHAT, "tool_choice": "auto"}, "tool_choice", "tool calling"),
+    ({"messages": CHAT, "tools": [{"type": "code", "function": {"name": "f"}}]}, "tools[0].type",
+     "'tools[0].type' must be 'function'"),
+    ({"messages": CHAT, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+     "tools[0].function.name", "must be 1 to 64 letters, digits"),
+    ({"messages": CHAT, "tools": [TOOL, {"type": "function", "function": {
+        "name": "g", "parameters": {"type": "object", "properties": {"x": {"type": "nosuch"}}}}}]},
+     "tools[1].function.parameters", "does not compile to a grammar"),
+    ({"messages": CHAT, "tools": [TOOL, TOOL]}, "tools", "names the function 'f' twice"),
+    ({"messages": CHAT, "tool_choice": "required"}, "tool_choice", "'tool_choice' required needs 'tools'"),
+    ({"messages": CHAT, "tools": [TOOL], "tool_choice": "always"}, "tool_choice",
+     "must be none, auto, required"),
+    ({"messages": CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice.function.name", "names 'g', which is not in 'tools'"),
+    ({"messages": CHAT, "tools": [TOOL], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "tool_choice", "cannot be combined"),
+    ({"messages": [{"role": "tool", "content": "1"}]}, "messages.0", "a tool message needs tool_call_id"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages.0", "content may be null only"),
     ({"messages": CHAT, "response_format": {"type": "xml"}}, "response_format.type",
      "must be text, json_object or json_schema; got 'xml'"),
     ({"messages": CHAT, "frequency_penalty": -3}, "frequency_penalty", "greater than or equal to -2"),
