@@ -153,7 +153,9 @@ async def test_many_subscribers_share_a_bounded_number_of_connections(
         # The pool's one (requests came one at a time), the hub's reader, RQ's sync client.
         assert api_connections == 3
     else:
-        assert api_connections >= num_jobs * readers_per_job  # one blocked XREAD each
+        # One blocked XREAD each, give or take the few readers between two reads at the count
+        # (their connection back in the pool for a moment): it grows with the subscribers.
+        assert api_connections >= num_jobs * readers_per_job - readers_per_job
 
 
 async def test_resume_joins_a_watched_stream_without_gap_or_duplicate(redis_url: str) -> None:
