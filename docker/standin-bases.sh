@@ -15,7 +15,7 @@ CACHE=${CARPOOL_STANDIN_CACHE:-/var/tmp/carpool-standin}
 PULL_TIMEOUT=${CARPOOL_PULL_TIMEOUT:-60}
 HOST_CA=/etc/ssl/certs/ca-certificates.crt
 
-log() { echo "standin-bases: $*"; }
+log() { echo "standin-bases: $*" >&2; }  # stderr: functions answer on stdout
 
 have_or_pull() {  # 0 when the real image is here or could be pulled
     docker image inspect "$1" >/dev/null 2>&1 && { log "$1 present"; return 0; }
@@ -26,7 +26,8 @@ have_or_pull() {  # 0 when the real image is here or could be pulled
 bookworm_rootfs() {  # a minimal bookworm tree with python3, built once and kept in $CACHE
     local root=$CACHE/bookworm
     if [ ! -x "$root/usr/bin/python3" ]; then
-        command -v debootstrap >/dev/null || { apt-get update -qq && apt-get install -y -qq debootstrap; }
+        # stdout is the answer (the path): apt speaks on stderr.
+        command -v debootstrap >/dev/null || { apt-get update -qq && apt-get install -y -qq debootstrap; } >&2
         rm -rf "$root" && mkdir -p "$CACHE"
         log "debootstrap bookworm into $root (a few minutes, once)"
         debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
