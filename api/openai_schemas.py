@@ -222,6 +222,10 @@ class ChatCompletionRequest(_CommonParams):
         None, strict=True, ge=0,
         description="With logprobs: also the this many most likely tokens at each position "
                     "(capped by the server's max_logprobs).")
+    echo: bool = Field(
+        False, strict=True,
+        description="vLLM's extension: when the last message is the assistant's, put its content "
+                    "before the reply (a continued message reads whole).")
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported (must be empty).")
     tool_choice: str | dict[str, Any] | None = Field(None, description="Only 'none'.")
     parallel_tool_calls: bool | None = Field(None, strict=True,

@@ -98,7 +98,8 @@ async def create_completion(body: CompletionRequest, request: Request, owner: Ow
         max_tokens=body.max_tokens, sampling=choice_sampling(common_sampling, choice))
         for prompt in body.prompt for choice, common_sampling in _choices(body)]
     accepted = await ctx.jobs.submit_many(requests)
-    return await _answer(ctx, request, body, accepted, is_chat=False, echo=body.echo)
+    echoes = [(job.prompt_text or "") if body.echo else "" for job in accepted]
+    return await _answer(ctx, request, body, accepted, is_chat=False, echoes=echoes)
 
 
 @router.post("/chat/completions", response_model=ChatCompletion, summary="Chat completion (OpenAI)",
@@ -115,7 +116,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         sampling=choice_sampling(sampling, choice))
         for choice, sampling in _choices(body)]
     accepted = await ctx.jobs.submit_many(requests)
-    return await _answer(ctx, request, body, accepted, is_chat=True, echo=False)
+    echo = _chat_echo(messages) if body.echo else ""
+    return await _answer(ctx, request, body, accepted, is_chat=True, echoes=[echo] * len(accepted))
+
+
+def _chat_echo(messages: list[dict[str, str]]) -> str:
+    """vLLM's chat `echo`: the last message's content goes before each reply when that message
+    is the assistant's own (a reply to continue); any other last message echoes nothing."""
+    last = messages[-1]
+    return last["content"] if last["role"] == "assistant" else ""
 
 
 def _check_counts(ctx: AppContext, n: int, num_prompts: int) -> None:
@@ -149,12 +158,12 @@ def _model_object(card: ModelCard) -> ModelObject:
 
 async def _answer(ctx: AppContext, request: Request,
                   body: CompletionRequest | ChatCompletionRequest, accepted: list[AcceptedJob], *,
-                  is_chat: bool, echo: bool) -> Response:
+                  is_chat: bool, echoes: list[str]) -> Response:
+    """`echoes`: per accepted job, the text its choice starts with ("" for none)."""
     first = accepted[0].spec
     jobs = [ChoiceJob(index=index, prompt_number=index // body.n, job_id=job.spec.job_id,
-                      echo=(job.prompt_text or "") if echo else "",
-                      prompt_tokens=job.prompt_tokens or 0)
-            for index, job in enumerate(accepted)]
+                      echo=echo, prompt_tokens=job.prompt_tokens or 0)
+            for index, (job, echo) in enumerate(zip(accepted, echoes, strict=True))]
     writer = ChunkWriter(is_chat=is_chat,
                          response_id=("chatcmpl-" if is_chat else "cmpl-") + first.job_id,
                          created=int(first.created_at), model=first.model,
@@ -189,7 +198,7 @@ async def _answer(ctx: AppContext, request: Request,
         if is_chat:
             choices.append({"index": result.job.index, "logprobs": logprobs,
                             "finish_reason": reason,
-                            "message": {"role": "assistant", "content": result.text}})
+                            "message": {"role": "assistant", "content": result.job.echo + result.text}})
         else:
             choices.append({"index": result.job.index, "text": result.job.echo + result.text,
                             "logprobs": logprobs, "finish_reason": reason})
