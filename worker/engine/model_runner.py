@@ -208,7 +208,8 @@ class ModelRunner:
         )
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """Logits of the sampling rows only: [num_sampling, vocab_size] float32."""
+        """Logits of the kept rows only (`logits_indices`: the sampling rows, then any prompt
+        logprob rows): [num_kept, vocab_size] float32."""
         kwargs: dict[str, Any] = {PagedAttentionBackend.KWARG: inputs.attention}
         output = self.model(
             input_ids=inputs.input_ids,
