@@ -64,6 +64,19 @@ class TokenLogprobs:
         return cls(float(logprob), tuple((int(i), float(lp)) for i, lp in top))
 
 
+def encode_prompt_logprobs(entries: list[TokenLogprobs | None]) -> str:
+    """Compact JSON for a job's prompt logprobs (one per prompt token, null where none: the first
+    token has nothing before it): [null, [logprob, [[id, logprob], ...]], ...]."""
+    return json.dumps([None if entry is None else [entry.logprob, [list(pair) for pair in entry.top]]
+                       for entry in entries], separators=(",", ":"))
+
+
+def decode_prompt_logprobs(payload: str) -> list[TokenLogprobs | None]:
+    return [None if entry is None
+            else TokenLogprobs(float(entry[0]), tuple((int(i), float(lp)) for i, lp in entry[1]))
+            for entry in json.loads(payload)]
+
+
 @dataclass(frozen=True, slots=True)
 class TokenEntry:
     """One generated token: what the engine emits and what a job's stream records."""
