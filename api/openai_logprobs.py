@@ -18,6 +18,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from protocol import StreamEntry
+from protocol.generation import PromptLogprobs
 
 TokenText = Callable[[int], str]
 
@@ -66,6 +67,32 @@ class LogprobsFormatter:
             top_logprobs.append(top)
             offsets.append(self.text_offset)
             self.text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
+    def format_prompt(self, prompt: PromptLogprobs) -> dict[str, Any]:
+        """`echo` with logprobs (completions): the prompt's tokens in the legacy shape, the first
+        with logprob and top_logprobs null (nothing precedes it), as OpenAI and vLLM answer.
+        Offsets run from 0 and the completion's continue after them."""
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        offset = 0
+        for token_id, entry in zip(prompt.token_ids, prompt.entries, strict=True):
+            token = self.token_text(token_id)
+            tokens.append(token)
+            offsets.append(offset)
+            offset += len(token)
+            if entry is None:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            token_logprobs.append(entry.logprob)
+            top = {self.token_text(top_id): logprob for top_id, logprob in entry.top[: self.num_top]}
+            top.setdefault(token, entry.logprob)
+            top_logprobs.append(top)
+        self.text_offset = offset
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 

@@ -96,7 +96,9 @@ async def create_completion(body: CompletionRequest, request: Request, owner: Ow
         **common, prompt=prompt if isinstance(prompt, str) else None,
         prompt_token_ids=prompt if isinstance(prompt, list) else None,
         max_tokens=body.max_tokens, sampling=choice_sampling(common_sampling, choice))
-        for prompt in body.prompt for choice, common_sampling in _choices(body)]
+        # echo with logprobs: the prompt's tokens get theirs too (as OpenAI's legacy API did).
+        for prompt in body.prompt for choice, common_sampling in _choices(
+            body, prompt_logprobs=body.logprobs if body.echo else None)]
     accepted = await ctx.jobs.submit_many(requests)
     echoes = [(job.prompt_text or "") if body.echo else "" for job in accepted]
     return await _answer(ctx, request, body, accepted, is_chat=False, echoes=echoes)
@@ -145,9 +147,10 @@ def _common(body: CompletionRequest | ChatCompletionRequest, owner: str,
             **deadlines_of(request.headers), "idempotency_key": idempotency_key_of(request.headers)}
 
 
-def _choices(body: CompletionRequest | ChatCompletionRequest) -> list[tuple[int, SamplingParams]]:
+def _choices(body: CompletionRequest | ChatCompletionRequest,
+             prompt_logprobs: int | None = None) -> list[tuple[int, SamplingParams]]:
     # Chat's logprobs is a flag (top_logprobs the count): the sampler wants the count.
-    sampling = sampling_of(body, logprobs=body.num_logprobs)
+    sampling = sampling_of(body, logprobs=body.num_logprobs, prompt_logprobs=prompt_logprobs)
     return [(choice, sampling) for choice in range(body.n)]
 
 
@@ -180,7 +183,8 @@ async def _answer(ctx: AppContext, request: Request,
         formatters = {job.index: LogprobsFormatter(is_chat, token_text, first.sampling.logprobs,
                                                    text_offset=len(job.echo)) for job in jobs}
     if body.stream:
-        return EventStreamResponse(_stream_chunks(ctx, jobs, writer, formatters), headers=headers,
+        return EventStreamResponse(_stream_chunks(ctx, jobs, writer, formatters,
+                                                  first.sampling.prompt_logprobs), headers=headers,
                                    on_abandon=partial(cancel_jobs, ctx, jobs))
     results = await _wait_for_results(ctx, request, jobs)
     if results is None:
@@ -194,7 +198,14 @@ async def _answer(ctx: AppContext, request: Request,
     for result in results:
         reason = openai_finish_reason(result.done.finish_reason)
         formatter = formatters.get(result.job.index)
-        logprobs = formatter.format(result.tokens) if formatter is not None else None
+        logprobs = None
+        if formatter is not None:
+            # The prompt's part first: the completion's text offsets continue after it.
+            prompt = (await _prompt_logprobs(ctx, formatter, result.job)
+                      if first.sampling.prompt_logprobs is not None else None)
+            logprobs = formatter.format(result.tokens)
+            if prompt is not None:
+                logprobs = {name: prompt[name] + logprobs[name] for name in logprobs}
         if is_chat:
             choices.append({"index": result.job.index, "logprobs": logprobs,
                             "finish_reason": reason,
@@ -206,6 +217,14 @@ async def _answer(ctx: AppContext, request: Request,
               "created": writer.created, "model": writer.model, "choices": choices,
               "usage": usage_dict(*summed_usage(results))}
     return JSONResponse(answer, headers=headers)
+
+
+async def _prompt_logprobs(ctx: AppContext, formatter: LogprobsFormatter,
+                           job: ChoiceJob) -> dict[str, Any] | None:
+    """The choice's prompt part of `echo` with logprobs; None when the job wrote none (it ended
+    before its first token)."""
+    prompt = await ctx.jobs.prompt_logprobs(job.job_id)
+    return formatter.format_prompt(prompt) if prompt is not None else None
 
 
 async def _wait_for_results(ctx: AppContext, request: Request,
@@ -236,7 +255,8 @@ async def _wait_for_results(ctx: AppContext, request: Request,
 
 
 async def _stream_chunks(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWriter,
-                         formatters: dict[int, LogprobsFormatter]) -> AsyncIterator[bytes]:
+                         formatters: dict[int, LogprobsFormatter],
+                         prompt_logprobs: int | None) -> AsyncIterator[bytes]:
     num_tokens = {job.index: 0 for job in jobs}
     # Tokens whose text is held back (a possible stop string, a split character) send their
     # logprobs with their choice's next chunk that carries text, or with its finish chunk.
@@ -253,11 +273,16 @@ async def _stream_chunks(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
     def usage_so_far(job: ChoiceJob) -> dict[str, Any]:
         return usage_dict(job.prompt_tokens, num_tokens[job.index])
 
+    # echo with logprobs: a choice's echo chunk carries its prompt's logprobs, which the worker
+    # writes with the first token, so it goes out when the choice's first entry arrives.
+    echo_waits = {job.index for job in jobs if job.echo and job.index in formatters
+                  and prompt_logprobs is not None}
+
     for job in jobs:
         opening = writer.opening(job.index, usage_so_far(job))
         if opening is not None:
             yield _data(opening)
-        if job.echo:
+        if job.echo and job.index not in echo_waits:
             yield _data(writer.text(job.echo, job.index, usage_so_far(job)))
     last_sent = time.monotonic()
     results: list[ChoiceResult] = []
@@ -271,6 +296,10 @@ async def _stream_chunks(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
                     continue
                 last_sent = time.monotonic()
                 entry = event.entry
+                if job.index in echo_waits:
+                    echo_waits.discard(job.index)
+                    yield _data(writer.text(job.echo, job.index, usage_so_far(job),
+                                            await _prompt_logprobs(ctx, formatters[job.index], job)))
                 if not event.is_done:
                     num_tokens[job.index] += 1
                     if job.index in formatters:

@@ -64,17 +64,27 @@ class TokenLogprobs:
         return cls(float(logprob), tuple((int(i), float(lp)) for i, lp in top))
 
 
-def encode_prompt_logprobs(entries: list[TokenLogprobs | None]) -> str:
-    """Compact JSON for a job's prompt logprobs (one per prompt token, null where none: the first
-    token has nothing before it): [null, [logprob, [[id, logprob], ...]], ...]."""
-    return json.dumps([None if entry is None else [entry.logprob, [list(pair) for pair in entry.top]]
-                       for entry in entries], separators=(",", ":"))
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """A job's prompt logprobs: the prompt's token ids (as the worker tokenized it) and, per
+    token, its logprob given the tokens before it with the most likely there (the raw model
+    distribution); the first token has none (nothing precedes it)."""
 
+    token_ids: tuple[int, ...]
+    entries: tuple[TokenLogprobs | None, ...]
 
-def decode_prompt_logprobs(payload: str) -> list[TokenLogprobs | None]:
-    return [None if entry is None
-            else TokenLogprobs(float(entry[0]), tuple((int(i), float(lp)) for i, lp in entry[1]))
-            for entry in json.loads(payload)]
+    def encode(self) -> str:
+        """Compact JSON for the job's state hash: [[id, ...], [null, [logprob, [[id, lp], ...]], ...]]."""
+        return json.dumps([list(self.token_ids),
+                           [None if e is None else [e.logprob, [list(pair) for pair in e.top]]
+                            for e in self.entries]], separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, payload: str) -> PromptLogprobs:
+        token_ids, entries = json.loads(payload)
+        return cls(tuple(int(i) for i in token_ids), tuple(
+            None if e is None else TokenLogprobs(float(e[0]), tuple((int(i), float(lp)) for i, lp in e[1]))
+            for e in entries))
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,7 +12,7 @@ from typing import Any, cast
 
 from redis import Redis
 
-from protocol.generation import TokenLogprobs, decode_prompt_logprobs
+from protocol.generation import PromptLogprobs
 from protocol.keys import Keys
 from protocol.messages import JobResult, JobState, StreamEntry
 from protocol.stream_ids import STREAM_START
@@ -68,12 +68,11 @@ class JobReader:
         fields = self.redis.hgetall(self.keys.state(job_id))
         return JobState.from_fields(fields) if fields else None
 
-    def prompt_logprobs(self, job_id: str) -> list[TokenLogprobs | None] | None:
-        """The prompt logprobs a job asked for (one per prompt token, the first None), once its
-        first token is out; else None. A field of the state hash, read alone: it is as long as
-        the prompt, and only the jobs that asked have it."""
+    def prompt_logprobs(self, job_id: str) -> PromptLogprobs | None:
+        """The prompt logprobs a job asked for, once its first token is out; else None. A field
+        of the state hash, read alone: it is as long as the prompt, and only such jobs have it."""
         payload = self.redis.hget(self.keys.state(job_id), PROMPT_LOGPROBS_FIELD)
-        return decode_prompt_logprobs(_text(payload)) if payload else None
+        return PromptLogprobs.decode(_text(payload)) if payload else None
 
     def result(self, job_id: str) -> JobResult | None:
         """The final result once the job has ended (finished, failed or canceled), else None."""

@@ -329,6 +329,56 @@ def test_openai_completion_logprobs_match_the_engine(api: ApiServer, reference_e
     assert streamed == logprobs.token_logprobs
 
 
+def test_openai_completion_echo_with_logprobs_gives_the_prompt_tokens_theirs(
+        api: ApiServer, reference_engine: Any, tiny_llama_dir: Path) -> None:
+    """echo + logprobs (#16): prompt then completion tokens, the first prompt token's logprob and
+    top_logprobs null, the others log_softmax of transformers' logits (fp32), streamed or not."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = "The capital of France is"
+    prompt_ids = reference_engine.tokenizer.encode(prompt)
+    client = api.openai()
+    plain = client.completions.create(model=api.model, prompt=prompt, max_tokens=4, temperature=0.0,
+                                      logprobs=2, echo=True, extra_body={"ignore_eos": True})
+    choice = plain.choices[0]
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.tokens is not None and logprobs.top_logprobs is not None
+    assert logprobs.token_logprobs is not None and logprobs.text_offset is not None
+    n = len(prompt_ids)
+    assert len(logprobs.tokens) == n + 4
+    assert logprobs.tokens[:n] == [reference_engine.tokenizer.decode([t]) for t in prompt_ids]
+    assert choice.text.startswith(prompt)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    offsets = [0]
+    for token in logprobs.tokens[:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert logprobs.text_offset == offsets
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0].float(), dim=-1)
+    for position in range(1, n):
+        row = expected[position - 1]
+        assert logprobs.token_logprobs[position] == pytest.approx(row[prompt_ids[position]].item(), abs=1e-3)
+        top = logprobs.top_logprobs[position]
+        assert top is not None and 2 <= len(top) <= 3
+        best = sorted(top.values(), reverse=True)[:2]
+        assert best == pytest.approx(row.topk(2).values.tolist(), abs=1e-3)
+    stream = client.completions.create(model=api.model, prompt=prompt, max_tokens=4, temperature=0.0,
+                                       logprobs=2, echo=True, stream=True, extra_body={"ignore_eos": True})
+    chunks = [c for c in stream if c.choices]
+    assert chunks[0].choices[0].text == prompt  # the echo chunk carries the prompt's logprobs
+    first = chunks[0].choices[0].logprobs
+    assert first is not None and first.token_logprobs is not None and len(first.token_logprobs) == n
+    streamed_tokens: list[str] = []
+    streamed: list[float | None] = []
+    for chunk in chunks:
+        if chunk.choices[0].logprobs is not None:
+            streamed_tokens += chunk.choices[0].logprobs.tokens or []
+            streamed += chunk.choices[0].logprobs.token_logprobs or []
+    assert (streamed_tokens, streamed) == (logprobs.tokens, logprobs.token_logprobs)
+
+
 def test_openai_chat_logprobs_streamed_or_not(api: ApiServer) -> None:
     client = api.openai()
     plain = client.chat.completions.create(model=api.model, messages=CHAT, max_tokens=8,  # type: ignore[arg-type]

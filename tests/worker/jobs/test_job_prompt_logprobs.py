@@ -3,12 +3,13 @@ on the main Redis and for a job whose stream is on a shard."""
 
 from __future__ import annotations
 
-from protocol.generation import TokenEntry, TokenLogprobs, encode_prompt_logprobs
+from protocol.generation import PromptLogprobs, TokenEntry, TokenLogprobs
 from protocol.job_reader import PROMPT_LOGPROBS_FIELD, JobReader
 from tests.worker.jobs.job_support import KEYS, fake_redis, generate, make_publisher, make_queue, running, submit
 from tests.worker.jobs.test_job_stream_shards import _claim, _worker
 
-PROMPT_LOGPROBS = [None, TokenLogprobs(-1.5, ((7, -0.25), (8, -1.5))), TokenLogprobs(-0.125, ((9, -0.125),))]
+PROMPT_LOGPROBS = PromptLogprobs((5, 8, 9), (
+    None, TokenLogprobs(-1.5, ((7, -0.25), (8, -1.5))), TokenLogprobs(-0.125, ((9, -0.125),))))
 
 
 def test_they_go_with_token_0_and_a_resent_first_append_does_not_write_them_again() -> None:
@@ -18,7 +19,7 @@ def test_they_go_with_token_0_and_a_resent_first_append_does_not_write_them_agai
     job = running(queue.claim(1)[0])
     pub = make_publisher(queue)
     assert JobReader(redis).prompt_logprobs("job-1") is None
-    job.prompt_logprobs = encode_prompt_logprobs(PROMPT_LOGPROBS)
+    job.prompt_logprobs = PROMPT_LOGPROBS.encode()
     generate(job, 11)
     pub.append(job)
     assert pub.flush().refused == set()
@@ -52,7 +53,7 @@ def test_a_sharded_job_writes_them_on_the_main_redis_with_its_first_token() -> N
     submit(main, "job-1")
     queue, shards, pub = _worker(main, shard)
     (job,) = _claim(queue, shards)
-    job.prompt_logprobs = encode_prompt_logprobs(PROMPT_LOGPROBS)
+    job.prompt_logprobs = PROMPT_LOGPROBS.encode()
     generate(job, 11, 12)
     pub.append(job)
     assert pub.flush().refused == set()
