@@ -260,6 +260,11 @@ class JobService:
             raise InvalidRequestError(
                 f"'{request.logprobs_param}' must be at most {self._max_logprobs} (this server's "
                 f"max_logprobs); got {sampling.logprobs}", param=request.logprobs_param)
+        if sampling.prompt_logprobs is not None and sampling.prompt_logprobs > self._max_logprobs:
+            # (echo + logprobs asks for the logprobs' count, checked above.)
+            raise InvalidRequestError(
+                f"'prompt_logprobs' must be at most {self._max_logprobs} (this server's "
+                f"max_logprobs); got {sampling.prompt_logprobs}", param="prompt_logprobs")
         if not card.vocab_size:
             return  # a worker too old to say: the worker itself fails a job with a bad id
         for param, token_ids in (("logit_bias", [token_id for token_id, _ in sampling.logit_bias]),

@@ -105,3 +105,23 @@ class LogprobsFormatter:
     def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self.token_text(token_id)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def vllm_prompt_logprobs(prompt: PromptLogprobs | None, num_top: int,
+                         token_text: TokenText) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token null (the first) or {token id: {logprob, rank,
+    decoded_token}} for the token itself and the `num_top` most likely there. None when the
+    job wrote none (it ended before its first token)."""
+    if prompt is None:
+        return None
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for token_id, entry in zip(prompt.token_ids, prompt.entries, strict=True):
+        if entry is None:
+            out.append(None)
+            continue
+        position = {str(top_id): {"logprob": logprob, "rank": rank, "decoded_token": token_text(top_id)}
+                    for rank, (top_id, logprob) in enumerate(entry.top[:num_top], start=1)}
+        position[str(token_id)] = {"logprob": entry.logprob, "rank": entry.rank,
+                                   "decoded_token": token_text(token_id)}
+        out.append(position)
+    return out

@@ -138,7 +138,19 @@ class _CommonParams(StructuredOutputParams):
     min_tokens: MinTokens = 0
     stop_token_ids: StopTokenIds = []
     ignore_eos: IgnoreEos = False
+    prompt_logprobs: int | None = Field(
+        None, strict=True, ge=0,
+        description="vLLM's: each prompt token's log-probability given the ones before it and the "
+                    "this many most likely there (raw model distribution; capped by the server's "
+                    "max_logprobs), as a `prompt_logprobs` list (first entry null). Not with stream.")
     priority: Priority = Field(Priority.NORMAL, description="Carpool queue: high, normal or low.")
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream"):
+            raise _unsupported("prompt_logprobs are not available with stream: true (as in vLLM)")
+        return value
 
     @property
     def include_usage(self) -> bool:

@@ -39,7 +39,7 @@ from api.openai_choices import (
     summed_usage,
 )
 from api.openai_chunks import ChunkWriter, openai_finish_reason, usage_dict
-from api.openai_logprobs import LogprobsFormatter, token_text_of
+from api.openai_logprobs import LogprobsFormatter, token_text_of, vllm_prompt_logprobs
 from api.openai_schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -98,7 +98,7 @@ async def create_completion(body: CompletionRequest, request: Request, owner: Ow
         max_tokens=body.max_tokens, sampling=choice_sampling(common_sampling, choice))
         # echo with logprobs: the prompt's tokens get theirs too (as OpenAI's legacy API did).
         for prompt in body.prompt for choice, common_sampling in _choices(
-            body, prompt_logprobs=body.logprobs if body.echo else None)]
+            body, prompt_logprobs=_most(body.prompt_logprobs, body.logprobs if body.echo else None))]
     accepted = await ctx.jobs.submit_many(requests)
     echoes = [(job.prompt_text or "") if body.echo else "" for job in accepted]
     return await _answer(ctx, request, body, accepted, is_chat=False, echoes=echoes)
@@ -116,7 +116,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         **_common(body, owner, request), messages=messages, max_tokens=max_tokens, input_param="messages",
         max_tokens_param=max_tokens_param, logprobs_param="top_logprobs",
         sampling=choice_sampling(sampling, choice))
-        for choice, sampling in _choices(body)]
+        for choice, sampling in _choices(body, body.prompt_logprobs)]
     accepted = await ctx.jobs.submit_many(requests)
     echo = _chat_echo(messages) if body.echo else ""
     return await _answer(ctx, request, body, accepted, is_chat=True, echoes=[echo] * len(accepted))
@@ -147,8 +147,14 @@ def _common(body: CompletionRequest | ChatCompletionRequest, owner: str,
             **deadlines_of(request.headers), "idempotency_key": idempotency_key_of(request.headers)}
 
 
+def _most(*counts: int | None) -> int | None:
+    """The largest of the counts given (None: none given)."""
+    given = [count for count in counts if count is not None]
+    return max(given) if given else None
+
+
 def _choices(body: CompletionRequest | ChatCompletionRequest,
-             prompt_logprobs: int | None = None) -> list[tuple[int, SamplingParams]]:
+             prompt_logprobs: int | None) -> list[tuple[int, SamplingParams]]:
     # Chat's logprobs is a flag (top_logprobs the count): the sampler wants the count.
     sampling = sampling_of(body, logprobs=body.num_logprobs, prompt_logprobs=prompt_logprobs)
     return [(choice, sampling) for choice in range(body.n)]
@@ -194,7 +200,16 @@ async def _answer(ctx: AppContext, request: Request,
         await cancel_jobs(ctx, [r.job for r in results if r is not failed])
         raise JobFailedError(f"The job failed: {failed.done.error or 'no reason given'}",
                              code="job_failed", headers=headers)
-    choices = []
+    # vLLM's prompt_logprobs field (never streamed: the schema refuses it with stream), written
+    # with each job's first token.
+    vllm_prompt: dict[int, list[dict[str, dict[str, Any]] | None] | None] = {}
+    if body.prompt_logprobs is not None:
+        token_text = token_text_of(await ctx.jobs.model_tokenizer(first.model))
+        for job in jobs:
+            if not is_chat or job.index == 0:  # chat's is one per response, as vLLM's
+                vllm_prompt[job.index] = vllm_prompt_logprobs(
+                    await ctx.jobs.prompt_logprobs(job.job_id), body.prompt_logprobs, token_text)
+    choices: list[dict[str, Any]] = []
     for result in results:
         reason = openai_finish_reason(result.done.finish_reason)
         formatter = formatters.get(result.job.index)
@@ -213,9 +228,13 @@ async def _answer(ctx: AppContext, request: Request,
         else:
             choices.append({"index": result.job.index, "text": result.job.echo + result.text,
                             "logprobs": logprobs, "finish_reason": reason})
-    answer = {"id": writer.response_id, "object": "chat.completion" if is_chat else "text_completion",
+            if result.job.index in vllm_prompt:
+                choices[-1]["prompt_logprobs"] = vllm_prompt[result.job.index]
+    answer: dict[str, Any] = {"id": writer.response_id, "object": "chat.completion" if is_chat else "text_completion",
               "created": writer.created, "model": writer.model, "choices": choices,
               "usage": usage_dict(*summed_usage(results))}
+    if is_chat and vllm_prompt:
+        answer["prompt_logprobs"] = vllm_prompt[0]
     return JSONResponse(answer, headers=headers)
 
 

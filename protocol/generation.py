@@ -53,6 +53,9 @@ class TokenLogprobs:
 
     logprob: float  # of the sampled token
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+    # The token's rank in its distribution (1: the most likely), for vLLM's prompt_logprobs;
+    # only prompt logprobs carry it (0: not computed).
+    rank: int = dataclasses.field(default=0, compare=False)
 
     def encode(self) -> str:
         """Compact JSON for a stream entry field: [logprob, [[id, logprob], ...]]."""
@@ -74,16 +77,17 @@ class PromptLogprobs:
     entries: tuple[TokenLogprobs | None, ...]
 
     def encode(self) -> str:
-        """Compact JSON for the job's state hash: [[id, ...], [null, [logprob, [[id, lp], ...]], ...]]."""
+        """Compact JSON for the job's state hash: [[id, ...], [null, [logprob, [[id, lp], ...], rank], ...]]."""
         return json.dumps([list(self.token_ids),
-                           [None if e is None else [e.logprob, [list(pair) for pair in e.top]]
+                           [None if e is None else [e.logprob, [list(pair) for pair in e.top], e.rank]
                             for e in self.entries]], separators=(",", ":"))
 
     @classmethod
     def decode(cls, payload: str) -> PromptLogprobs:
         token_ids, entries = json.loads(payload)
         return cls(tuple(int(i) for i in token_ids), tuple(
-            None if e is None else TokenLogprobs(float(e[0]), tuple((int(i), float(lp)) for i, lp in e[1]))
+            None if e is None else TokenLogprobs(float(e[0]), tuple((int(i), float(lp)) for i, lp in e[1]),
+                                                 int(e[2]))
             for e in entries))
 
 

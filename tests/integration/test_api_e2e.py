@@ -379,6 +379,42 @@ def test_openai_completion_echo_with_logprobs_gives_the_prompt_tokens_theirs(
     assert (streamed_tokens, streamed) == (logprobs.tokens, logprobs.token_logprobs)
 
 
+def test_vllm_prompt_logprobs_field_on_completions_and_chat(api: ApiServer, reference_engine: Any) -> None:
+    """vLLM's `prompt_logprobs` (#16): null first, then {token id: {logprob, rank, decoded_token}}
+    for the prompt token and the k most likely; on the choice (completions) or the response (chat)."""
+    prompt = "The capital of France is"
+    prompt_ids = reference_engine.tokenizer.encode(prompt)
+    client = api.openai()
+    plain = client.completions.create(model=api.model, prompt=prompt, max_tokens=2, temperature=0.0,
+                                      extra_body={"prompt_logprobs": 2})
+    got = plain.choices[0].model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert len(got) == len(prompt_ids) and got[0] is None
+    for position, token_id in enumerate(prompt_ids[1:], start=1):
+        entries = got[position]
+        assert str(token_id) in entries and 2 <= len(entries) <= 3
+        assert {e["rank"] for e in entries.values()} >= {1, 2}  # the two most likely
+        assert entries[str(token_id)]["decoded_token"] == reference_engine.tokenizer.decode([token_id])
+        best = max(entries.values(), key=lambda e: e["logprob"])
+        assert best["rank"] == 1
+    chat = client.chat.completions.create(model=api.model, messages=CHAT, max_tokens=2,  # type: ignore[arg-type]
+                                          extra_body={"prompt_logprobs": 1})
+    chat_prompt = chat.model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert chat.usage is not None and len(chat_prompt) == chat.usage.prompt_tokens
+    assert chat_prompt[0] is None and all(1 <= len(entry) <= 2 for entry in chat_prompt[1:])
+
+
+def test_prompt_logprobs_over_the_cap_or_streamed_are_400_naming_it(api: ApiServer) -> None:
+    client = api.openai()
+    for extra in ({"prompt_logprobs": 21}, {"prompt_logprobs": -1}, {"prompt_logprobs": "2"}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model=api.model, prompt="Hi", max_tokens=1, extra_body=extra)
+        assert caught.value.body["param"] == "prompt_logprobs", caught.value.body  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=api.model, messages=CHAT, max_tokens=1, stream=True,  # type: ignore[arg-type]
+                                       extra_body={"prompt_logprobs": 1})
+    assert caught.value.body["param"] == "prompt_logprobs", caught.value.body  # type: ignore[index]
+
+
 def test_openai_chat_logprobs_streamed_or_not(api: ApiServer) -> None:
     client = api.openai()
     plain = client.chat.completions.create(model=api.model, messages=CHAT, max_tokens=8,  # type: ignore[arg-type]

@@ -251,7 +251,10 @@ class ModelRunner:
         """Each prompt row's token logprob and top-k, of the raw model distribution (no
         temperature or processing: those belong to sampling, and nothing is sampled here)."""
         logprobs = torch.log_softmax(logits, dim=-1)
-        chosen: list[float] = logprobs.gather(1, rows.targets.unsqueeze(1)).squeeze(1).tolist()
+        chosen_column = logprobs.gather(1, rows.targets.unsqueeze(1))
+        chosen: list[float] = chosen_column.squeeze(1).tolist()
+        # vLLM's rank: 1 + how many tokens are strictly more likely.
+        ranks: list[int] = ((logprobs > chosen_column).sum(dim=1) + 1).tolist()
         max_top = max(rows.num_top)
         top_ids: list[list[int]] = []
         top_values: list[list[float]] = []
@@ -261,7 +264,7 @@ class ModelRunner:
         result: dict[str, list[tuple[int, TokenLogprobs]]] = {}
         for i, (request_id, position, k) in enumerate(zip(rows.request_ids, rows.positions, rows.num_top)):
             pairs = tuple(zip(top_ids[i][:k], top_values[i][:k])) if k else ()
-            result.setdefault(request_id, []).append((position, TokenLogprobs(chosen[i], pairs)))
+            result.setdefault(request_id, []).append((position, TokenLogprobs(chosen[i], pairs, ranks[i])))
         return result
 
     def _tensor(self, values: list[Any], dtype: torch.dtype) -> torch.Tensor:

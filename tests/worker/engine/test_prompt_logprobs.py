@@ -60,6 +60,9 @@ def check_against_reference(model: Any, prompt: list[int], got: list[TokenLogpro
         entry, row = got[position], expected[position - 1]
         assert entry is not None
         assert entry.logprob == pytest.approx(row[prompt[position]].item(), abs=1e-4)
+        # vLLM's rank: 1 + the tokens more likely (tokens within fp32 noise of it may go either way).
+        target = row[prompt[position]]
+        assert int((row > target + 1e-4).sum()) + 1 <= entry.rank <= int((row > target - 1e-4).sum()) + 1
         top = row.topk(k) if k else None
         assert [i for i, _ in entry.top] == (top.indices.tolist() if top is not None else [])
         if top is not None:
