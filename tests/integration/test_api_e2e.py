@@ -415,6 +415,27 @@ def test_prompt_logprobs_over_the_cap_or_streamed_are_400_naming_it(api: ApiServ
     assert caught.value.body["param"] == "prompt_logprobs", caught.value.body  # type: ignore[index]
 
 
+def test_jobs_prompt_logprobs_in_the_status(api: ApiServer, reference_engine: Any) -> None:
+    prompt = "Once upon a time"
+    prompt_ids = reference_engine.tokenizer.encode(prompt)
+    with api.client() as client:
+        job = client.post("/v1/jobs", json={"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 1}).json()
+        status = wait_until(lambda: (s := client.get(f"/v1/jobs/{job['job_id']}").json())["status"]
+                            == "finished" and s, 60, "the job to finish", api.log)
+        got = status["prompt_logprobs"]
+        assert len(got) == len(prompt_ids) and got[0] is None
+        for position, token_id in enumerate(prompt_ids[1:], start=1):
+            assert str(token_id) in got[position] and 1 <= len(got[position]) <= 2
+            assert min(e["rank"] for e in got[position].values()) == 1
+        plain = client.post("/v1/jobs", json={"prompt": prompt, "max_tokens": 1}).json()
+        wait_until(lambda: client.get(f"/v1/jobs/{plain['job_id']}").json()["status"] == "finished",
+                   60, "the job to finish", api.log)
+        assert client.get(f"/v1/jobs/{plain['job_id']}").json()["prompt_logprobs"] is None
+        for value in (21, -1, "1"):
+            bad = client.post("/v1/jobs", json={"prompt": prompt, "prompt_logprobs": value})
+            assert bad.status_code in (400, 422) and "prompt_logprobs" in bad.text, bad.text
+
+
 def test_openai_chat_logprobs_streamed_or_not(api: ApiServer) -> None:
     client = api.openai()
     plain = client.chat.completions.create(model=api.model, messages=CHAT, max_tokens=8,  # type: ignore[arg-type]
