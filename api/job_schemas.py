@@ -73,6 +73,11 @@ class JobCreate(StructuredOutputParams):
                     "tokens at its position (0: the token's only), in the stream and the status; "
                     "capped by the server's max_logprobs. Of the distribution sampled from after "
                     "the penalties, bias and temperature, before top-k/top-p/min-p truncation.")
+    prompt_logprobs: int | None = Field(
+        None, strict=True, ge=0,
+        description="vLLM's: each prompt token's log-probability given the ones before it and the "
+                    "this many most likely there (raw model distribution; capped by the server's "
+                    "max_logprobs), in the status once the first token is out.")
     priority: Priority = Field(Priority.NORMAL, description="Queue to wait in: high, normal or low.")
     queue_timeout_s: QueueTimeoutS = None
     deadline_s: DeadlineS = None
@@ -131,6 +136,12 @@ class TopLogprob(BaseModel):
     logprob: float = Field(description="Its log-probability.")
 
 
+class PromptTokenLogprob(BaseModel):
+    logprob: float = Field(description="Its log-probability given the prompt tokens before it.")
+    rank: int = Field(description="Its rank there (1: the most likely).")
+    decoded_token: str = Field(description="The token decoded alone.")
+
+
 class TokenLogprob(BaseModel):
     index: int = Field(description="The token's position in the output, 0-based.")
     token_id: int = Field(description="The token generated.")
@@ -156,6 +167,10 @@ class JobView(BaseModel):
     stream_url: str = Field(description="Server-Sent Events of its tokens (resumable).")
     logprobs: list[TokenLogprob] | None = Field(
         None, description="Per token so far, when the job asked for logprobs; else null.")
+    prompt_logprobs: list[dict[str, PromptTokenLogprob] | None] | None = Field(
+        None, description="vLLM's shape, when the job asked for prompt_logprobs and its first token "
+                          "is out: per prompt token null (the first) or {token id: {logprob, rank, "
+                          "decoded_token}} for the token and the most likely; else null.")
 
 
 class JobSummary(BaseModel):

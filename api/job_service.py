@@ -31,7 +31,8 @@ from api.sampling_defaults import served_defaults, with_model_defaults
 from api.structured_output import StructuredOutputParams
 from api.tokenizer_cache import TokenizerCache
 from protocol import JobSpec, JobState, JobStatus, Keys, ModelCard, Priority, SamplingParams
-from protocol.generation import MAX_SEED
+from protocol.generation import MAX_SEED, PromptLogprobs
+from protocol.job_reader import PROMPT_LOGPROBS_FIELD
 from protocol.job_submission import (
     DEFAULT_FAILURE_TTL,
     DEFAULT_RESULT_TTL,
@@ -238,6 +239,14 @@ class JobService:
             raise NotFoundError(f"No job with id '{job_id}'", param="job_id", code="job_not_found")
         return state
 
+    async def prompt_logprobs(self, job_id: str) -> PromptLogprobs | None:
+        """The prompt logprobs the job asked for, once its first token is out (else None): one
+        state-hash field, read alone as it is as long as the prompt (protocol.job_reader)."""
+        payload = await self._aio.hget(self._keys.state(job_id), PROMPT_LOGPROBS_FIELD)
+        if not payload:
+            return None
+        return PromptLogprobs.decode(payload.decode() if isinstance(payload, bytes) else str(payload))
+
     async def cancel(self, job_id: str, owner: str) -> JobStatus:
         await self.state(job_id, owner)
         status = await anyio.to_thread.run_sync(cancel_job, self._sync, job_id, self._keys)
@@ -256,6 +265,11 @@ class JobService:
             raise InvalidRequestError(
                 f"'{request.logprobs_param}' must be at most {self._max_logprobs} (this server's "
                 f"max_logprobs); got {sampling.logprobs}", param=request.logprobs_param)
+        if sampling.prompt_logprobs is not None and sampling.prompt_logprobs > self._max_logprobs:
+            # (echo + logprobs asks for the logprobs' count, checked above.)
+            raise InvalidRequestError(
+                f"'prompt_logprobs' must be at most {self._max_logprobs} (this server's "
+                f"max_logprobs); got {sampling.prompt_logprobs}", param="prompt_logprobs")
         if not card.vocab_size:
             return  # a worker too old to say: the worker itself fails a job with a bad id
         for param, token_ids in (("logit_bias", [token_id for token_id, _ in sampling.logit_bias]),

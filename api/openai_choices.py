@@ -26,7 +26,7 @@ class ChoiceJob:
     index: int  # prompt_number * n + choice number, as OpenAI and vLLM number choices
     prompt_number: int
     job_id: str
-    echo: str = ""  # put before the completion's text (`echo`)
+    echo: str = ""  # put before the choice's text (`echo`: the prompt; on chat the last assistant message)
     prompt_tokens: int = 0  # the API's count (0: unknown), for usage before the job ends
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from protocol import StreamEntry
+from protocol.generation import PromptLogprobs
 
 TokenText = Callable[[int], str]
 
@@ -69,6 +70,32 @@ class LogprobsFormatter:
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
                 "text_offset": offsets}
 
+    def format_prompt(self, prompt: PromptLogprobs) -> dict[str, Any]:
+        """`echo` with logprobs (completions): the prompt's tokens in the legacy shape, the first
+        with logprob and top_logprobs null (nothing precedes it), as OpenAI and vLLM answer.
+        Offsets run from 0 and the completion's continue after them."""
+        tokens: list[str] = []
+        token_logprobs: list[float | None] = []
+        top_logprobs: list[dict[str, float] | None] = []
+        offsets: list[int] = []
+        offset = 0
+        for token_id, entry in zip(prompt.token_ids, prompt.entries, strict=True):
+            token = self.token_text(token_id)
+            tokens.append(token)
+            offsets.append(offset)
+            offset += len(token)
+            if entry is None:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            token_logprobs.append(entry.logprob)
+            top = {self.token_text(top_id): logprob for top_id, logprob in entry.top[: self.num_top]}
+            top.setdefault(token, entry.logprob)
+            top_logprobs.append(top)
+        self.text_offset = offset
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+                "text_offset": offsets}
+
     def _chat_entry(self, entry: StreamEntry) -> dict[str, Any]:
         assert entry.logprobs is not None
         return {**self._chat_token(entry.token_id, entry.logprobs.logprob),
@@ -78,3 +105,23 @@ class LogprobsFormatter:
     def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self.token_text(token_id)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+def vllm_prompt_logprobs(prompt: PromptLogprobs | None, num_top: int,
+                         token_text: TokenText) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt token null (the first) or {token id: {logprob, rank,
+    decoded_token}} for the token itself and the `num_top` most likely there. None when the
+    job wrote none (it ended before its first token)."""
+    if prompt is None:
+        return None
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for token_id, entry in zip(prompt.token_ids, prompt.entries, strict=True):
+        if entry is None:
+            out.append(None)
+            continue
+        position = {str(top_id): {"logprob": logprob, "rank": rank, "decoded_token": token_text(top_id)}
+                    for rank, (top_id, logprob) in enumerate(entry.top[:num_top], start=1)}
+        position[str(token_id)] = {"logprob": entry.logprob, "rank": entry.rank,
+                                   "decoded_token": token_text(token_id)}
+        out.append(position)
+    return out

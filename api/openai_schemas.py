@@ -146,7 +146,19 @@ class _CommonParams(StructuredOutputParams):
     min_tokens: MinTokens = 0
     stop_token_ids: StopTokenIds = []
     ignore_eos: IgnoreEos = False
+    prompt_logprobs: int | None = Field(
+        None, strict=True, ge=0,
+        description="vLLM's: each prompt token's log-probability given the ones before it and the "
+                    "this many most likely there (raw model distribution; capped by the server's "
+                    "max_logprobs), as a `prompt_logprobs` list (first entry null). Not with stream.")
     priority: Priority = Field(Priority.NORMAL, description="Carpool queue: high, normal or low.")
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream"):
+            raise _unsupported("prompt_logprobs are not available with stream: true (as in vLLM)")
+        return value
 
     @property
     def include_usage(self) -> bool:
@@ -263,6 +275,10 @@ class ChatCompletionRequest(_CommonParams):
         None, strict=True, ge=0,
         description="With logprobs: also the this many most likely tokens at each position "
                     "(capped by the server's max_logprobs).")
+    echo: bool = Field(
+        False, strict=True,
+        description="vLLM's extension: when the last message is the assistant's, put its content "
+                    "before the reply (a continued message reads whole).")
     tools: list[dict[str, Any]] | None = Field(
         None, description="Functions the model may call: {'type': 'function', 'function': {'name', "
                           "'description', 'parameters' (a JSON schema)}}.")

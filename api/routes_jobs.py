@@ -26,12 +26,14 @@ from api.job_schemas import (
     JobSummary,
     JobTimings,
     JobView,
+    PromptTokenLogprob,
     TokenLogprob,
     TopLogprob,
     Usage,
 )
 from api.job_service import GenerationRequest, choice_sampling, sampling_of
 from api.job_stream import JobStream, StreamEvent
+from api.openai_logprobs import token_text_of, vllm_prompt_logprobs
 from api.sse import EventStreamResponse, sse_comment, sse_event
 from protocol import JobState, JobStatus, StreamEntry
 from protocol.stream_ids import STREAM_START, entry_id_key, is_entry_id
@@ -125,8 +127,17 @@ async def get_job(job_id: JobId, request: Request, owner: Owner, ctx: Context) -
         text, num_tokens = "".join(t.text for t in tokens), len(tokens)
         if state.logprobs >= 0:
             logprobs = [_token_logprob(t) for t in tokens if t.logprobs is not None]
-    return _job_view(state, text, num_tokens, str(request.url_for("stream_job", job_id=job_id)),
+    view = _job_view(state, text, num_tokens, str(request.url_for("stream_job", job_id=job_id)),
                      logprobs)
+    if state.prompt_logprobs_asked >= 0:  # one HGET, for the jobs that asked only
+        prompt = await ctx.jobs.prompt_logprobs(job_id)
+        if prompt is not None:
+            token_text = token_text_of(await ctx.jobs.model_tokenizer(state.model))
+            formatted = vllm_prompt_logprobs(prompt, state.prompt_logprobs_asked, token_text)
+            view.prompt_logprobs = [None if entry is None else
+                                    {key: PromptTokenLogprob(**value) for key, value in entry.items()}
+                                    for entry in formatted or []]
+    return view
 
 
 @router.get(
@@ -241,4 +252,5 @@ def _job_view(state: JobState, text: str, num_tokens: int, stream_url: str,
             queue_deadline_at=at(state.queue_deadline_at), deadline_at=at(state.deadline_at)),
         stream_url=stream_url,
         logprobs=logprobs,
+        prompt_logprobs=None,  # get_job fills them in for a job that asked
     )

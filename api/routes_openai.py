@@ -40,7 +40,7 @@ from api.openai_choices import (
     summed_usage,
 )
 from api.openai_chunks import ChunkWriter, openai_finish_reason, usage_dict
-from api.openai_logprobs import LogprobsFormatter, token_text_of
+from api.openai_logprobs import LogprobsFormatter, token_text_of, vllm_prompt_logprobs
 from api.openai_schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -99,9 +99,12 @@ async def create_completion(body: CompletionRequest, request: Request, owner: Ow
         **common, prompt=prompt if isinstance(prompt, str) else None,
         prompt_token_ids=prompt if isinstance(prompt, list) else None,
         max_tokens=body.max_tokens, sampling=choice_sampling(common_sampling, choice))
-        for prompt in body.prompt for choice, common_sampling in _choices(body)]
+        # echo with logprobs: the prompt's tokens get theirs too (as OpenAI's legacy API did).
+        for prompt in body.prompt for choice, common_sampling in _choices(
+            body, prompt_logprobs=_most(body.prompt_logprobs, body.logprobs if body.echo else None))]
     accepted = await ctx.jobs.submit_many(requests)
-    return await _answer(ctx, request, body, accepted, is_chat=False, echo=body.echo)
+    echoes = [(job.prompt_text or "") if body.echo else "" for job in accepted]
+    return await _answer(ctx, request, body, accepted, is_chat=False, echoes=echoes)
 
 
 @router.post("/chat/completions", response_model=ChatCompletion, summary="Chat completion (OpenAI)",
@@ -122,10 +125,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         max_tokens_param=max_tokens_param, logprobs_param="top_logprobs",
         sampling=choice_sampling(sampling, choice), template_tools=tools,
         template_messages=tool_messages)
-        for choice, sampling in _choices(body, calling)]
+        for choice, sampling in _choices(body, body.prompt_logprobs, calling)]
     accepted = await ctx.jobs.submit_many(requests)
     parser = get_parser(ctx.settings.tool_parser) if calling.parses_calls else None
-    return await _answer(ctx, request, body, accepted, is_chat=True, echo=False, tool_parser=parser)
+    echo = _chat_echo(messages) if body.echo else ""
+    return await _answer(ctx, request, body, accepted, is_chat=True,
+                         echoes=[echo] * len(accepted), tool_parser=parser)
+
+
+def _chat_echo(messages: list[dict[str, Any]]) -> str:
+    """vLLM's chat `echo`: the last message's content goes before each reply when that message
+    is the assistant's own (a reply to continue); any other last message echoes nothing."""
+    last = messages[-1]
+    return (last.get("content") or "") if last["role"] == "assistant" else ""
 
 
 def _check_counts(ctx: AppContext, n: int, num_prompts: int) -> None:
@@ -146,10 +158,16 @@ def _common(body: CompletionRequest | ChatCompletionRequest, owner: str,
             **deadlines_of(request.headers), "idempotency_key": idempotency_key_of(request.headers)}
 
 
-def _choices(body: CompletionRequest | ChatCompletionRequest,
+def _most(*counts: int | None) -> int | None:
+    """The largest of the counts given (None: none given)."""
+    given = [count for count in counts if count is not None]
+    return max(given) if given else None
+
+
+def _choices(body: CompletionRequest | ChatCompletionRequest, prompt_logprobs: int | None,
              calling: ToolCalling | None = None) -> list[tuple[int, SamplingParams]]:
     # Chat's logprobs is a flag (top_logprobs the count): the sampler wants the count.
-    sampling = sampling_of(body, logprobs=body.num_logprobs)
+    sampling = sampling_of(body, logprobs=body.num_logprobs, prompt_logprobs=prompt_logprobs)
     forced_call = calling.constraint() if calling is not None else None
     if forced_call is not None:
         if sampling.structured_output is not None:
@@ -168,12 +186,12 @@ def _model_object(card: ModelCard) -> ModelObject:
 
 async def _answer(ctx: AppContext, request: Request,
                   body: CompletionRequest | ChatCompletionRequest, accepted: list[AcceptedJob], *,
-                  is_chat: bool, echo: bool, tool_parser: ToolParser | None = None) -> Response:
+                  is_chat: bool, echoes: list[str], tool_parser: ToolParser | None = None) -> Response:
+    """`echoes`: per accepted job, the text its choice starts with ("" for none)."""
     first = accepted[0].spec
     jobs = [ChoiceJob(index=index, prompt_number=index // body.n, job_id=job.spec.job_id,
-                      echo=(job.prompt_text or "") if echo else "",
-                      prompt_tokens=job.prompt_tokens or 0)
-            for index, job in enumerate(accepted)]
+                      echo=echo, prompt_tokens=job.prompt_tokens or 0)
+            for index, (job, echo) in enumerate(zip(accepted, echoes, strict=True))]
     writer = ChunkWriter(is_chat=is_chat,
                          response_id=("chatcmpl-" if is_chat else "cmpl-") + first.job_id,
                          created=int(first.created_at), model=first.model,
@@ -190,7 +208,8 @@ async def _answer(ctx: AppContext, request: Request,
         formatters = {job.index: LogprobsFormatter(is_chat, token_text, first.sampling.logprobs,
                                                    text_offset=len(job.echo)) for job in jobs}
     if body.stream:
-        return EventStreamResponse(_stream_chunks(ctx, jobs, writer, formatters, tool_parser),
+        return EventStreamResponse(_stream_chunks(ctx, jobs, writer, formatters,
+                                                  first.sampling.prompt_logprobs, tool_parser),
                                    headers=headers,
                                    on_abandon=partial(cancel_jobs, ctx, jobs))
     results = await _wait_for_results(ctx, request, jobs)
@@ -201,22 +220,52 @@ async def _answer(ctx: AppContext, request: Request,
         await cancel_jobs(ctx, [r.job for r in results if r is not failed])
         raise JobFailedError(f"The job failed: {failed.done.error or 'no reason given'}",
                              code="job_failed", headers=headers)
-    choices = []
+    # vLLM's prompt_logprobs field (never streamed: the schema refuses it with stream), written
+    # with each job's first token.
+    vllm_prompt: dict[int, list[dict[str, dict[str, Any]] | None] | None] = {}
+    if body.prompt_logprobs is not None:
+        token_text = token_text_of(await ctx.jobs.model_tokenizer(first.model))
+        for job in jobs:
+            if not is_chat or job.index == 0:  # chat's is one per response, as vLLM's
+                vllm_prompt[job.index] = vllm_prompt_logprobs(
+                    await ctx.jobs.prompt_logprobs(job.job_id), body.prompt_logprobs, token_text)
+    choices: list[dict[str, Any]] = []
     for result in results:
         reason = openai_finish_reason(result.done.finish_reason)
         formatter = formatters.get(result.job.index)
-        logprobs = formatter.format(result.tokens) if formatter is not None else None
+        logprobs = None
+        if formatter is not None:
+            # The prompt's part first: the completion's text offsets continue after it.
+            prompt = (await _prompt_logprobs(ctx, formatter, result.job)
+                      if first.sampling.prompt_logprobs is not None else None)
+            logprobs = formatter.format(result.tokens)
+            if prompt is not None:
+                logprobs = {name: prompt[name] + logprobs[name] for name in logprobs}
         if is_chat:
             message, reason = chat_message(tool_parser, result.text, reason)
+            if result.job.echo:  # vLLM's chat echo: the continued assistant message reads whole
+                message["content"] = result.job.echo + (message.get("content") or "")
             choices.append({"index": result.job.index, "logprobs": logprobs,
                             "finish_reason": reason, "message": message})
         else:
             choices.append({"index": result.job.index, "text": result.job.echo + result.text,
                             "logprobs": logprobs, "finish_reason": reason})
-    answer = {"id": writer.response_id, "object": "chat.completion" if is_chat else "text_completion",
+            if result.job.index in vllm_prompt:
+                choices[-1]["prompt_logprobs"] = vllm_prompt[result.job.index]
+    answer: dict[str, Any] = {"id": writer.response_id, "object": "chat.completion" if is_chat else "text_completion",
               "created": writer.created, "model": writer.model, "choices": choices,
               "usage": usage_dict(*summed_usage(results))}
+    if is_chat and vllm_prompt:
+        answer["prompt_logprobs"] = vllm_prompt[0]
     return JSONResponse(answer, headers=headers)
+
+
+async def _prompt_logprobs(ctx: AppContext, formatter: LogprobsFormatter,
+                           job: ChoiceJob) -> dict[str, Any] | None:
+    """The choice's prompt part of `echo` with logprobs; None when the job wrote none (it ended
+    before its first token)."""
+    prompt = await ctx.jobs.prompt_logprobs(job.job_id)
+    return formatter.format_prompt(prompt) if prompt is not None else None
 
 
 async def _wait_for_results(ctx: AppContext, request: Request,
@@ -248,6 +297,7 @@ async def _wait_for_results(ctx: AppContext, request: Request,
 
 async def _stream_chunks(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWriter,
                          formatters: dict[int, LogprobsFormatter],
+                         prompt_logprobs: int | None,
                          tool_parser: ToolParser | None = None) -> AsyncIterator[bytes]:
     num_tokens = {job.index: 0 for job in jobs}
     # With tools, each choice's text goes through a streaming parser: content and tool_calls deltas.
@@ -268,11 +318,16 @@ async def _stream_chunks(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
     def usage_so_far(job: ChoiceJob) -> dict[str, Any]:
         return usage_dict(job.prompt_tokens, num_tokens[job.index])
 
+    # echo with logprobs: a choice's echo chunk carries its prompt's logprobs, which the worker
+    # writes with the first token, so it goes out when the choice's first entry arrives.
+    echo_waits = {job.index for job in jobs if job.echo and job.index in formatters
+                  and prompt_logprobs is not None}
+
     for job in jobs:
         opening = writer.opening(job.index, usage_so_far(job))
         if opening is not None:
             yield _data(opening)
-        if job.echo:
+        if job.echo and job.index not in echo_waits:
             yield _data(writer.text(job.echo, job.index, usage_so_far(job)))
     last_sent = time.monotonic()
     results: list[ChoiceResult] = []
@@ -286,6 +341,10 @@ async def _stream_chunks(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
                     continue
                 last_sent = time.monotonic()
                 entry = event.entry
+                if job.index in echo_waits:
+                    echo_waits.discard(job.index)
+                    yield _data(writer.text(job.echo, job.index, usage_so_far(job),
+                                            await _prompt_logprobs(ctx, formatters[job.index], job)))
                 if not event.is_done:
                     num_tokens[job.index] += 1
                     if job.index in formatters:

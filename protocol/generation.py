@@ -53,6 +53,9 @@ class TokenLogprobs:
 
     logprob: float  # of the sampled token
     top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+    # The token's rank in its distribution (1: the most likely), for vLLM's prompt_logprobs;
+    # only prompt logprobs carry it (0: not computed).
+    rank: int = dataclasses.field(default=0, compare=False)
 
     def encode(self) -> str:
         """Compact JSON for a stream entry field: [logprob, [[id, logprob], ...]]."""
@@ -62,6 +65,30 @@ class TokenLogprobs:
     def decode(cls, payload: str) -> TokenLogprobs:
         logprob, top = json.loads(payload)
         return cls(float(logprob), tuple((int(i), float(lp)) for i, lp in top))
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """A job's prompt logprobs: the prompt's token ids (as the worker tokenized it) and, per
+    token, its logprob given the tokens before it with the most likely there (the raw model
+    distribution); the first token has none (nothing precedes it)."""
+
+    token_ids: tuple[int, ...]
+    entries: tuple[TokenLogprobs | None, ...]
+
+    def encode(self) -> str:
+        """Compact JSON for the job's state hash: [[id, ...], [null, [logprob, [[id, lp], ...], rank], ...]]."""
+        return json.dumps([list(self.token_ids),
+                           [None if e is None else [e.logprob, [list(pair) for pair in e.top], e.rank]
+                            for e in self.entries]], separators=(",", ":"))
+
+    @classmethod
+    def decode(cls, payload: str) -> PromptLogprobs:
+        token_ids, entries = json.loads(payload)
+        return cls(tuple(int(i) for i in token_ids), tuple(
+            None if e is None else TokenLogprobs(float(e[0]), tuple((int(i), float(lp)) for i, lp in e[1]),
+                                                 int(e[2]))
+            for e in entries))
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +164,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), by id
     min_p: float = 0.0  # drop tokens below min_p times the most likely token's probability
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
+    # None: none; k: each prompt token's logprob given the tokens before it (the raw model
+    # distribution), with the k most likely there; the first prompt token has none.
+    prompt_logprobs: int | None = None
     # Whether the sampler has any of the above to do (processing or logprobs): computed once here,
     # so that a step of plain requests pays one attribute read per row to learn it has none.
     has_extras: bool = dataclasses.field(init=False, repr=False, compare=False, default=False)
@@ -220,8 +250,10 @@ class SamplingParams:
                                  f"{MAX_LOGIT_BIAS:g}], got {bias!r} for token {token_id}")
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0.0, 1.0], got {self.min_p!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be None or an int at least 0, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"{name} must be None or an int at least 0, got {value!r}")
 
     @property
     def has_penalties(self) -> bool:
@@ -282,7 +314,7 @@ class SamplingParams:
 
 _OMITTED_AT_DEFAULT = frozenset({
     "stop_token_ids", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "logit_bias", "min_p", "logprobs"})
+    "logit_bias", "min_p", "logprobs", "prompt_logprobs"})
 
 
 def _bias_pairs(value: Any) -> Any:

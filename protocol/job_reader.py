@@ -12,12 +12,16 @@ from typing import Any, cast
 
 from redis import Redis
 
+from protocol.generation import PromptLogprobs
 from protocol.keys import Keys
 from protocol.messages import JobResult, JobState, StreamEntry
 from protocol.stream_ids import STREAM_START
 
 # One stream entry as XRANGE/XREAD return it on Carpool's (RESP2) connections: (entry id, fields).
 # redis-py's own reply types also cover RESP3 and pipelined replies, which these calls never get.
+# The state hash field the worker sets with the first token (worker/jobs/job_scripts.APPEND).
+PROMPT_LOGPROBS_FIELD = "prompt_logprobs"
+
 RawEntry = tuple[Any, dict[Any, Any]]
 XReadReply = list[tuple[Any, list[RawEntry]]]  # [(stream key, entries)] per stream read
 
@@ -63,6 +67,12 @@ class JobReader:
         """The JobState hash, or None for an unknown (or expired) job."""
         fields = self.redis.hgetall(self.keys.state(job_id))
         return JobState.from_fields(fields) if fields else None
+
+    def prompt_logprobs(self, job_id: str) -> PromptLogprobs | None:
+        """The prompt logprobs a job asked for, once its first token is out; else None. A field
+        of the state hash, read alone: it is as long as the prompt, and only such jobs have it."""
+        payload = self.redis.hget(self.keys.state(job_id), PROMPT_LOGPROBS_FIELD)
+        return PromptLogprobs.decode(_text(payload)) if payload else None
 
     def result(self, job_id: str) -> JobResult | None:
         """The final result once the job has ended (finished, failed or canceled), else None."""

@@ -149,7 +149,9 @@ def _submit_once(redis: Redis, specs: list[JobSpec], keys: Keys, result_ttl: int
                              model=spec.model, created_at=spec.created_at,
                              queue_deadline_at=spec.queue_deadline_at,
                              deadline_at=spec.deadline_at,
-                             logprobs=-1 if spec.sampling.logprobs is None else spec.sampling.logprobs)
+                             logprobs=-1 if spec.sampling.logprobs is None else spec.sampling.logprobs,
+                             prompt_logprobs_asked=(-1 if spec.sampling.prompt_logprobs is None
+                                                    else spec.sampling.prompt_logprobs))
             jobs.append(queue.enqueue_call(
                 RQ_JOB_FUNCTION,
                 args=[spec.to_dict()],

@@ -224,6 +224,9 @@ class JobState:
     deadline_at: float = 0.0
     # The job's sampling.logprobs (-1: none asked), so a status read knows to fetch them.
     logprobs: int = -1
+    # Its sampling.prompt_logprobs (-1: none asked), so a status read knows to HGET them (the
+    # worker writes them, encoded, in this hash's `prompt_logprobs` field: protocol.job_reader).
+    prompt_logprobs_asked: int = -1
     # The final result (set with the final status): generated text and token ids.
     text: str = ""
     token_ids: tuple[int, ...] = ()

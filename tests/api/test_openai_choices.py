@@ -204,3 +204,46 @@ async def test_max_completion_tokens_is_not_capped_by_the_models_default(
     await client.post("/v1/chat/completions", json={"messages": CHAT, "max_completion_tokens": 9})
     (job_id,) = await worker
     assert _spec(harness, job_id)["sampling"]["max_tokens"] == 9
+
+
+CONTINUED = [{"role": "user", "content": "count"}, {"role": "assistant", "content": "one two"}]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_chat_echo_puts_the_last_assistant_message_first(harness: Harness, client: httpx.AsyncClient,
+                                                              stream: bool) -> None:
+    """vLLM's chat echo: the last message, being the assistant's, heads every choice's content
+    (in a stream, its own chunk after the role), as a continued reply reads whole."""
+    worker = asyncio.create_task(_serve(harness, [[" three"], [" four"]]))
+    response = await client.post("/v1/chat/completions", json={
+        "messages": CONTINUED, "echo": True, "n": 2, "stream": stream, "max_tokens": 1})
+    await worker
+    assert response.status_code == 200, response.text
+    if not stream:
+        assert [c["message"]["content"] for c in response.json()["choices"]] == [
+            "one two three", "one two four"]
+        return
+    deltas: dict[int, list[Any]] = {0: [], 1: []}
+    for chunk in _data(response.text)[:-1]:
+        (choice,) = chunk["choices"]
+        deltas[choice["index"]].append(choice["delta"])
+    assert deltas[0] == [{"role": "assistant", "content": ""}, {"content": "one two"},
+                         {"content": " three"}, {}]
+    assert deltas[1] == [{"role": "assistant", "content": ""}, {"content": "one two"},
+                         {"content": " four"}, {}]
+
+
+async def test_chat_echo_after_a_user_message_echoes_nothing(harness: Harness,
+                                                             client: httpx.AsyncClient) -> None:
+    worker = asyncio.create_task(_serve(harness, [["hi"]]))
+    response = await client.post("/v1/chat/completions", json={
+        "messages": CHAT, "echo": True, "max_tokens": 1})
+    await worker
+    assert response.json()["choices"][0]["message"]["content"] == "hi"
+
+
+async def test_chat_echo_must_be_a_bool(client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/chat/completions", json={
+        "messages": CHAT, "echo": "yes", "max_tokens": 1})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "echo"

@@ -329,6 +329,113 @@ def test_openai_completion_logprobs_match_the_engine(api: ApiServer, reference_e
     assert streamed == logprobs.token_logprobs
 
 
+def test_openai_completion_echo_with_logprobs_gives_the_prompt_tokens_theirs(
+        api: ApiServer, reference_engine: Any, tiny_llama_dir: Path) -> None:
+    """echo + logprobs (#16): prompt then completion tokens, the first prompt token's logprob and
+    top_logprobs null, the others log_softmax of transformers' logits (fp32), streamed or not."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = "The capital of France is"
+    prompt_ids = reference_engine.tokenizer.encode(prompt)
+    client = api.openai()
+    plain = client.completions.create(model=api.model, prompt=prompt, max_tokens=4, temperature=0.0,
+                                      logprobs=2, echo=True, extra_body={"ignore_eos": True})
+    choice = plain.choices[0]
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.tokens is not None and logprobs.top_logprobs is not None
+    assert logprobs.token_logprobs is not None and logprobs.text_offset is not None
+    n = len(prompt_ids)
+    assert len(logprobs.tokens) == n + 4
+    assert logprobs.tokens[:n] == [reference_engine.tokenizer.decode([t]) for t in prompt_ids]
+    assert choice.text.startswith(prompt)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    offsets = [0]
+    for token in logprobs.tokens[:-1]:
+        offsets.append(offsets[-1] + len(token))
+    assert logprobs.text_offset == offsets
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(torch.tensor([prompt_ids])).logits[0].float(), dim=-1)
+    for position in range(1, n):
+        row = expected[position - 1]
+        assert logprobs.token_logprobs[position] == pytest.approx(row[prompt_ids[position]].item(), abs=1e-3)
+        top = logprobs.top_logprobs[position]
+        assert top is not None and 2 <= len(top) <= 3
+        best = sorted(top.values(), reverse=True)[:2]
+        assert best == pytest.approx(row.topk(2).values.tolist(), abs=1e-3)
+    stream = client.completions.create(model=api.model, prompt=prompt, max_tokens=4, temperature=0.0,
+                                       logprobs=2, echo=True, stream=True, extra_body={"ignore_eos": True})
+    chunks = [c for c in stream if c.choices]
+    assert chunks[0].choices[0].text == prompt  # the echo chunk carries the prompt's logprobs
+    first = chunks[0].choices[0].logprobs
+    assert first is not None and first.token_logprobs is not None and len(first.token_logprobs) == n
+    streamed_tokens: list[str] = []
+    streamed: list[float | None] = []
+    for chunk in chunks:
+        if chunk.choices[0].logprobs is not None:
+            streamed_tokens += chunk.choices[0].logprobs.tokens or []
+            streamed += chunk.choices[0].logprobs.token_logprobs or []
+    assert (streamed_tokens, streamed) == (logprobs.tokens, logprobs.token_logprobs)
+
+
+def test_vllm_prompt_logprobs_field_on_completions_and_chat(api: ApiServer, reference_engine: Any) -> None:
+    """vLLM's `prompt_logprobs` (#16): null first, then {token id: {logprob, rank, decoded_token}}
+    for the prompt token and the k most likely; on the choice (completions) or the response (chat)."""
+    prompt = "The capital of France is"
+    prompt_ids = reference_engine.tokenizer.encode(prompt)
+    client = api.openai()
+    plain = client.completions.create(model=api.model, prompt=prompt, max_tokens=2, temperature=0.0,
+                                      extra_body={"prompt_logprobs": 2})
+    got = plain.choices[0].model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert len(got) == len(prompt_ids) and got[0] is None
+    for position, token_id in enumerate(prompt_ids[1:], start=1):
+        entries = got[position]
+        assert str(token_id) in entries and 2 <= len(entries) <= 3
+        assert {e["rank"] for e in entries.values()} >= {1, 2}  # the two most likely
+        assert entries[str(token_id)]["decoded_token"] == reference_engine.tokenizer.decode([token_id])
+        best = max(entries.values(), key=lambda e: e["logprob"])
+        assert best["rank"] == 1
+    chat = client.chat.completions.create(model=api.model, messages=CHAT, max_tokens=2,  # type: ignore[arg-type]
+                                          extra_body={"prompt_logprobs": 1})
+    chat_prompt = chat.model_extra["prompt_logprobs"]  # type: ignore[index]
+    assert chat.usage is not None and len(chat_prompt) == chat.usage.prompt_tokens
+    assert chat_prompt[0] is None and all(1 <= len(entry) <= 2 for entry in chat_prompt[1:])
+
+
+def test_prompt_logprobs_over_the_cap_or_streamed_are_400_naming_it(api: ApiServer) -> None:
+    client = api.openai()
+    for extra in ({"prompt_logprobs": 21}, {"prompt_logprobs": -1}, {"prompt_logprobs": "2"}):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model=api.model, prompt="Hi", max_tokens=1, extra_body=extra)
+        assert caught.value.body["param"] == "prompt_logprobs", caught.value.body  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=api.model, messages=CHAT, max_tokens=1, stream=True,  # type: ignore[arg-type]
+                                       extra_body={"prompt_logprobs": 1})
+    assert caught.value.body["param"] == "prompt_logprobs", caught.value.body  # type: ignore[index]
+
+
+def test_jobs_prompt_logprobs_in_the_status(api: ApiServer, reference_engine: Any) -> None:
+    prompt = "Once upon a time"
+    prompt_ids = reference_engine.tokenizer.encode(prompt)
+    with api.client() as client:
+        job = client.post("/v1/jobs", json={"prompt": prompt, "max_tokens": 2, "prompt_logprobs": 1}).json()
+        status = wait_until(lambda: (s := client.get(f"/v1/jobs/{job['job_id']}").json())["status"]
+                            == "finished" and s, 60, "the job to finish", api.log)
+        got = status["prompt_logprobs"]
+        assert len(got) == len(prompt_ids) and got[0] is None
+        for position, token_id in enumerate(prompt_ids[1:], start=1):
+            assert str(token_id) in got[position] and 1 <= len(got[position]) <= 2
+            assert min(e["rank"] for e in got[position].values()) == 1
+        plain = client.post("/v1/jobs", json={"prompt": prompt, "max_tokens": 1}).json()
+        wait_until(lambda: client.get(f"/v1/jobs/{plain['job_id']}").json()["status"] == "finished",
+                   60, "the job to finish", api.log)
+        assert client.get(f"/v1/jobs/{plain['job_id']}").json()["prompt_logprobs"] is None
+        for value in (21, -1, "1"):
+            bad = client.post("/v1/jobs", json={"prompt": prompt, "prompt_logprobs": value})
+            assert bad.status_code in (400, 422) and "prompt_logprobs" in bad.text, bad.text
+
+
 def test_openai_chat_logprobs_streamed_or_not(api: ApiServer) -> None:
     client = api.openai()
     plain = client.chat.completions.create(model=api.model, messages=CHAT, max_tokens=8,  # type: ignore[arg-type]

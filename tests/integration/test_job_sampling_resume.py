@@ -1,7 +1,8 @@
 """The logits-processing fields and logprobs survive preemption and a takeover after SIGKILL:
 a resumed job continues with the same penalties, bias, min_tokens mask and seeded draws (its
 tokens equal an undisturbed run's), and its stream holds one logprobs entry per token, no gap,
-no duplicate, equal to the undisturbed run's values."""
+no duplicate, equal to the undisturbed run's values; its prompt logprobs are stored once, with
+its first token, and are the undisturbed run's (not those of a resumed prefill)."""
 
 from __future__ import annotations
 
@@ -35,33 +36,43 @@ COMMON = ["--lease-seconds", "3", "--idle-block-seconds", "0.5", "--num-threads"
 # Every job carries every field family, so whichever job is preempted or taken over covers them
 # all: penalties (repetition over prompt+output, frequency and presence over output), a bias that
 # bans one token and favours another, min_tokens over the whole run (EOS masked throughout, with
-# ignore_eos off), and logprobs.
+# ignore_eos off), logprobs and prompt logprobs.
 FIELDS: dict[str, Any] = {
     "repetition_penalty": 1.3, "frequency_penalty": 0.4, "presence_penalty": 0.3,
-    "logit_bias": {"198": -100, "30": 1.5}, "logprobs": 3,
+    "logit_bias": {"198": -100, "30": 1.5}, "logprobs": 3, "prompt_logprobs": 2,
 }
+Reference = tuple[list[int], list[TokenLogprobs], list[int], list[TokenLogprobs | None]]
 
 
 def _specs(model: str, count: int, max_tokens: int) -> list[JobSpec]:
     return make_specs(model, count, max_tokens=max_tokens, min_tokens=max_tokens, **FIELDS)
 
 
-def _reference(engine: Any, specs: list[JobSpec]) -> dict[str, tuple[list[int], list[TokenLogprobs]]]:
-    """An undisturbed in-process run: each job's tokens and logprobs."""
-    out: dict[str, tuple[list[int], list[TokenLogprobs]]] = {s.job_id: ([], []) for s in specs}
+def _reference(engine: Any, specs: list[JobSpec]) -> dict[str, Reference]:
+    """An undisturbed in-process run: each job's tokens, logprobs, prompt and prompt logprobs."""
+    out: dict[str, Reference] = {
+        s.job_id: ([], [], engine.tokenizer.encode(s.prompt), []) for s in specs}
     for spec in specs:
         engine.add_request(spec.job_id, engine.tokenizer.encode(spec.prompt), spec.sampling)
     while engine.has_unfinished():
         for request in engine.step().outputs:
+            if request.prompt_logprobs is not None:
+                out[request.request_id][3].extend(request.prompt_logprobs)
             for entry in request.tokens:
                 out[request.request_id][0].append(entry.token_id)
                 out[request.request_id][1].append(entry.logprobs)
     return out
 
 
-def _assert_like_reference(fleet: Fleet, spec: JobSpec,
-                           expected: tuple[list[int], list[TokenLogprobs]]) -> None:
-    tokens, logprobs = expected
+def _assert_like_reference(fleet: Fleet, spec: JobSpec, expected: Reference) -> None:
+    tokens, logprobs, prompt, prompt_logprobs = expected
+    stored = JobReader(fleet.redis).prompt_logprobs(spec.job_id)
+    assert stored is not None and list(stored.token_ids) == prompt
+    assert len(stored.entries) == len(prompt_logprobs) == len(prompt) and stored.entries[0] is None
+    for got, want in zip(stored.entries[1:], prompt_logprobs[1:]):
+        assert got is not None and want is not None
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-3)
+        assert [v for _, v in got.top] == pytest.approx([v for _, v in want.top], abs=1e-3)
     assert len(tokens) == spec.sampling.max_tokens  # min_tokens held EOS off all the way
     assert 198 not in tokens  # banned by logit_bias
     entries = assert_stream_exact(fleet.redis, spec.job_id, tokens, FinishReason.LENGTH)

@@ -51,6 +51,9 @@ DEFAULT_MAX_MODEL_LEN = 2048  # for configs that name no max_position_embeddings
 class _Request:
     seq: Sequence
     detokenizer: Detokenizer
+    # Asked for prompt logprobs: one per prompt token (the first has none), filled in as prefill
+    # chunks compute them, handed out with the first token.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class Engine:
@@ -134,6 +137,8 @@ class Engine:
             num_prompt_tokens=len(prompt),
             params=params,
             seed=seed,
+            # A resumed request handed its prompt logprobs out with its first token already.
+            needs_prompt_logprobs=params.prompt_logprobs is not None and not output,
         )
         detokenizer = Detokenizer(self._decode, prompt, params.stop, params.min_tokens)
         for token_id in output:  # replay, so the deltas continue exactly where they stopped
@@ -141,7 +146,9 @@ class Engine:
         if params.structured_output is not None:  # replays `output` into the grammar, or raises
             self.structured_outputs.add(request_id, params.structured_output, output)
         self.scheduler.add(seq)
-        self._requests[request_id] = _Request(seq, detokenizer)
+        prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] * len(prompt) if seq.needs_prompt_logprobs else None)
+        self._requests[request_id] = _Request(seq, detokenizer, prompt_logprobs)
 
     def abort(self, request_id: str) -> bool:
         """Cancel at this iteration boundary: blocks are freed now, the next step reports ABORT."""
@@ -177,6 +184,11 @@ class Engine:
                         if is_sampling]
         mask = self.structured_outputs.bitmask(sampling_ids) if len(self.structured_outputs) else None
         sampled = self.runner.execute(scheduled, mask) if scheduled.seqs else SampledTokens([], [])
+        for request_id, computed in sampled.prompt_logprobs.items():
+            collected = self._requests[request_id].prompt_logprobs
+            if collected is not None:
+                for position, scored in computed:  # a recomputed chunk rewrites the same values
+                    collected[position] = scored
         texts, stop_hits = self._detokenize(scheduled, sampled.token_ids)
         # A complete grammar ends its request as a stop string would, but keeps its held-back text.
         grammar_done = (self.structured_outputs.advance(sampling_ids, sampled.token_ids)
@@ -213,14 +225,20 @@ class Engine:
 
     def _emit_token(self, seq: Sequence, text: str, hit_stop: bool,
                     logprobs: TokenLogprobs | None) -> RequestOutput:
+        request = self._requests[seq.request_id]
         if seq.is_finished:
-            request = self._requests.pop(seq.request_id)
+            del self._requests[seq.request_id]
             self.structured_outputs.remove(seq.request_id)
             if not hit_stop:  # text held back for a possible stop string is released at the end
                 text += request.detokenizer.flush()
         token_id = seq.token_ids[-1]
         entry = TokenEntry(seq.num_output_tokens - 1, token_id, text, logprobs)
-        return self._request_output(seq, [entry])
+        output = self._request_output(seq, [entry])
+        if seq.needs_prompt_logprobs:  # the first token: every prompt position is computed now
+            output.prompt_logprobs = request.prompt_logprobs
+            seq.needs_prompt_logprobs = False
+            request.prompt_logprobs = None
+        return output
 
     def _request_output(self, seq: Sequence, tokens: list[TokenEntry]) -> RequestOutput:
         return RequestOutput(

@@ -7,7 +7,7 @@ through the block tables, so prefill chunks and decodes share a single forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,14 +23,28 @@ from worker.model.routing import route_cpu_kernels
 
 
 @dataclass(slots=True)
+class PromptLogprobRows:
+    """The extra rows a step keeps logits for, for requests that asked for prompt logprobs: row
+    i's logits score prompt token `positions[i]` of request `request_ids[i]` (they come from the
+    position before it)."""
+
+    request_ids: list[str]
+    positions: list[int]
+    num_top: list[int]
+    targets: torch.Tensor  # [num_rows] int64: the prompt token each row scores
+
+
+@dataclass(slots=True)
 class ModelInputs:
     """One step's tensors, on the model's device."""
 
     input_ids: torch.Tensor  # [1, num_tokens] int64
     position_ids: torch.Tensor  # [1, num_tokens] int64
-    logits_indices: torch.Tensor  # [num_sampling] int64: rows whose next token is sampled
+    # [num_sampling + num_prompt_rows] int64: rows whose next token is sampled, then the prompt rows
+    logits_indices: torch.Tensor
     attention: AttentionMetadata
     sampling: SamplingMetadata
+    prompt_rows: PromptLogprobRows | None = None  # None: nobody in the step asked
 
 
 @dataclass(slots=True)
@@ -39,6 +53,8 @@ class SampledTokens:
 
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    # request id -> (prompt position, its logprobs) for the positions this step computed
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -100,9 +116,17 @@ class ModelRunner:
         `grammar_mask` rules out, on its rows, every token that would leave their grammars."""
         inputs = self.prepare_inputs(out)
         logits = self.forward(inputs)
+        prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = {}
+        if inputs.prompt_rows is not None:
+            num_prompt_rows = len(inputs.prompt_rows.positions)
+            num_sampling = logits.shape[0] - num_prompt_rows
+            prompt_logprobs = self._prompt_logprobs(logits[num_sampling:], inputs.prompt_rows)
+            logits = logits[:num_sampling]
         if grammar_mask is not None:
             grammar_mask.apply(logits)
-        return self.sample(logits, inputs.sampling)
+        sampled = self.sample(logits, inputs.sampling)
+        sampled.prompt_logprobs = prompt_logprobs
+        return sampled
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInputs:
         starts = out.num_computed_tokens
@@ -115,9 +139,24 @@ class ModelRunner:
         params, seeds, output_indices = [], [], []
         histories: list[list[int]] = []
         num_prompt_tokens: list[int] = []
+        prompt_indices: list[int] = []
+        prompt_ids: list[str] = []
+        prompt_positions: list[int] = []
+        prompt_num_top: list[int] = []
+        prompt_targets: list[int] = []
         for seq, start, num_new, is_sampling in zip(out.seqs, starts, lens, out.is_sampling):
             input_ids += seq.token_ids[start : start + num_new]
             end = query_start_loc[-1] + num_new
+            if seq.needs_prompt_logprobs:
+                # Position p's logits score prompt token p + 1; the last prompt position's are
+                # the sampling row's, which score the first output token instead.
+                first_row = query_start_loc[-1] - start
+                for position in range(start, min(start + num_new, seq.num_prompt_tokens - 1)):
+                    prompt_indices.append(first_row + position)
+                    prompt_ids.append(seq.request_id)
+                    prompt_positions.append(position + 1)
+                    prompt_targets.append(seq.token_ids[position + 1])
+                    prompt_num_top.append(seq.params.prompt_logprobs or 0)
             query_start_loc.append(end)
             seq_lens.append(start + num_new)
             if is_sampling:
@@ -155,16 +194,22 @@ class ModelRunner:
         sampling = SamplingMetadata.build(
             params, seeds, output_indices, self.vocab_size, self.device, token_ids=histories,
             num_prompt_tokens=num_prompt_tokens, eos_token_ids=self.eos_token_ids)
+        prompt_rows = None
+        if prompt_indices:
+            prompt_rows = PromptLogprobRows(prompt_ids, prompt_positions, prompt_num_top,
+                                            self._tensor(prompt_targets, torch.int64))
         return ModelInputs(
             input_ids=self._tensor(input_ids, torch.int64).unsqueeze(0),
             position_ids=positions.unsqueeze(0),
-            logits_indices=self._tensor(logits_indices, torch.int64),
+            logits_indices=self._tensor(logits_indices + prompt_indices, torch.int64),
             attention=attention,
             sampling=sampling,
+            prompt_rows=prompt_rows,
         )
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """Logits of the sampling rows only: [num_sampling, vocab_size] float32."""
+        """Logits of the kept rows only (`logits_indices`: the sampling rows, then any prompt
+        logprob rows): [num_kept, vocab_size] float32."""
         kwargs: dict[str, Any] = {PagedAttentionBackend.KWARG: inputs.attention}
         output = self.model(
             input_ids=inputs.input_ids,
@@ -199,6 +244,28 @@ class ModelRunner:
             k = request.num_top[i]
             logprobs[row] = TokenLogprobs(values[i], tuple(zip(top_ids[i][:k], top_values[i][:k])))
         return logprobs
+
+    @staticmethod
+    def _prompt_logprobs(logits: torch.Tensor,
+                         rows: PromptLogprobRows) -> dict[str, list[tuple[int, TokenLogprobs]]]:
+        """Each prompt row's token logprob and top-k, of the raw model distribution (no
+        temperature or processing: those belong to sampling, and nothing is sampled here)."""
+        logprobs = torch.log_softmax(logits, dim=-1)
+        chosen_column = logprobs.gather(1, rows.targets.unsqueeze(1))
+        chosen: list[float] = chosen_column.squeeze(1).tolist()
+        # vLLM's rank: 1 + how many tokens are strictly more likely.
+        ranks: list[int] = ((logprobs > chosen_column).sum(dim=1) + 1).tolist()
+        max_top = max(rows.num_top)
+        top_ids: list[list[int]] = []
+        top_values: list[list[float]] = []
+        if max_top:
+            top = logprobs.topk(min(max_top, logprobs.shape[1]), dim=-1)  # sorted, most likely first
+            top_ids, top_values = top.indices.tolist(), top.values.tolist()
+        result: dict[str, list[tuple[int, TokenLogprobs]]] = {}
+        for i, (request_id, position, k) in enumerate(zip(rows.request_ids, rows.positions, rows.num_top)):
+            pairs = tuple(zip(top_ids[i][:k], top_values[i][:k])) if k else ()
+            result.setdefault(request_id, []).append((position, TokenLogprobs(chosen[i], pairs, ranks[i])))
+        return result
 
     def _tensor(self, values: list[Any], dtype: torch.dtype) -> torch.Tensor:
         tensor = torch.tensor(values, dtype=dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol.generation import FinishReason, TokenEntry
+from protocol.generation import FinishReason, TokenEntry, TokenLogprobs
 from worker.engine.sequence import Sequence
 
 
@@ -17,6 +17,9 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its last admission
+    # With the first token of a request that asked for prompt logprobs: one per prompt token, the
+    # first None (nothing precedes it); else None.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass(slots=True)

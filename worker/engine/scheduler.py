@@ -180,6 +180,9 @@ class Scheduler:
 
     def _claim_cached_prefix(self, seq: Sequence, out: SchedulerOutput) -> int:
         """Start a sequence with no blocks yet on its cached prefix; return the tokens it covers."""
+        if seq.needs_prompt_logprobs:
+            seq.num_cached_tokens = 0
+            return 0  # cached positions would have no logits: compute the whole prompt
         num_cached = self.block_manager.allocate_cached_prefix(seq.request_id, seq.token_ids)
         out.num_cached_tokens += num_cached
         # A resumed sequence may also hit its own output; usage reports prompt tokens only.

@@ -27,6 +27,9 @@ class Sequence:
     num_preemptions: int = 0
     # Prompt tokens the prefix cache held when it was last admitted (usage's cached_tokens).
     num_cached_tokens: int = 0
+    # Asked for prompt logprobs and not yet handed them out (with its first token): until then
+    # every prompt position is computed, the prefix cache skipped, so none is missing.
+    needs_prompt_logprobs: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -33,7 +33,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 from rq.worker import WorkerStatus
 
-from protocol.generation import FinishReason, SamplingParams
+from protocol.generation import FinishReason, PromptLogprobs, SamplingParams
 from protocol.generation_defaults import generation_defaults
 from protocol.keys import Keys
 from protocol.messages import JobSpec, JobStatus, ModelCard, WorkerStats
@@ -281,6 +281,8 @@ class BatchingWorker:
             else:
                 prompt_ids = list(self.engine.tokenizer.encode(spec.prompt))
             job.num_prompt_tokens = len(prompt_ids)
+            if spec.sampling.prompt_logprobs is not None:
+                job.prompt_token_ids = tuple(prompt_ids)  # sent with the prompt logprobs
             if job.num_tokens >= spec.sampling.max_tokens:
                 # Its last token was published but not its end (cannot happen in one publish,
                 # but a job must never run past max_tokens).
@@ -342,6 +344,10 @@ class BatchingWorker:
                     continue
                 had_tokens = bool(job.token_ids)
                 gaps = job.add_tokens(request.tokens, now)
+                if request.prompt_logprobs is not None and not had_tokens:
+                    # Only with token 0: a resumed job's were published with its first token.
+                    job.prompt_logprobs = PromptLogprobs(
+                        job.prompt_token_ids, tuple(request.prompt_logprobs)).encode()
                 for gap in gaps:
                     pub.observe("inter_token_latency_seconds", gap)
                 if not had_tokens and job.token_ids and job.state.created_at:
@@ -373,6 +379,7 @@ class BatchingWorker:
         report = self._flush()
         for job in self.jobs.values():
             job.unpublished.clear()
+            job.prompt_logprobs = ""  # sent with token 0 (a flush retries until it lands)
         self._act_on(report, pending)
 
     def _flush(self) -> PublishReport:

@@ -153,8 +153,11 @@ return claimed
 # The per-iteration call, for every job in the batch at once (one script, not one per job).
 # KEYS: leases, canceled, then (lease, stream, state) per job.
 # ARGV: lease_ms, renew ('1': renew every lease of the batch, '0': not this step), then per job:
-#       job_id, token, prompt_tokens, first_token_at, num_tokens and (index, token_id, text,
-#       logprobs) per token (logprobs '' when the job asked for none: no `lp` field is written).
+#       job_id, token, prompt_tokens, first_token_at, prompt_logprobs (the encoded list, only in
+#       the append that carries token 0 of a job that asked for them; else ''), num_tokens and
+#       (index, token_id, text, logprobs) per token (logprobs '' when the job asked for none: no
+#       `lp` field is written). prompt_logprobs goes into the state hash in the same HSET as
+#       first_token_at, so a resumed job has them exactly once.
 #       A job whose stream is on a shard (protocol.stream_shards) comes with no tokens, for its
 #       lease check, renewal and cancel flag, and with first_token_at ('' or the time) when its
 #       shard got its first token this step.
@@ -170,8 +173,17 @@ local renew = ARGV[2] == '1'
 local deadline = renew and now_ms() + lease_ms or 0
 -- The cancel set is empty but between a cancel request and its worker acting on it.
 local any_canceled = redis.call('SCARD', KEYS[2]) > 0
-local function append(lease, stream, state, job_id, token, prompt_tokens, first_token_at, a,
-                      num_tokens)
+-- The state fields the first token brings.
+local function first_token(state, first_token_at, prompt_tokens, prompt_logprobs)
+  if prompt_logprobs ~= '' then
+    redis.call('HSET', state, 'first_token_at', first_token_at, 'prompt_tokens', prompt_tokens,
+               'prompt_logprobs', prompt_logprobs)
+  else
+    redis.call('HSET', state, 'first_token_at', first_token_at, 'prompt_tokens', prompt_tokens)
+  end
+end
+local function append(lease, stream, state, job_id, token, prompt_tokens, first_token_at,
+                      prompt_logprobs, a, num_tokens)
   if redis.call('GET', lease) ~= token then return 0 end
   local last = a + 4 * (num_tokens - 1)
   local first = a
@@ -191,13 +203,13 @@ local function append(lease, stream, state, job_id, token, prompt_tokens, first_
     if first ~= nil then
       for i = first + 4, last, 4 do xadd(stream, i) end
       if ARGV[first] == '0' then
-        redis.call('HSET', state, 'first_token_at', first_token_at, 'prompt_tokens', prompt_tokens)
+        first_token(state, first_token_at, prompt_tokens, prompt_logprobs)
       end
     end
   end
   if num_tokens == 0 and first_token_at ~= '' then
     -- The job's stream is on a shard, which got its first token this step.
-    redis.call('HSET', state, 'first_token_at', first_token_at, 'prompt_tokens', prompt_tokens)
+    first_token(state, first_token_at, prompt_tokens, prompt_logprobs)
   end
   if renew then
     redis.call('PEXPIRE', lease, lease_ms)
@@ -209,11 +221,11 @@ local results, canceled = {}, {}
 local a = 3
 local k = 3
 while a <= #ARGV do
-  local job_id, num_tokens = ARGV[a], tonumber(ARGV[a + 4])
+  local job_id, num_tokens = ARGV[a], tonumber(ARGV[a + 5])
   results[#results + 1] = append(KEYS[k], KEYS[k + 1], KEYS[k + 2], job_id, ARGV[a + 1],
-                                 ARGV[a + 2], ARGV[a + 3], a + 5, num_tokens)
+                                 ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], a + 6, num_tokens)
   canceled[#canceled + 1] = any_canceled and redis.call('SISMEMBER', KEYS[2], job_id) or 0
-  a = a + 5 + 4 * num_tokens
+  a = a + 6 + 4 * num_tokens
   k = k + 3
 end
 return {results, canceled}

@@ -21,6 +21,10 @@ class RunningJob:
     token_ids: list[int] = field(default_factory=list)  # the whole stream: resumed + new
     texts: list[str] = field(default_factory=list)
     unpublished: list[TokenEntry] = field(default_factory=list)  # generated since the last publish
+    prompt_token_ids: tuple[int, ...] = ()  # kept only for a job that asked for prompt logprobs
+    # The encoded prompt logprobs (protocol.generation.PromptLogprobs) the engine handed
+    # out with the first token, until they go to Redis with it ("": none asked, or already sent).
+    prompt_logprobs: str = ""
     claimed_at: float = 0.0
     first_token_at: float = 0.0
     last_token_at: float = 0.0

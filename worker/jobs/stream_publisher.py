@@ -163,17 +163,19 @@ class StreamPublisher:
         for token in job.unpublished:
             logprobs = token.logprobs.encode() if token.logprobs is not None else ""
             tokens += [token.index, token.token_id, token.text, logprobs]
+        is_first = bool(job.unpublished) and job.unpublished[0].index == 0
+        prompt_logprobs = job.prompt_logprobs if is_first else ""
         shard = self.shards.remote(lease.job_id)
         self._append_keys += [self.keys.lease(lease.job_id), self.keys.stream(lease.job_id),
                               self.keys.state(lease.job_id)]
         if shard is None:
             self._append_args += [lease.job_id, lease.token, job.num_prompt_tokens,
-                                  repr(job.first_token_at), len(job.unpublished), *tokens]
+                                  repr(job.first_token_at), prompt_logprobs, len(job.unpublished),
+                                  *tokens]
         else:
             # The main Redis checks and renews the lease; the shard takes the tokens.
-            is_first = bool(job.unpublished) and job.unpublished[0].index == 0
             self._append_args += [lease.job_id, lease.token, job.num_prompt_tokens,
-                                  repr(job.first_token_at) if is_first else "", 0]
+                                  repr(job.first_token_at) if is_first else "", prompt_logprobs, 0]
             self._shard_ids[shard].append(lease.job_id)
             self._shard_keys[shard] += [self.keys.stream_fence(lease.job_id),
                                         self.keys.stream(lease.job_id)]
