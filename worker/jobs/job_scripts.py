@@ -185,26 +185,11 @@ end
 local function append(lease, stream, state, job_id, token, prompt_tokens, first_token_at,
                       prompt_logprobs, a, num_tokens)
   if redis.call('GET', lease) ~= token then return 0 end
-  local last = a + 4 * (num_tokens - 1)
-  local first = a
   if num_tokens > 0 then
-    local added = xadd(stream, a)
-    if type(added) == 'table' and added.err then
-      local expected = next_index(stream)
-      first = nil
-      for i = a, last, 4 do
-        if tonumber(ARGV[i]) >= expected then first = i; break end
-      end
-      if first ~= nil then
-        if tonumber(ARGV[first]) ~= expected then return -1 end
-        xadd(stream, first)
-      end
-    end
-    if first ~= nil then
-      for i = first + 4, last, 4 do xadd(stream, i) end
-      if ARGV[first] == '0' then
-        first_token(state, first_token_at, prompt_tokens, prompt_logprobs)
-      end
+    local first = append_tokens(stream, a, num_tokens)
+    if first == -1 then return -1 end
+    if first ~= nil and ARGV[first] == '0' then
+      first_token(state, first_token_at, prompt_tokens, prompt_logprobs)
     end
   end
   if num_tokens == 0 and first_token_at ~= '' then

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 # One token entry at ARGV[a..a+3] (index, token_id, text, logprobs: '' for none, then no `lp`
 # field), at its explicit id 0-(index+1); pcall, so that an id already there is an error reply the
-# caller reads (a resent round trip) rather than the script's end. Shared with the main append
-# (job_scripts.APPEND).
+# caller reads (a resent round trip) rather than the script's end; and the run of them one append
+# writes. Shared with the main append (job_scripts.APPEND).
 XADD_TOKEN = """
 local function xadd(stream, a)
   local id = '0-' .. (tonumber(ARGV[a]) + 1)
@@ -35,6 +35,27 @@ local function xadd(stream, a)
   end
   return redis.pcall('XADD', stream, id, 'kind', 'token', 'index', ARGV[a],
                      'token_id', ARGV[a + 1], 'text', ARGV[a + 2], 'lp', ARGV[a + 3])
+end
+-- The num_tokens tokens at ARGV[a..] (4 values each) onto stream, skipping those a resent round
+-- trip already wrote. Returns the ARGV index of the first token written, nil when every one was
+-- there already, or -1 for a gap (the stream's next index is not among them; nothing written).
+-- Needs next_index (each script defines its own) before it.
+local function append_tokens(stream, a, num_tokens)
+  local last = a + 4 * (num_tokens - 1)
+  local first = a
+  local added = xadd(stream, a)
+  if type(added) == 'table' and added.err then
+    local expected = next_index(stream)
+    first = nil
+    for i = a, last, 4 do
+      if tonumber(ARGV[i]) >= expected then first = i; break end
+    end
+    if first == nil then return nil end
+    if tonumber(ARGV[first]) ~= expected then return -1 end
+    xadd(stream, first)
+  end
+  for i = first + 4, last, 4 do xadd(stream, i) end
+  return first
 end
 """
 
@@ -76,20 +97,9 @@ SHARD_APPEND = _NEXT_INDEX + XADD_TOKEN + """
 local function append(fence, stream, token, a, num_tokens)
   if redis.call('GET', fence) ~= token then return 0 end
   if num_tokens == 0 then return 1 end
-  local last = a + 4 * (num_tokens - 1)
-  local first = a
-  local added = xadd(stream, a)
-  if type(added) == 'table' and added.err then
-    local expected = next_index(stream)
-    first = nil
-    for i = a, last, 4 do
-      if tonumber(ARGV[i]) >= expected then first = i; break end
-    end
-    if first == nil then return 1 end
-    if tonumber(ARGV[first]) ~= expected then return -1 end
-    xadd(stream, first)
-  end
-  for i = first + 4, last, 4 do xadd(stream, i) end
+  local first = append_tokens(stream, a, num_tokens)
+  if first == nil then return 1 end
+  if first == -1 then return -1 end
   -- A new stream expires with its fence copy until the job's end sets its TTL.
   if ARGV[first] == '0' then redis.call('PEXPIRE', stream, redis.call('PTTL', fence)) end
   return 1
