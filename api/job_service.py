@@ -201,6 +201,11 @@ class JobService:
         """The jobs a repeated Idempotency-Key made first (their ids, comma-separated), as their
         submission accepted them."""
         job_ids = recorded.split(",")
+        if len(job_ids) != len(checked):
+            raise ConflictError(
+                f"This Idempotency-Key was first used for {len(job_ids)} jobs, this request "
+                f"makes {len(checked)}; use a new key for a different request",
+                param=IDEMPOTENCY_HEADER, code="idempotency_key_reused")
         replayed = []
         for job_id, (_, _, prompt_tokens, prompt_text) in zip(job_ids, checked):
             try:
@@ -213,11 +218,6 @@ class JobService:
                     f"new key to submit again", param=IDEMPOTENCY_HEADER,
                     code="idempotency_key_reused") from exc
             replayed.append(AcceptedJob(spec, prompt_tokens, prompt_text, is_replay=True))
-        if len(replayed) != len(checked):
-            raise ConflictError(
-                f"This Idempotency-Key was first used for {len(job_ids)} jobs, this request "
-                f"makes {len(checked)}; use a new key for a different request",
-                param=IDEMPOTENCY_HEADER, code="idempotency_key_reused")
         return replayed
 
     async def model_tokenizer(self, model: str) -> Tokenizer | None:

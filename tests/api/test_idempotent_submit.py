@@ -40,6 +40,21 @@ async def test_a_repeated_key_answers_with_the_first_job(harness: Harness,
     assert _queued(harness) == [other.json()["job_id"]]
 
 
+async def test_a_key_reused_for_a_different_number_of_jobs_is_409(
+        client: httpx.AsyncClient) -> None:
+    headers = {"Idempotency-Key": "pair"}
+    first = await client.post("/v1/jobs", json={"prompt": "hello", "n": 2}, headers=headers)
+    assert first.status_code == 202 and len(first.json()["job_ids"]) == 2
+    again = await client.post("/v1/jobs", json={"prompt": "hello", "n": 2}, headers=headers)
+    assert again.json()["job_ids"] == first.json()["job_ids"]
+    for n in (1, 3):
+        other = await client.post("/v1/jobs", json={"prompt": "hello", "n": n}, headers=headers)
+        assert other.status_code == 409
+        assert other.json() == {"detail": (
+            f"This Idempotency-Key was first used for 2 jobs, this request makes {n}; use a new "
+            "key for a different request")}
+
+
 async def test_concurrent_posts_with_one_key_make_one_job(harness: Harness,
                                                           client: httpx.AsyncClient) -> None:
     responses = await asyncio.gather(*(
