@@ -132,7 +132,9 @@ def enqueue_raw(redis: object, payload: object, job_id: str, model: str, keys: K
     from rq.serializers import JSONSerializer
 
     queue_name = keys.queue_name(model, priority)
+    # The state first, as submit_job writes it: written after the enqueue, it could land after a
+    # worker had already failed the job and turn its final state back to queued.
+    redis.hset(keys.state(job_id), mapping=JobState(job_id=job_id, status=JobStatus.QUEUED).to_fields())
     Queue(queue_name, connection=redis, serializer=JSONSerializer).enqueue_call(
         RQ_JOB_FUNCTION, args=[payload], job_id=job_id)
     redis.lpush(keys.wakeups(queue_name), 1)
-    redis.hset(keys.state(job_id), mapping=JobState(job_id=job_id, status=JobStatus.QUEUED).to_fields())

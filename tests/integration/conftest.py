@@ -215,7 +215,13 @@ def wait_final(fleet: Fleet, job_ids: list[str], timeout: float = 120.0) -> dict
             return states
         return None
 
-    return wait_until(all_final, timeout, f"{len(job_ids)} jobs to end", fleet.logs)
+    def still_open() -> str:
+        states = {job_id: reader.state(job_id) for job_id in job_ids}
+        open_jobs = [f"{job_id}: {s.status.value if s else 'no state'}"
+                     for job_id, s in states.items() if s is None or not s.status.is_final]
+        return "not final: " + ", ".join(open_jobs) + "\n" + fleet.logs()
+
+    return wait_until(all_final, timeout, f"{len(job_ids)} jobs to end", still_open)
 
 
 def assert_stream_exact(redis: Redis, job_id: str, tokens: list[int],
