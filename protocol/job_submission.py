@@ -22,6 +22,7 @@ from rq.serializers import JSONSerializer
 from protocol.keys import RQ_JOB_FUNCTION, Keys
 from protocol.messages import JobSpec, JobState, JobStatus, Priority
 from protocol.rq_keys import KeyTemplate, RQKeys
+from protocol.webhook_events import EMIT_JOB_EVENT_LUA
 
 # How long a finished job's RQ hash, result, JobState and token stream stay readable.
 DEFAULT_RESULT_TTL = 24 * 3600
@@ -151,7 +152,8 @@ def _submit_once(redis: Redis, specs: list[JobSpec], keys: Keys, result_ttl: int
                              deadline_at=spec.deadline_at,
                              logprobs=-1 if spec.sampling.logprobs is None else spec.sampling.logprobs,
                              prompt_logprobs_asked=(-1 if spec.sampling.prompt_logprobs is None
-                                                    else spec.sampling.prompt_logprobs))
+                                                    else spec.sampling.prompt_logprobs),
+                             webhook_url=spec.webhook_url)
             jobs.append(queue.enqueue_call(
                 RQ_JOB_FUNCTION,
                 args=[spec.to_dict()],
@@ -181,12 +183,12 @@ def _submit_once(redis: Redis, specs: list[JobSpec], keys: Keys, result_ttl: int
     return jobs
 
 
-# KEYS: canceled set, JobState hash, token stream, RQ job hash, fence counter.
+# KEYS: canceled set, JobState hash, token stream, RQ job hash, fence counter, webhook events.
 # ARGV: job_id, fallback TTL for the ended job's keys, then the (prefix, suffix) templates
 # around a queue name of the RQ queue key (3) and its CanceledJobRegistry key (5). The job's
 # queue is its RQ `origin`, known only in-script (see worker/jobs/job_scripts.py on templates).
 # The final entry's fields mirror StreamEntry.to_fields (kind "done"); tests parse it back.
-_CANCEL_LUA = """
+_CANCEL_LUA = EMIT_JOB_EVENT_LUA + """
 local job_id = ARGV[1]
 local status = redis.call('HGET', KEYS[2], 'status')
 if not status then
@@ -243,6 +245,8 @@ redis.call('HSET', KEYS[2], 'status', 'canceled', 'finish_reason', 'canceled',
 redis.call('HSET', KEYS[4], 'status', 'canceled')
 redis.call('ZADD', ARGV[5] .. origin .. ARGV[6], now[1], job_id)
 redis.call('SREM', KEYS[1], job_id)
+-- Webhooks: the job.canceled event, with the status it reports (a running job's comes from FINISH).
+emit_job_event(KEYS[6], KEYS[2], job_id, 'canceled', 'canceled', prompt_tokens, num_tokens, '')
 if ttl > 0 then
   for i = 2, 5 do redis.call('EXPIRE', KEYS[i], ttl) end
 end
@@ -264,7 +268,7 @@ def cancel_job(redis: Redis, job_id: str, keys: Keys = Keys()) -> JobStatus | No
     """
     script = redis.register_script(_CANCEL_LUA)
     script_keys = [keys.canceled(), keys.state(job_id), keys.stream(job_id), RQKeys.job(job_id),
-                   keys.fence(job_id)]
+                   keys.fence(job_id), keys.webhook_events()]
     templates = [KeyTemplate.of(RQKeys.queue("\x00")), KeyTemplate.of(RQKeys.canceled("\x00"))]
     args: list[EncodableT] = [job_id, DEFAULT_RESULT_TTL,
                               *(part for t in templates for part in (t.prefix, t.suffix))]

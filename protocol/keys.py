@@ -110,6 +110,30 @@ class Keys:
     def worker_stats_pattern(self) -> str:
         return f"{self.prefix}:worker:*:stats"
 
+    # Webhooks (protocol.webhook_events; the dispatcher is the `webhooks` package).
+    def webhook_events(self) -> str:
+        """Stream: one entry per event to deliver (WebhookEvent fields), written in the same script
+        or transaction as the change it reports; read by the dispatchers' consumer group
+        (`webhook_group`) and deleted once delivered or dead-lettered."""
+        return f"{self.prefix}:webhooks:events"
+
+    def webhook_group(self) -> str:
+        """The consumer group name of the dispatchers on `webhook_events` (not a key)."""
+        return f"{self.prefix}-webhook-dispatchers"
+
+    def webhook_retries(self) -> str:
+        """Sorted set: event stream id -> when its next attempt is due (ms since epoch). The
+        entry stays pending in the group meanwhile, so a restarted dispatcher continues."""
+        return f"{self.prefix}:webhooks:retries"
+
+    def webhook_attempts(self) -> str:
+        """Hash: event stream id -> delivery attempts made so far."""
+        return f"{self.prefix}:webhooks:attempts"
+
+    def webhook_dead_letters(self) -> str:
+        """Stream: events given up on (DeadLetter fields): attempts spent or URL refused."""
+        return f"{self.prefix}:webhooks:dead-letters"
+
     # Metrics aggregated across workers (HINCRBY/HINCRBYFLOAT fields).
     def counters(self) -> str:
         """Hash: counter name (protocol.messages.COUNTERS) -> running total over all workers."""

@@ -53,6 +53,9 @@ class JobSpec:
     # (finish reason EXPIRED, keeping what it generated).
     queue_deadline_at: float = 0.0
     deadline_at: float = 0.0
+    # Where the job's final event is POSTed (protocol.webhook_events); "" = no webhook. Copied into
+    # the JobState, where the scripts that end the job read it.
+    webhook_url: str = ""
 
     def expiry(self, now: float, has_started: bool) -> str:
         """Why the job must end now without (more) generation: "" while within its deadlines."""
@@ -69,6 +72,8 @@ class JobSpec:
         data["priority"] = self.priority.value
         if self.prompt_token_ids is None:
             del data["prompt_token_ids"]  # jobs read by workers that predate the field stay valid
+        if not self.webhook_url:
+            del data["webhook_url"]  # the same
         return data
 
     @classmethod
@@ -106,6 +111,8 @@ class JobSpec:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"job spec's {name} must be a number of seconds since the "
                                  f"epoch (0: none), got {value!r}")
+        if not isinstance(fields.get("webhook_url", ""), str):
+            raise ValueError("job spec's 'webhook_url' must be a string")
         inputs = [name for name in ("prompt", "messages", "prompt_token_ids")
                   if fields.get(name) is not None]
         if len(inputs) != 1:
@@ -227,6 +234,8 @@ class JobState:
     # Its sampling.prompt_logprobs (-1: none asked), so a status read knows to HGET them (the
     # worker writes them, encoded, in this hash's `prompt_logprobs` field: protocol.job_reader).
     prompt_logprobs_asked: int = -1
+    # The JobSpec's webhook_url: the scripts that end the job read it here to emit its event.
+    webhook_url: str = ""
     # The final result (set with the final status): generated text and token ids.
     text: str = ""
     token_ids: tuple[int, ...] = ()

@@ -30,6 +30,7 @@ from redis import Redis
 from redis.client import Pipeline
 from redis.typing import EncodableT
 
+from protocol.webhook_events import EMIT_JOB_EVENT_LUA
 from worker.jobs.shard_scripts import SHARD_ADOPT, SHARD_APPEND, SHARD_END, XADD_TOKEN
 
 _COMMON = """
@@ -218,14 +219,14 @@ return {results, canceled}
 
 # KEYS: lease, stream, leases, state, canceled, rq job, rq results, rq execution,
 #       rq executions, started registry, finished registry, failed registry, canceled registry,
-#       worker executions, rq worker hash, fence.
+#       worker executions, rq worker hash, fence, webhook events.
 # ARGV: token, job_id, outcome (finished|failed|canceled), finish_reason, error, prompt_tokens,
 #       completion_tokens, text, token_ids (JSON), result_ttl, failure_ttl, composite,
 #       execution_id, rq_now, now_s, working_seconds, exc_info, cached_tokens, stream_here ('1':
 #       the stream is on this Redis; '0': on a shard, whose END script the worker sends once this
 #       ran), then rq Result fields as pairs.
 # Returns the status written, or false when refused (not the lease holder / already final).
-FINISH = _COMMON + """
+FINISH = _COMMON + EMIT_JOB_EVENT_LUA + """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
 if is_final(redis.call('HGET', KEYS[4], 'status')) then return false end
 local job_id = ARGV[2]
@@ -275,6 +276,10 @@ else
   redis.call('HINCRBY', KEYS[15], 'successful_job_count', 1)
 end
 redis.call('HINCRBYFLOAT', KEYS[15], 'total_working_time', ARGV[16])
+-- >>> webhooks: the job's final event (job.completed/failed/canceled/expired), in the script
+-- that writes its final status, past the guards that refuse a job already final: one per job.
+emit_job_event(KEYS[17], KEYS[4], job_id, outcome, reason, ARGV[6], ARGV[7], ARGV[5])
+-- <<< webhooks
 if ttl > 0 then
   for _, k in ipairs({KEYS[4], KEYS[6], KEYS[16]}) do redis.call('EXPIRE', k, ttl) end
   if stream_here then redis.call('EXPIRE', KEYS[2], ttl) end

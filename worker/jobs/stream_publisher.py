@@ -213,7 +213,7 @@ class StreamPublisher:
                 RQKeys.executions(lease.job_id), RQKeys.started(queue), RQKeys.finished(queue),
                 RQKeys.failed(queue), RQKeys.canceled(queue),
                 RQKeys.worker_executions(self.worker_name), RQKeys.worker(self.worker_name),
-                self.keys.fence(lease.job_id)]
+                self.keys.fence(lease.job_id), self.keys.webhook_events()]
         args: list[EncodableT] = [
             lease.token, lease.job_id, end.status.value, end.finish_reason.value, end.error,
             job.num_prompt_tokens, job.num_tokens, job.text,

@@ -1,0 +1,107 @@
+"""Webhook events: what is delivered, and the one way to emit one (`emit_event`, or the Lua
+function `EMIT_JOB_EVENT_LUA` inside the scripts that end a job).
+
+An event is a stream entry of `Keys.webhook_events`, written atomically with the change it
+reports (the same Lua script or MULTI/EXEC), so a job never ends without its event and never
+emits it twice: only the script that moves the job to a final status writes one, and each of
+those refuses a job that is already final. The dispatcher (`webhooks` package) reads them with
+a consumer group and POSTs `{"type", "timestamp", "data"}` signed per Standard Webhooks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from enum import Enum
+from typing import Any
+
+from redis import Redis
+from redis.client import Pipeline
+
+from protocol.keys import Keys
+
+
+class WebhookEventType(str, Enum):
+    JOB_COMPLETED = "job.completed"  # finished: stop or length
+    JOB_FAILED = "job.failed"
+    JOB_CANCELED = "job.canceled"
+    JOB_EXPIRED = "job.expired"  # its deadline or queue timeout passed (finish reason expired)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookEvent:
+    """One event as the stream holds it. `data` is the JSON object text; `at` seconds since the
+    epoch (when the change happened); `owner` the API key id whose job it is, for listing its
+    dead letters."""
+
+    event_id: str  # the stream entry id; the delivery's webhook-id is derived from it
+    type: str
+    url: str
+    at: float
+    data: str
+    owner: str = ""
+
+    @property
+    def webhook_id(self) -> str:
+        """Standard Webhooks' webhook-id: the same for every attempt of one event."""
+        return f"msg_{self.event_id}"
+
+    def body(self) -> bytes:
+        """The POSTed payload, byte-identical across attempts (the signature covers it)."""
+        payload = {"type": self.type,
+                   "timestamp": datetime.fromtimestamp(self.at, tz=UTC).isoformat().replace(
+                       "+00:00", "Z"),
+                   "data": json.loads(self.data)}
+        return json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def from_entry(cls, event_id: Any, fields: dict[Any, Any]) -> WebhookEvent:
+        f = {_text(k): _text(v) for k, v in fields.items()}
+        return cls(event_id=_text(event_id), type=f.get("type", ""), url=f.get("url", ""),
+                   at=float(f.get("at") or 0.0), data=f.get("data") or "{}",
+                   owner=f.get("owner", ""))
+
+
+def emit_event(target: Redis | Pipeline, type: str, data: dict[str, Any], url: str,
+               owner: str = "", keys: Keys = Keys()) -> None:
+    """Queue one event for delivery to `url` (nothing when `url` is ""). Pass the pipeline
+    (MULTI/EXEC) that makes the change the event reports, so both land or neither.
+    `type` e.g. "batch.completed"; `data` a JSON-ready object (its "id" names the subject)."""
+    if not url:
+        return
+    target.xadd(keys.webhook_events(), {
+        "type": type, "url": url, "at": repr(time.time()), "owner": owner,
+        "data": json.dumps(data, separators=(",", ":"))})
+
+
+# Lua: the job's final event, called by every script that moves a job to a final status (worker
+# FINISH, the cancel of a queued job) right where it writes that status. `state` is the JobState
+# hash (webhook_url and owner are read there), `events` Keys.webhook_events().
+# Numbers arrive as strings (ARGV or HGET); error '' becomes null.
+EMIT_JOB_EVENT_LUA = """
+local function emit_job_event(events, state, job_id, status, reason, prompt_tokens,
+                              completion_tokens, err)
+  local hook = redis.call('HMGET', state, 'webhook_url', 'owner')
+  if not hook[1] or hook[1] == '' then return end
+  local kind = 'job.completed'
+  if status == 'failed' then kind = 'job.failed'
+  elseif status == 'canceled' then kind = 'job.canceled'
+  elseif reason == 'expired' then kind = 'job.expired' end
+  local p = tonumber(prompt_tokens) or 0
+  local c = tonumber(completion_tokens) or 0
+  local e = cjson.null
+  if err and err ~= '' then e = err end
+  local data = cjson.encode({id = job_id, object = 'job', status = status, finish_reason = reason,
+                             usage = {prompt_tokens = p, completion_tokens = c,
+                                      total_tokens = p + c}, error = e})
+  local t = redis.call('TIME')
+  redis.call('XADD', events, '*', 'type', kind, 'url', hook[1], 'owner', hook[2] or '',
+             'at', string.format('%d.%06d', t[1], t[2]), 'data', data)
+end
+"""
