@@ -8,7 +8,14 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from api import routes_jobs, routes_openai, routes_ops, routes_playground, routes_tokenize
+from api import (
+    routes_jobs,
+    routes_openai,
+    routes_ops,
+    routes_playground,
+    routes_tokenize,
+    routes_webhooks,
+)
 from api.body_limit import BodyLimitMiddleware
 from api.context import AppContext
 from api.errors import install_error_handlers
@@ -47,7 +54,8 @@ def create_app(settings: ApiSettings, context: AppContext | None = None) -> Fast
     app.state.context = ctx
     install_error_handlers(app, settings.retry_after_s)
     routers = [routes_jobs.router, routes_openai.router, routes_tokenize.router,
-               routes_ops.open_router, routes_ops.router, routes_playground.router]
+               routes_ops.open_router, routes_ops.router, routes_webhooks.router,
+               routes_playground.router]
     for router in routers:
         app.include_router(router)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,

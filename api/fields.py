@@ -91,6 +91,13 @@ RetentionS = Annotated[int | None, Field(
                 "canceled or failed alike. Default: the server's CARPOOL_RESULT_TTL_S (failed: "
                 "CARPOOL_FAILURE_TTL_S).")]
 
+WebhookUrl = Annotated[str | None, Field(
+    min_length=1, max_length=2048,
+    description="Carpool's extension: an http(s) URL that gets the job's final event "
+                "(job.completed, job.failed, job.canceled or job.expired) as a signed POST "
+                "(Standard Webhooks; README, Webhooks). Its host must pass the server's "
+                "CARPOOL_WEBHOOK_ALLOWED_HOSTS (400 otherwise). Default: none.")]
+
 
 def _logit_bias_keys(value: dict[str, float] | None) -> dict[str, float] | None:
     # JSON object keys are strings: each must spell a token id (vocabulary checked per model).

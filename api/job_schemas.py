@@ -26,6 +26,7 @@ from api.fields import (
     Text,
     TopK,
     TopP,
+    WebhookUrl,
 )
 from api.structured_output import StructuredOutputParams
 from protocol import FinishReason, JobStatus, Priority
@@ -82,6 +83,7 @@ class JobCreate(StructuredOutputParams):
     queue_timeout_s: QueueTimeoutS = None
     deadline_s: DeadlineS = None
     retention_s: RetentionS = None
+    webhook_url: WebhookUrl = None
     n: int = Field(1, strict=True, ge=1,
                    description="Jobs to run on this input (at most the server's max_n), queued "
                                "together, all or none; with a seed, job i samples with seed + i. "

@@ -30,6 +30,7 @@ from api.queue_admission import QueueAdmission
 from api.sampling_defaults import served_defaults, with_model_defaults
 from api.structured_output import StructuredOutputParams
 from api.tokenizer_cache import TokenizerCache
+from api.webhook_urls import checked_webhook_url
 from protocol import JobSpec, JobState, JobStatus, Keys, ModelCard, Priority, SamplingParams
 from protocol.generation import MAX_SEED, PromptLogprobs
 from protocol.job_reader import PROMPT_LOGPROBS_FIELD
@@ -41,6 +42,7 @@ from protocol.job_submission import (
     cancel_job,
     submit_jobs,
 )
+from protocol.webhook_urls import WebhookAllowList
 
 # Tokenizing this much text on the event loop would stall other requests: use a thread.
 _THREAD_TOKENIZE_CHARS = 8192
@@ -74,6 +76,8 @@ class GenerationRequest:
     # `messages` then holds the Hermes rendering for the other templates.
     template_tools: list[dict[str, Any]] | None = None
     template_messages: list[dict[str, Any]] | None = None
+    webhook_url: str | None = None  # where the job's final event goes (protocol.webhook_events)
+    webhook_param: str = "webhook_url"  # or the header it came in
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +120,8 @@ class JobService:
     def __init__(self, aio: aioredis.Redis, sync: redis.Redis, keys: Keys, models: ModelRegistry,
                  tokenizers: TokenizerCache, max_queue_depth: int, retry_after_s: int,
                  idempotency_ttl_s: int = 24 * 3600, result_ttl_s: int = DEFAULT_RESULT_TTL,
-                 failure_ttl_s: int = DEFAULT_FAILURE_TTL, max_logprobs: int = 20) -> None:
+                 failure_ttl_s: int = DEFAULT_FAILURE_TTL, max_logprobs: int = 20,
+                 webhook_allow_list: WebhookAllowList = WebhookAllowList()) -> None:
         self._aio = aio
         self._sync = sync
         self._keys = keys
@@ -127,6 +132,7 @@ class JobService:
         self._result_ttl_s = result_ttl_s
         self._failure_ttl_s = failure_ttl_s
         self._max_logprobs = max_logprobs
+        self._webhook_allow_list = webhook_allow_list
 
     async def submit(self, request: GenerationRequest) -> AcceptedJob:
         (accepted,) = await self.submit_many([request])
@@ -137,6 +143,10 @@ class JobService:
         len(requests) jobs by the queue admission: a request's n choices, one job each. They
         share one model (the first request's)."""
         card = await self._models.resolve(requests[0].model)
+        hook = requests[0]
+        if hook.webhook_url is not None:  # one request's jobs share it: checked once
+            await checked_webhook_url(hook.webhook_url, self._webhook_allow_list, hook.webhook_param,
+                                      "header" if hook.webhook_param != "webhook_url" else "body")
         checked = []
         for request in requests:
             request = await self._with_template_tools(card, request)
@@ -185,7 +195,8 @@ class JobService:
                 sampling=sampling, priority=request.priority, owner=request.owner,
                 created_at=created_at,
                 queue_deadline_at=_after(created_at, request.queue_timeout_s),
-                deadline_at=_after(created_at, request.deadline_s)), prompt_tokens, prompt_text)
+                deadline_at=_after(created_at, request.deadline_s),
+                webhook_url=request.webhook_url or ""), prompt_tokens, prompt_text)
                 for request, sampling, prompt_tokens, prompt_text in checked]
             # RQ is sync: run it in a worker thread rather than block the event loop.
             await anyio.to_thread.run_sync(partial(

@@ -36,6 +36,7 @@ from api.fields import (
     Text,
     TopK,
     TopP,
+    WebhookUrl,
 )
 from api.structured_output import StructuredOutputParams
 from protocol import Priority
@@ -152,6 +153,7 @@ class _CommonParams(StructuredOutputParams):
                     "this many most likely there (raw model distribution; capped by the server's "
                     "max_logprobs), as a `prompt_logprobs` list (first entry null). Not with stream.")
     priority: Priority = Field(Priority.NORMAL, description="Carpool queue: high, normal or low.")
+    webhook_url: WebhookUrl = None  # or the X-Carpool-Webhook-Url header
 
     @field_validator("prompt_logprobs")
     @classmethod

@@ -54,6 +54,7 @@ from api.sampling_defaults import served_defaults
 from api.sse import EventStreamResponse, sse_comment
 from api.tool_calls import ToolCalling, plain_messages, template_messages, template_tools, tool_calling_of
 from api.tool_parsers import StreamingToolParser, ToolParser, chat_message, get_parser, tool_finish_reason
+from api.webhook_urls import webhook_url_of
 from protocol import FinishReason, ModelCard, SamplingParams, StreamEntry
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,8 @@ def _common(body: CompletionRequest | ChatCompletionRequest, owner: str,
             request: Request) -> dict[str, Any]:
     return {"owner": owner, "model": body.model, "priority": body.priority,
             "explicit_fields": frozenset(body.model_fields_set),
-            **deadlines_of(request.headers), "idempotency_key": idempotency_key_of(request.headers)}
+            **deadlines_of(request.headers), "idempotency_key": idempotency_key_of(request.headers),
+            **webhook_url_of(body.webhook_url, request.headers)}
 
 
 def _most(*counts: int | None) -> int | None:

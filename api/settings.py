@@ -8,6 +8,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from api.fields import MAX_RETENTION_S
+from protocol.webhook_urls import WebhookAllowList
 
 
 class ApiSettings(BaseSettings):
@@ -90,7 +91,25 @@ class ApiSettings(BaseSettings):
     tool_parser: str = Field(
         "hermes", description="How tool calls are read from the output of chat requests with "
                               "tools (api/tool_parsers.py: hermes).")
+    webhook_allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Hosts a job's webhook_url may name: host patterns (*.example.com) and networks "
+                    "(10.0.0.0/8), comma-separated; empty: any public address. Private, loopback "
+                    "and link-local addresses only when listed (protocol/webhook_urls.py).")
     log_level: str = Field("info")
+
+    @field_validator("webhook_allowed_hosts", mode="before")
+    @classmethod
+    def _split_hosts(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = [entry.strip() for entry in value.split(",") if entry.strip()]
+        if isinstance(value, list):
+            WebhookAllowList.parse([str(entry) for entry in value])  # a bad entry fails at start
+        return value
+
+    @property
+    def webhook_allow_list(self) -> WebhookAllowList:
+        return WebhookAllowList.parse(self.webhook_allowed_hosts)
 
     @field_validator("tool_parser")
     @classmethod

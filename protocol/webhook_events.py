@@ -105,3 +105,41 @@ local function emit_job_event(events, state, job_id, status, reason, prompt_toke
              'at', string.format('%d.%06d', t[1], t[2]), 'data', data)
 end
 """
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """An event the dispatcher gave up on (`Keys.webhook_dead_letters`): its attempts spent, or
+    its URL refused at delivery. `status_code` 0: no HTTP answer (timeout, refused, ...)."""
+
+    event_id: str
+    webhook_id: str
+    type: str
+    url: str
+    owner: str
+    at: float
+    data: str
+    attempts: int
+    status_code: int
+    error: str
+    dead_at: float
+
+    @classmethod
+    def of(cls, event: WebhookEvent, attempts: int, status_code: int, error: str,
+           dead_at: float) -> DeadLetter:
+        return cls(event_id=event.event_id, webhook_id=event.webhook_id, type=event.type,
+                   url=event.url, owner=event.owner, at=event.at, data=event.data,
+                   attempts=attempts, status_code=status_code, error=error, dead_at=dead_at)
+
+    def to_fields(self) -> dict[str, str]:
+        return {name: repr(value) if isinstance(value, float) else str(value)
+                for name in self.__dataclass_fields__ for value in (getattr(self, name),)}
+
+    @classmethod
+    def from_fields(cls, fields: dict[Any, Any]) -> DeadLetter:
+        f = {_text(k): _text(v) for k, v in fields.items()}
+        return cls(event_id=f.get("event_id", ""), webhook_id=f.get("webhook_id", ""),
+                   type=f.get("type", ""), url=f.get("url", ""), owner=f.get("owner", ""),
+                   at=float(f.get("at") or 0.0), data=f.get("data") or "{}",
+                   attempts=int(f.get("attempts") or 0), status_code=int(f.get("status_code") or 0),
+                   error=f.get("error", ""), dead_at=float(f.get("dead_at") or 0.0))

@@ -28,7 +28,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT, FieldT, StreamIdT
 
 from protocol.keys import Keys
-from protocol.webhook_events import WebhookEvent
+from protocol.webhook_events import DeadLetter, WebhookEvent
 from webhooks.sender import Delivery, WebhookSender
 from webhooks.settings import DispatcherSettings
 from webhooks.signing import WebhookSigner
@@ -199,11 +199,8 @@ class WebhookDispatcher:
         if delivery.refused or attempt >= self.settings.webhook_max_attempts:
             log.warning("webhook %s %s to %s given up after %d attempt(s): %s", event.event_id,
                         event.type, event.url, attempt, delivery.error)
-            self._finish(event.event_id, dead_letter={
-                "event_id": event.event_id, "webhook_id": event.webhook_id, "type": event.type,
-                "url": event.url, "owner": event.owner, "at": repr(event.at), "data": event.data,
-                "attempts": attempt, "status_code": delivery.status_code,
-                "error": delivery.error, "dead_at": repr(time.time())})
+            self._finish(event.event_id, DeadLetter.of(event, attempt, delivery.status_code,
+                                                       delivery.error, time.time()))
             return
         delay = backoff_s(attempt, self.settings.webhook_backoff_base_s,
                           self.settings.webhook_backoff_max_s, self._rng)
@@ -212,12 +209,13 @@ class WebhookDispatcher:
         self.redis.zadd(self.keys.webhook_retries(),
                         {event.event_id: int((time.time() + delay) * 1000)})
 
-    def _finish(self, event_id: str, dead_letter: dict[FieldT, EncodableT] | None = None) -> None:
+    def _finish(self, event_id: str, dead_letter: DeadLetter | None = None) -> None:
         """Done with the event: acknowledged and dropped, with its dead letter when given up on,
         in one transaction (a crash leaves it pending, to be sent again: at-least-once)."""
         with self.redis.pipeline(transaction=True) as pipe:
             if dead_letter is not None:
-                pipe.xadd(self.keys.webhook_dead_letters(), dead_letter,
+                fields = cast("dict[FieldT, EncodableT]", dead_letter.to_fields())
+                pipe.xadd(self.keys.webhook_dead_letters(), fields,
                           maxlen=DEAD_LETTERS_MAXLEN, approximate=True)
             pipe.xack(self.keys.webhook_events(), self.keys.webhook_group(), event_id)
             pipe.xdel(self.keys.webhook_events(), event_id)
