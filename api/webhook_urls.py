@@ -17,10 +17,8 @@ WEBHOOK_URL_HEADER = "X-Carpool-Webhook-Url"
 
 
 class WebhookUrlError(InvalidRequestError):
-    """A webhook URL the server's policy refuses: 400 on every route (a request that is valid
-    in form but not allowed here)."""
-
-    status_code = 400
+    """A webhook URL the server's policy refuses: 422 on the jobs API, 400 on the OpenAI routes,
+    as every invalid field (api/errors.py)."""
 
 
 async def _resolve(host: str, port: int) -> list[IPAddress]:

@@ -38,9 +38,9 @@ def _spec(harness: Harness, job_id: str) -> dict:
     return Job.fetch(job_id, connection=harness.context.sync, serializer=JSONSerializer).args[0]
 
 
-async def test_a_loopback_url_is_400_naming_the_setting(client: httpx.AsyncClient) -> None:
+async def test_a_loopback_url_is_refused_naming_the_setting(client: httpx.AsyncClient) -> None:
     response = await client.post("/v1/jobs", json={"prompt": "hello", "webhook_url": LOCAL})
-    assert response.status_code == 400
+    assert response.status_code == 422  # the jobs API's invalid input (400 on the OpenAI routes)
     assert response.json() == {"detail": [{
         "loc": ["body", "webhook_url"], "type": "invalid_value",
         "msg": "webhook_url host '127.0.0.1' is a non-public address (127.0.0.1: private, "
@@ -58,7 +58,7 @@ async def test_urls_outside_the_allow_list_are_refused(allowing: Harness, url: s
                                                        message: str) -> None:
     async with allowing.client() as client:
         response = await client.post("/v1/jobs", json={"prompt": "hello", "webhook_url": url})
-    assert response.status_code == 400
+    assert response.status_code == 422
     assert response.json()["detail"][0]["msg"] == message
 
 
