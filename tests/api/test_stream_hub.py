@@ -24,6 +24,7 @@ from api.app import create_app
 from api.settings import ApiSettings
 from api.stream_hub import StreamHub, Subscription
 from protocol import FinishReason, Keys, ModelCard, StreamEntry, stream_ids
+from protocol.stream_steps import notify_steps
 
 pytestmark = pytest.mark.anyio
 KEYS = Keys()
@@ -39,17 +40,26 @@ def _token(index: int) -> dict[str, str | int | float]:
                        text=f"t{index}").to_fields()
 
 
-def _publish(sync: redis.Redis, job_id: str, start: int, stop: int) -> None:
+def _publish(sync: redis.Redis, job_id: str, start: int, stop: int, notify: bool = True) -> None:
+    """Tokens start..stop-1 as one worker step writes them: the entries, then (in the same
+    transaction) the step notification naming the job."""
+    pipe = sync.pipeline(transaction=True)
     for index in range(start, stop):
-        sync.xadd(KEYS.stream(job_id), _token(index), id=stream_ids.token_entry_id(index))
+        pipe.xadd(KEYS.stream(job_id), _token(index), id=stream_ids.token_entry_id(index))
+    if notify:
+        notify_steps(pipe, KEYS, [job_id])
+    pipe.execute()
 
 
 def _publish_done(sync: redis.Redis, job_id: str, num_tokens: int) -> None:
     entry = StreamEntry(kind=StreamEntry.DONE, finish_reason=FinishReason.STOP, prompt_tokens=2,
                         completion_tokens=num_tokens)
-    sync.xadd(KEYS.stream(job_id), entry.to_fields(), id=stream_ids.done_entry_id(num_tokens))
-    sync.hset(KEYS.state(job_id), mapping={"status": "finished", "finish_reason": "stop",
+    pipe = sync.pipeline(transaction=True)
+    pipe.xadd(KEYS.stream(job_id), entry.to_fields(), id=stream_ids.done_entry_id(num_tokens))
+    pipe.hset(KEYS.state(job_id), mapping={"status": "finished", "finish_reason": "stop",
                                            "completion_tokens": num_tokens})
+    notify_steps(pipe, KEYS, [job_id])
+    pipe.execute()
 
 
 def _register_model(sync: redis.Redis) -> None:
@@ -254,7 +264,7 @@ async def test_redis_lost_fails_every_subscriber(redis_url: str) -> None:
     await control.aclose()
 
 
-@pytest.mark.parametrize(("min_interval_ms", "num_xreads"), [(0, 5), (1000, 1)])
+@pytest.mark.parametrize(("min_interval_ms", "num_xreads"), [(0, 10), (1000, 3)])
 async def test_a_least_interval_gathers_several_steps_in_one_xread(
         redis_url: str, min_interval_ms: float, num_xreads: int) -> None:
     hub, control = _hub(redis_url, block_ms=5000, min_interval_ms=min_interval_ms)
@@ -269,8 +279,12 @@ async def test_a_least_interval_gathers_several_steps_in_one_xread(
     while len(seen) < 5:
         seen += await _ids(subscription)
     assert seen == ["0-1", "0-2", "0-3", "0-4", "0-5"]
-    # XREADs issued since the reset (the one blocked at the reset got step one): one after each
-    # step; or, with the interval, one for the other four steps (the next waits out the second).
+    # XREADs Redis counted since the reset (it counts a blocking one when it blocks, so not the
+    # one blocked at the reset, which got step one, but the one blocked now): without an interval,
+    # the read of stream a after step one, then for each later step one read of the notifications
+    # and one of the stream, and the one blocked now: 1 + 4 * 2 + 1. With it: the read after step
+    # one, then, the interval out, one read of the other four notifications and one of the stream
+    # (the hub now waits out the interval again): 3.
     assert sync.info("commandstats")["cmdstat_xread"]["calls"] == num_xreads
     await hub.close()
     await control.aclose()
@@ -282,4 +296,49 @@ async def test_a_closed_hub_refuses_new_subscribers(redis_url: str) -> None:
     with pytest.raises(redis.exceptions.ConnectionError, match="the stream hub is closed"):
         await hub.subscribe(KEYS.stream("a"), "0-0")
     assert hub.num_streams == 0
+    await control.aclose()
+
+
+async def test_a_step_reads_only_the_streams_its_notification_names(redis_url: str) -> None:
+    hub, control = _hub(redis_url, block_ms=10_000)
+    sync = redis.Redis.from_url(redis_url)
+    subscriptions = {job_id: await hub.subscribe(KEYS.stream(job_id), "0-0")
+                     for job_id in ("a", "b", "c", "d")}
+    await asyncio.sleep(0.1)  # the first (full) read is done: the hub waits for notifications
+    read: list[list[str]] = []
+    xread = hub._reader.xread
+
+    async def recording_xread(streams: dict[str, str], **kwargs: object) -> object:
+        read.append(sorted(streams))
+        return await xread(streams, **kwargs)  # type: ignore[arg-type]
+
+    hub._reader.xread = recording_xread  # type: ignore[method-assign]
+    _publish(sync, "b", 0, 2)
+    assert await _ids(subscriptions["b"]) == ["0-1", "0-2"]
+    _publish(sync, "other-process-job", 0, 1)  # a stream nobody here follows: no read
+    _publish(sync, "d", 0, 1)
+    assert await _ids(subscriptions["d"]) == ["0-1"]
+    await asyncio.sleep(0.05)
+    steps = KEYS.stream_steps()
+    # Notifications, then only the stream each one names.
+    assert read == [[KEYS.stream("b")], [steps], [KEYS.stream("d")], [steps]] or read == [
+        [KEYS.stream("b")], [steps], [steps], [KEYS.stream("d")], [steps]]
+    assert not subscriptions["a"]._pending and not subscriptions["c"]._pending
+    await hub.close()
+    await control.aclose()
+
+
+async def test_an_entry_no_notification_announced_comes_with_the_next_full_read(
+        redis_url: str) -> None:
+    hub, control = _hub(redis_url, block_ms=300)
+    sync = redis.Redis.from_url(redis_url)
+    subscription = await hub.subscribe(KEYS.stream("a"), "0-0")
+    await asyncio.sleep(0.1)
+    started = time.monotonic()
+    _publish(sync, "a", 0, 2, notify=False)  # a writer that sends no notification
+    assert await _ids(subscription) == ["0-1", "0-2"]
+    assert time.monotonic() - started < 1.0  # within a block interval, not at a timeout of 5 s
+    _publish(sync, "a", 2, 3)
+    assert await _ids(subscription) == ["0-3"]
+    await hub.close()
     await control.aclose()

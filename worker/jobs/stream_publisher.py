@@ -48,6 +48,7 @@ from protocol.messages import (
     finished_counter,
 )
 from protocol.rq_keys import KeyTemplate, RQKeys
+from protocol.stream_steps import notify_steps
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.lease import Lease
 from worker.jobs.rq_presence import RQPresence
@@ -138,11 +139,13 @@ class StreamPublisher:
     def _reset(self) -> None:
         self._calls: list[_ScriptCall] = []
         self._append_ids: list[str] = []
+        self._notify_ids: list[str] = []  # jobs whose main-Redis stream gets entries this flush
         self._append_keys: list[str] = []
         self._append_args: list[EncodableT] = []
         self._shard_ids: dict[int, list[str]] = defaultdict(list)
         self._shard_keys: dict[int, list[str]] = defaultdict(list)
         self._shard_args: dict[int, list[EncodableT]] = defaultdict(list)
+        self._shard_notify_ids: dict[int, list[str]] = defaultdict(list)  # with new tokens
         self._extra: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []  # plain commands (stats, heartbeats)
         self._heartbeat = False
         self._worker_state: WorkerStatus | None = None
@@ -172,6 +175,8 @@ class StreamPublisher:
             self._append_args += [lease.job_id, lease.token, job.num_prompt_tokens,
                                   repr(job.first_token_at), prompt_logprobs, len(job.unpublished),
                                   *tokens]
+            if job.unpublished:
+                self._notify_ids.append(lease.job_id)
         else:
             # The main Redis checks and renews the lease; the shard takes the tokens.
             self._append_args += [lease.job_id, lease.token, job.num_prompt_tokens,
@@ -180,6 +185,8 @@ class StreamPublisher:
             self._shard_keys[shard] += [self.keys.stream_fence(lease.job_id),
                                         self.keys.stream(lease.job_id)]
             self._shard_args[shard] += [lease.token, len(job.unpublished), *tokens]
+            if job.unpublished:
+                self._shard_notify_ids[shard].append(lease.job_id)
         self._append_ids.append(lease.job_id)
         self._counters["generated_tokens_total"] += len(job.unpublished)
 
@@ -232,6 +239,8 @@ class StreamPublisher:
             end.finish_reason.value, job.num_prompt_tokens, job.num_tokens, end.error,
             job.num_cached_tokens)
         self._calls.append(_ScriptCall("finish", lease.job_id, "finish", keys, args, marker))
+        if shard is None:
+            self._notify_ids.append(lease.job_id)  # its final entry
         self._counters["prompt_tokens_total"] += job.num_prompt_tokens
         # vLLM's prefix cache counters count tokens: the prompt's, and those found cached.
         self._counters["prefix_cache_queries_total"] += job.num_prompt_tokens
@@ -335,6 +344,8 @@ class StreamPublisher:
         pipe = self.redis.pipeline(transaction=True)
         for call in calls:
             self.scripts.call(pipe, call.name, call.keys, call.args)
+        # After the scripts: a stream hub that reads this notification finds the entries there.
+        notify_steps(pipe, self.keys, self._notify_ids)
         for command, args, kwargs in self._extra:
             getattr(pipe, command)(*args, **kwargs)
         if self.presence is not None:
@@ -377,6 +388,8 @@ class StreamPublisher:
             pipe = client.pipeline(transaction=True)
             for call in calls:
                 self.scripts.call(pipe, call.name, call.keys, call.args)
+            notify_steps(pipe, self.keys, [*self._shard_notify_ids.get(shard, []),
+                                           *(marker.job_id for marker in ends_by_shard[shard])])
             replies = self._retry_missing_scripts(client, calls, pipe.execute(raise_on_error=False))
             for call, reply in zip(calls, replies):
                 if call.kind == "append":
