@@ -39,7 +39,7 @@ import redis.exceptions
 from protocol.job_reader import RawEntry, XReadReply
 from protocol.keys import Keys
 from protocol.stream_ids import entry_id_key
-from protocol.stream_steps import notified_job_ids
+from protocol.stream_steps import notified_streams, notified_tokens
 
 log = logging.getLogger(__name__)
 
@@ -240,8 +240,9 @@ class StreamHub:
                     for entry_id, fields in notifications:
                         steps_cursor = (entry_id.decode() if isinstance(entry_id, bytes)
                                         else str(entry_id))
-                        for job_id in notified_job_ids(fields):
-                            key = self._keys.stream(job_id)
+                        for key, entries in notified_tokens(fields):
+                            self._deliver_notified(key, entries)
+                        for key in notified_streams(fields):
                             if key in self._watches:
                                 self._dirty.add(key)
         except Exception as exc:
@@ -274,6 +275,25 @@ class StreamHub:
                 if key in self._watches:
                     self._dirty.add(key)
         return bool(reply)
+
+    def _deliver_notified(self, key: str, entries: list[RawEntry]) -> None:
+        """Tokens a notification carried: handed out when they follow the stream's cursor; after
+        a gap (entries this hub did not see, e.g. from before it watched the stream) the stream
+        is read instead."""
+        watch = self._watches.get(key)
+        if watch is None:
+            return  # a stream nobody here follows
+        ms, seq = entry_id_key(watch.cursor)
+        for entry_id, fields in entries:
+            entry_ms, entry_seq = entry_id_key(entry_id)
+            if (entry_ms, entry_seq) <= (ms, seq):
+                continue  # delivered already (read from the stream)
+            if entry_ms != ms or entry_seq != seq + 1:
+                self._dirty.add(key)
+                return
+            watch.cursor, seq = entry_id, entry_seq
+            for subscription in watch.subscribers:
+                subscription.deliver((entry_id, fields))
 
     def _dispatch(self, request: dict[str, _Watch], reply: XReadReply) -> None:
         for raw_key, entries in reply:

@@ -48,7 +48,7 @@ from protocol.messages import (
     finished_counter,
 )
 from protocol.rq_keys import KeyTemplate, RQKeys
-from protocol.stream_steps import notify_steps
+from protocol.stream_steps import encode_tokens, notify_steps
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.lease import Lease
 from worker.jobs.rq_presence import RQPresence
@@ -139,13 +139,17 @@ class StreamPublisher:
     def _reset(self) -> None:
         self._calls: list[_ScriptCall] = []
         self._append_ids: list[str] = []
-        self._notify_ids: list[str] = []  # jobs whose main-Redis stream gets entries this flush
+        # Jobs whose main-Redis stream gets a final entry this flush (the append script notifies
+        # its tokens itself).
+        self._notify_ids: list[str] = []
         self._append_keys: list[str] = []
         self._append_args: list[EncodableT] = []
         self._shard_ids: dict[int, list[str]] = defaultdict(list)
         self._shard_keys: dict[int, list[str]] = defaultdict(list)
         self._shard_args: dict[int, list[EncodableT]] = defaultdict(list)
-        self._shard_notify_ids: dict[int, list[str]] = defaultdict(list)  # with new tokens
+        # The step's new tokens per stream, for the notification the append scripts write.
+        self._notified: list[tuple[str, list[str]]] = []
+        self._shard_notified: dict[int, list[tuple[str, list[str]]]] = defaultdict(list)
         self._extra: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []  # plain commands (stats, heartbeats)
         self._heartbeat = False
         self._worker_state: WorkerStatus | None = None
@@ -162,10 +166,10 @@ class StreamPublisher:
         """New tokens (maybe none), the lease renewal and the cancel check, fenced by the job's
         token. All the batch's appends go to Redis as one script call."""
         lease = job.lease
-        tokens: list[EncodableT] = []
+        tokens: list[str] = []
         for token in job.unpublished:
             logprobs = token.logprobs.encode() if token.logprobs is not None else ""
-            tokens += [token.index, token.token_id, token.text, logprobs]
+            tokens += [str(token.index), str(token.token_id), token.text, logprobs]
         is_first = bool(job.unpublished) and job.unpublished[0].index == 0
         prompt_logprobs = job.prompt_logprobs if is_first else ""
         shard = self.shards.remote(lease.job_id)
@@ -175,8 +179,8 @@ class StreamPublisher:
             self._append_args += [lease.job_id, lease.token, job.num_prompt_tokens,
                                   repr(job.first_token_at), prompt_logprobs, len(job.unpublished),
                                   *tokens]
-            if job.unpublished:
-                self._notify_ids.append(lease.job_id)
+            if tokens:
+                self._notified.append((self.keys.stream(lease.job_id), tokens))
         else:
             # The main Redis checks and renews the lease; the shard takes the tokens.
             self._append_args += [lease.job_id, lease.token, job.num_prompt_tokens,
@@ -185,8 +189,8 @@ class StreamPublisher:
             self._shard_keys[shard] += [self.keys.stream_fence(lease.job_id),
                                         self.keys.stream(lease.job_id)]
             self._shard_args[shard] += [lease.token, len(job.unpublished), *tokens]
-            if job.unpublished:
-                self._shard_notify_ids[shard].append(lease.job_id)
+            if tokens:
+                self._shard_notified[shard].append((self.keys.stream(lease.job_id), tokens))
         self._append_ids.append(lease.job_id)
         self._counters["generated_tokens_total"] += len(job.unpublished)
 
@@ -337,8 +341,10 @@ class StreamPublisher:
         if self._append_ids:
             # Appends first: a job's last tokens precede its finish in the same transaction.
             calls = [_ScriptCall("append", "", "append",
-                                 [self.keys.leases(), self.keys.canceled(), *self._append_keys],
-                                 [self.lease_ms, int(renew), *self._append_args]),
+                                 [self.keys.leases(), self.keys.canceled(), *self._append_keys,
+                                  self.keys.stream_steps()],
+                                 [self.lease_ms, int(renew), encode_tokens(self._notified),
+                                  *self._append_args]),
                      *calls]
         append_ids = self._append_ids
         pipe = self.redis.pipeline(transaction=True)
@@ -381,15 +387,16 @@ class StreamPublisher:
         for shard in sorted(set(self._shard_ids) | set(ends_by_shard)):
             calls: list[_ScriptCall] = []
             if self._shard_ids.get(shard):
-                calls.append(_ScriptCall("append", "", "shard_append", self._shard_keys[shard],
-                                         self._shard_args[shard]))
+                calls.append(_ScriptCall("append", "", "shard_append",
+                                         [*self._shard_keys[shard], self.keys.stream_steps()],
+                                         [encode_tokens(self._shard_notified[shard]),
+                                          *self._shard_args[shard]]))
             calls += [self._end_call(marker) for marker in ends_by_shard[shard]]
             client = self.shards.clients[shard]
             pipe = client.pipeline(transaction=True)
             for call in calls:
                 self.scripts.call(pipe, call.name, call.keys, call.args)
-            notify_steps(pipe, self.keys, [*self._shard_notify_ids.get(shard, []),
-                                           *(marker.job_id for marker in ends_by_shard[shard])])
+            notify_steps(pipe, self.keys, [marker.job_id for marker in ends_by_shard[shard]])
             replies = self._retry_missing_scripts(client, calls, pipe.execute(raise_on_error=False))
             for call, reply in zip(calls, replies):
                 if call.kind == "append":
