@@ -24,7 +24,7 @@ from api.app import create_app
 from api.settings import ApiSettings
 from api.stream_hub import StreamHub, Subscription
 from protocol import FinishReason, Keys, ModelCard, StreamEntry, stream_ids
-from protocol.stream_steps import notify_steps
+from protocol.stream_steps import encode_tokens, notify_steps
 
 pytestmark = pytest.mark.anyio
 KEYS = Keys()
@@ -340,5 +340,40 @@ async def test_an_entry_no_notification_announced_comes_with_the_next_full_read(
     assert time.monotonic() - started < 1.0  # within a block interval, not at a timeout of 5 s
     _publish(sync, "a", 2, 3)
     assert await _ids(subscription) == ["0-3"]
+    await hub.close()
+    await control.aclose()
+
+
+async def test_tokens_a_notification_carries_are_handed_out_without_reading_the_stream(
+        redis_url: str) -> None:
+    hub, control = _hub(redis_url, block_ms=10_000)
+    sync = redis.Redis.from_url(redis_url)
+    subscription = await hub.subscribe(KEYS.stream("a"), "0-0")
+    await asyncio.sleep(0.1)
+    read: list[list[str]] = []
+    xread = hub._reader.xread
+
+    async def recording_xread(streams: dict[str, str], **kwargs: object) -> object:
+        read.append(sorted(streams))
+        return await xread(streams, **kwargs)  # type: ignore[arg-type]
+
+    hub._reader.xread = recording_xread  # type: ignore[method-assign]
+
+    def step(start: int, stop: int) -> None:
+        """What the append script writes: the entries, then the notification with them."""
+        _publish(sync, "a", start, stop, notify=False)
+        values = [str(v) for i in range(start, stop) for v in (i, 100 + i, f"t{i}", "")]
+        sync.xadd(KEYS.stream_steps(), {"e": encode_tokens([(KEYS.stream("a"), values)])})
+
+    step(0, 2)
+    assert [(i, f) for i, f in await subscription.next(5.0)] == [
+        ("0-1", {"kind": "token", "index": "0", "token_id": "100", "text": "t0"}),
+        ("0-2", {"kind": "token", "index": "1", "token_id": "101", "text": "t1"})]
+    assert KEYS.stream("a") not in sum(read, [])
+    # A gap (token 2 written without a notification): the stream is read from the hub's cursor.
+    _publish(sync, "a", 2, 3, notify=False)
+    step(3, 4)
+    assert await _ids(subscription) == ["0-3", "0-4"]
+    assert [KEYS.stream("a")] in read
     await hub.close()
     await control.aclose()
