@@ -5,15 +5,18 @@ command per token per subscriber and a connection per subscriber. The hub keeps 
 connection and fans each entry out in-process to the subscriptions of its stream.
 
 What it blocks on: the step notifications (`Keys.stream_steps`, protocol/stream_steps.py), one
-entry per worker step naming the jobs whose streams got entries. The hub blocks on that one key,
-then reads just the watched streams named, in one non-blocking XREAD. (It used to block on one XREAD
-over every watched stream: Redis registered and unregistered each of them as a blocked key and
-re-ran the read over all of them at every wake-up, whichever had changed; that was a third of
-Redis' CPU per token at 64 streams.) No entry is missed: the hub takes the notifications' last id
-before it first reads any stream, and a writer adds a notification after its entries in the same
-transaction, so an entry is either in the hub's read of its stream or notified after the hub's
-cursor. A full read of every watched stream at least every block interval makes up for anything
-a notification did not announce (a writer that sends none, a notification trimmed away).
+entry per worker step. The hub blocks on that one key. A notification that carries its step's
+tokens (the usual one) is handed out as it is, after the entries this hub delivered for each
+stream; one that names streams instead (final entries, a step whose append was partly refused),
+or tokens after a gap, makes the hub read just those streams, in one non-blocking XREAD. (It used
+to block on one XREAD over every watched stream: Redis registered and unregistered each of them as
+a blocked key, re-ran the read over all of them at every wake-up whichever had changed, and
+encoded every entry for it; at 64 streams that was a third of Redis' CPU per token.) No entry is
+missed: the hub takes the notifications' last id before it first reads any stream, and a writer
+adds a notification after its entries in the same transaction, so an entry is either in the hub's
+read of its stream or notified after the hub's cursor. A full read of every watched stream at
+least every block interval makes up for anything a notification did not announce (a writer that
+sends none, a notification trimmed away).
 
 Joining: a stream nobody here watches yet is read by the hub from the subscriber's own id (the hub
 wakes its blocked read with CLIENT UNBLOCK so it reads the new stream at once). A subscriber that
@@ -122,8 +125,8 @@ class StreamHub:
                  count: int = 256, max_pending: int = 4096, min_interval_ms: float = 0.0,
                  keys: Keys | None = None) -> None:
         self._reader = reader
-        # After a read that brought entries, wait this long from its start before the next, so
-        # it gathers the steps of several workers (fewer, larger reads, at that much latency).
+        # After a turn that brought entries, wait this long from its start before the next, so
+        # one read gathers the steps of several workers (fewer reads, at that much latency).
         self._min_interval_s = min_interval_ms / 1000
         self._control = control
         self._block_ms = block_ms
@@ -223,10 +226,7 @@ class StreamHub:
                 if started - full_read_at >= self._block_ms / 1000:
                     full_read_at = started
                     self._dirty.update(self._watches)
-                if self._dirty:
-                    brought = await self._read_dirty()
-                    if brought and self._min_interval_s:
-                        await asyncio.sleep(self._min_interval_s - (time.monotonic() - started))
+                brought = bool(self._dirty) and await self._read_dirty()
                 # Block only when nothing is left to read (a stream with more than a page is).
                 block = None if self._dirty else max(
                     1, int(self._block_ms - (time.monotonic() - full_read_at) * 1000))
@@ -245,6 +245,8 @@ class StreamHub:
                         for key in notified_streams(fields):
                             if key in self._watches:
                                 self._dirty.add(key)
+                if (brought or reply) and self._min_interval_s:
+                    await asyncio.sleep(self._min_interval_s - (time.monotonic() - started))
         except Exception as exc:
             # Every subscriber ends as a failed XREAD of its own would have ended it.
             if not isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
