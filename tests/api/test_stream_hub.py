@@ -305,12 +305,8 @@ async def test_a_closed_hub_refuses_new_subscribers(redis_url: str) -> None:
     await control.aclose()
 
 
-async def test_a_step_reads_only_the_streams_its_notification_names(redis_url: str) -> None:
-    hub, control = _hub(redis_url, block_ms=10_000)
-    sync = redis.Redis.from_url(redis_url)
-    subscriptions = {job_id: await hub.subscribe(KEYS.stream(job_id), "0-0")
-                     for job_id in ("a", "b", "c", "d")}
-    await asyncio.sleep(0.1)  # the first (full) read is done: the hub waits for notifications
+def _record_reads(hub: StreamHub) -> list[list[str]]:
+    """From now on, the keys of each XREAD the hub's reader sends (to the real Redis)."""
     read: list[list[str]] = []
     xread = hub._reader.xread
 
@@ -319,6 +315,16 @@ async def test_a_step_reads_only_the_streams_its_notification_names(redis_url: s
         return await xread(streams, **kwargs)  # type: ignore[arg-type]
 
     hub._reader.xread = recording_xread  # type: ignore[method-assign]
+    return read
+
+
+async def test_a_step_reads_only_the_streams_its_notification_names(redis_url: str) -> None:
+    hub, control = _hub(redis_url, block_ms=10_000)
+    sync = redis.Redis.from_url(redis_url)
+    subscriptions = {job_id: await hub.subscribe(KEYS.stream(job_id), "0-0")
+                     for job_id in ("a", "b", "c", "d")}
+    await asyncio.sleep(0.1)  # the first (full) read is done: the hub waits for notifications
+    read = _record_reads(hub)
     _publish(sync, "b", 0, 2)
     assert await _ids(subscriptions["b"]) == ["0-1", "0-2"]
     _publish(sync, "other-process-job", 0, 1)  # a stream nobody here follows: no read
@@ -356,14 +362,7 @@ async def test_tokens_a_notification_carries_are_handed_out_without_reading_the_
     sync = redis.Redis.from_url(redis_url)
     subscription = await hub.subscribe(KEYS.stream("a"), "0-0")
     await asyncio.sleep(0.1)
-    read: list[list[str]] = []
-    xread = hub._reader.xread
-
-    async def recording_xread(streams: dict[str, str], **kwargs: object) -> object:
-        read.append(sorted(streams))
-        return await xread(streams, **kwargs)  # type: ignore[arg-type]
-
-    hub._reader.xread = recording_xread  # type: ignore[method-assign]
+    read = _record_reads(hub)
 
     _publish_step(sync, "a", 0, 2)
     assert [(i, f) for i, f in await subscription.next(5.0)] == [
