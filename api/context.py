@@ -67,8 +67,8 @@ class AppContext:
         shard_clients = [
             aio if url == settings.redis_url else _async_client(url, settings)
             for url in shard_urls(settings.redis_url, settings.stream_redis_urls)]
-        # One hub (one blocked XREAD) per shard.
-        shard_hubs = [_hub(client, settings) for client in shard_clients]
+        # One hub (one reader connection, blocked on the shard's step notifications) per shard.
+        shard_hubs = [_hub(client, settings, keys) for client in shard_clients]
         return cls(settings=settings, keys=keys, aio=aio, sync=sync,
                    auth=ApiKeyAuth(settings.api_keys), models=models, jobs=jobs,
                    hub=shard_hubs[0], shard_clients=shard_clients, shard_hubs=shard_hubs,
@@ -113,13 +113,13 @@ def _async_client(url: str, settings: ApiSettings) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, **kwargs)
 
 
-def _hub(client: aioredis.Redis, settings: ApiSettings) -> StreamHub | None:
+def _hub(client: aioredis.Redis, settings: ApiSettings, keys: Keys) -> StreamHub | None:
     if not settings.stream_hub:
         return None
     # Its own connection from the shard's pool: it stays blocked in XREAD.
     reader = aioredis.Redis(connection_pool=client.connection_pool, single_connection_client=True)
     return StreamHub(reader, client, settings.stream_block_ms,
-                     min_interval_ms=settings.stream_hub_interval_ms)
+                     min_interval_ms=settings.stream_hub_interval_ms, keys=keys)
 
 
 def get_context(request: Request) -> AppContext:

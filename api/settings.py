@@ -67,9 +67,9 @@ class ApiSettings(BaseSettings):
                     "each subscriber blocks on an XREAD and a connection of its own.")
     stream_hub_interval_ms: float = Field(
         0.0, ge=0, le=1000,
-        description="Least time between two of the stream hub's XREADs that brought entries: each "
-                    "costs Redis in proportion to the streams watched, so a few ms let one read "
-                    "gather the steps of several workers, at that much added token latency.")
+        description="Least time between two of the stream hub's turns that brought entries: a "
+                    "few ms let one read of the step notifications gather the steps of several "
+                    "workers, at that much added token latency.")
     sse_keepalive_s: float = Field(15.0, gt=0, description="Idle time before an SSE comment keep-alive.")
     redis_timeout_s: float = Field(
         5.0, gt=0, description="Connect/command timeout to Redis, so Redis down answers 503 quickly."

@@ -1,12 +1,25 @@
-"""One blocking XREAD per API process for every token stream its subscribers follow.
+"""One reader per API process (and stream shard) for every token stream its subscribers follow.
 
 Without it each SSE subscriber held its own Redis connection blocked on its own XREAD: Redis paid a
 command per token per subscriber and a connection per subscriber. The hub keeps one dedicated
-connection blocked on one XREAD over all watched streams and fans each entry out in-process to the
-subscriptions of its stream.
+connection and fans each entry out in-process to the subscriptions of its stream.
+
+What it blocks on: the step notifications (`Keys.stream_steps`, protocol/stream_steps.py), one
+entry per worker step. The hub blocks on that one key. A notification that carries its step's
+tokens (the usual one) is handed out as it is, after the entries this hub delivered for each
+stream; one that names streams instead (final entries, a step whose append was partly refused),
+or tokens after a gap, makes the hub read just those streams, in one non-blocking XREAD. (It used
+to block on one XREAD over every watched stream: Redis registered and unregistered each of them as
+a blocked key, re-ran the read over all of them at every wake-up whichever had changed, and
+encoded every entry for it; at 64 streams that was a third of Redis' CPU per token.) No entry is
+missed: the hub takes the notifications' last id before it first reads any stream, and a writer
+adds a notification after its entries in the same transaction, so an entry is either in the hub's
+read of its stream or notified after the hub's cursor. A full read of every watched stream at
+least every block interval makes up for anything a notification did not announce (a writer that
+sends none, a notification trimmed away).
 
 Joining: a stream nobody here watches yet is read by the hub from the subscriber's own id (the hub
-wakes its blocked XREAD with CLIENT UNBLOCK so the new stream is in the next one). A subscriber that
+wakes its blocked read with CLIENT UNBLOCK so it reads the new stream at once). A subscriber that
 joins a watched stream behind the hub's cursor reads the entries in between itself (`catch_up_to`,
 an XRANGE) and gets everything after the cursor from the hub: no gap. Entries can reach a
 subscriber twice (its own catch-up and the hub); the reader drops any id not above the last one it
@@ -27,13 +40,16 @@ import redis.asyncio as aioredis
 import redis.exceptions
 
 from protocol.job_reader import RawEntry, XReadReply
+from protocol.keys import Keys
 from protocol.stream_ids import entry_id_key
+from protocol.stream_steps import notified_streams, notified_tokens
 
 log = logging.getLogger(__name__)
 
 # A wake sent just before Redis has the XREAD blocked finds nothing to unblock: try again shortly.
 _WAKE_TRIES = 3
 _WAKE_RETRY_S = 0.002
+_STEPS_COUNT = 1024  # notifications per read
 
 
 class Subscription:
@@ -101,23 +117,27 @@ class StreamHub:
     """Follows many streams on one connection; `subscribe` and `unsubscribe` at any time.
 
     `reader` must be a client of its own (one connection): it stays blocked in XREAD. `control` is
-    the process's ordinary client, used for the rare CLIENT UNBLOCK.
+    the process's ordinary client, used for the rare CLIENT UNBLOCK. `keys` names the step
+    notifications and the streams they list.
     """
 
     def __init__(self, reader: aioredis.Redis, control: aioredis.Redis, block_ms: int,
-                 count: int = 256, max_pending: int = 4096, min_interval_ms: float = 0.0) -> None:
+                 count: int = 256, max_pending: int = 4096, min_interval_ms: float = 0.0,
+                 keys: Keys | None = None) -> None:
         self._reader = reader
-        # An XREAD costs Redis O(streams watched): after one that brought entries, wait this long
-        # from its start before the next, so it gathers the steps of several workers.
+        # After a turn that brought entries, wait this long from its start before the next, so
+        # one read gathers the steps of several workers (fewer reads, at that much latency).
         self._min_interval_s = min_interval_ms / 1000
         self._control = control
         self._block_ms = block_ms
         self._count = count
         self._max_pending = max_pending
+        self._keys = keys or Keys()
         self._watches: dict[str, _Watch] = {}
+        self._dirty: set[str] = set()  # watched streams to read at the next turn
         self._task: asyncio.Task[None] | None = None
         self._client_id: int | None = None  # the reader connection's, for CLIENT UNBLOCK
-        self._in_flight: dict[str, _Watch] | None = None  # what the pending XREAD asked for
+        self._is_blocked = False  # the reader waits for notifications (CLIENT UNBLOCK wakes it)
         self._can_unblock = True
         self._is_closed = False
 
@@ -136,10 +156,12 @@ class StreamHub:
         subscription = Subscription(key, watch, watch.cursor if behind else None,
                                     self._max_pending)
         watch.subscribers.add(subscription)
+        if is_new:
+            self._dirty.add(key)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="stream-hub")
         elif is_new:
-            await self._wake(key)
+            await self._wake()
         return subscription
 
     def unsubscribe(self, subscription: Subscription) -> None:
@@ -169,12 +191,11 @@ class StreamHub:
             for subscription in watch.subscribers:
                 subscription.fail(error)
 
-    async def _wake(self, key: str) -> None:
-        """Cut the pending XREAD short so the next one includes `key`."""
+    async def _wake(self) -> None:
+        """Cut the wait for notifications short, so the reader reads the new streams now."""
         for _ in range(_WAKE_TRIES):
-            in_flight = self._in_flight
-            if in_flight is None or key in in_flight:
-                return  # no XREAD pending, or the pending one already reads this stream
+            if not self._is_blocked or not self._dirty:
+                return  # the reader is not waiting, or has read the new streams already
             if await self._unblock():
                 return
             await asyncio.sleep(_WAKE_RETRY_S)
@@ -192,23 +213,39 @@ class StreamHub:
 
     async def _run(self) -> None:
         try:
+            # The notifications' position first, then the streams: see the module's docstring.
+            steps_cursor = await self._last_step_id()
+            full_read_at = -float("inf")
             while self._watches and not self._is_closed:
                 if self._client_id is None and self._can_unblock:
                     try:
                         self._client_id = int(await self._reader.client_id())
                     except redis.exceptions.ResponseError:
                         self._can_unblock = False
-                request = dict(self._watches)
                 started = time.monotonic()
-                self._in_flight = request
+                if started - full_read_at >= self._block_ms / 1000:
+                    full_read_at = started
+                    self._dirty.update(self._watches)
+                brought = bool(self._dirty) and await self._read_dirty()
+                # Block only when nothing is left to read (a stream with more than a page is).
+                block = None if self._dirty else max(
+                    1, int(self._block_ms - (time.monotonic() - full_read_at) * 1000))
+                self._is_blocked = block is not None
                 try:
-                    reply = await self._reader.xread(
-                        {key: watch.cursor for key, watch in request.items()},
-                        block=self._block_ms, count=self._count)
+                    reply = await self._reader.xread({self._keys.stream_steps(): steps_cursor},
+                                                     block=block, count=_STEPS_COUNT)
                 finally:
-                    self._in_flight = None
-                self._dispatch(request, cast(XReadReply, reply or []))
-                if reply and self._min_interval_s:
+                    self._is_blocked = False
+                for _, notifications in cast(XReadReply, reply or []):
+                    for entry_id, fields in notifications:
+                        steps_cursor = (entry_id.decode() if isinstance(entry_id, bytes)
+                                        else str(entry_id))
+                        for key, entries in notified_tokens(fields):
+                            self._deliver_notified(key, entries)
+                        for key in notified_streams(fields):
+                            if key in self._watches:
+                                self._dirty.add(key)
+                if (brought or reply) and self._min_interval_s:
                     await asyncio.sleep(self._min_interval_s - (time.monotonic() - started))
         except Exception as exc:
             # Every subscriber ends as a failed XREAD of its own would have ended it.
@@ -216,6 +253,49 @@ class StreamHub:
                 log.exception("stream hub reader failed")
             self._client_id = None
             self._fail_all(exc)
+
+    async def _last_step_id(self) -> str:
+        last = cast("list[RawEntry]", await self._reader.xrevrange(self._keys.stream_steps(),
+                                                                    count=1))
+        if not last:
+            return "0-0"
+        entry_id = last[0][0]
+        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+
+    async def _read_dirty(self) -> bool:
+        """One non-blocking XREAD of the streams marked to read; whether it brought entries."""
+        request = {key: self._watches[key] for key in self._dirty if key in self._watches}
+        self._dirty.clear()
+        if not request:
+            return False
+        reply = cast(XReadReply, await self._reader.xread(
+            {key: watch.cursor for key, watch in request.items()}, count=self._count) or [])
+        self._dispatch(request, reply)
+        for raw_key, entries in reply:
+            if len(entries) >= self._count:  # a full page: more may be there
+                key = raw_key.decode() if isinstance(raw_key, bytes) else str(raw_key)
+                if key in self._watches:
+                    self._dirty.add(key)
+        return bool(reply)
+
+    def _deliver_notified(self, key: str, entries: list[RawEntry]) -> None:
+        """Tokens a notification carried: handed out when they follow the stream's cursor; after
+        a gap (entries this hub did not see, e.g. from before it watched the stream) the stream
+        is read instead."""
+        watch = self._watches.get(key)
+        if watch is None:
+            return  # a stream nobody here follows
+        ms, seq = entry_id_key(watch.cursor)
+        for entry_id, fields in entries:
+            entry_ms, entry_seq = entry_id_key(entry_id)
+            if (entry_ms, entry_seq) <= (ms, seq):
+                continue  # delivered already (read from the stream)
+            if entry_ms != ms or entry_seq != seq + 1:
+                self._dirty.add(key)
+                return
+            watch.cursor, seq = entry_id, entry_seq
+            for subscription in watch.subscribers:
+                subscription.deliver((entry_id, fields))
 
     def _dispatch(self, request: dict[str, _Watch], reply: XReadReply) -> None:
         for raw_key, entries in reply:

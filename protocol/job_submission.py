@@ -22,6 +22,7 @@ from rq.serializers import JSONSerializer
 from protocol.keys import RQ_JOB_FUNCTION, Keys
 from protocol.messages import JobSpec, JobState, JobStatus, Priority
 from protocol.rq_keys import KeyTemplate, RQKeys
+from protocol.stream_steps import notify_steps
 from protocol.webhook_events import EMIT_JOB_EVENT_LUA
 
 # How long a finished job's RQ hash, result, JobState and token stream stay readable.
@@ -275,4 +276,9 @@ def cancel_job(redis: Redis, job_id: str, keys: Keys = Keys()) -> JobStatus | No
     status = script(keys=script_keys, args=args, client=redis)
     if status is None:
         return None
-    return JobStatus(status.decode() if isinstance(status, bytes) else status)
+    result = JobStatus(status.decode() if isinstance(status, bytes) else status)
+    if result == JobStatus.CANCELED:
+        # The final entry a queued job's cancel wrote (or an earlier cancel did: a spare
+        # notification costs a stream hub one empty read).
+        notify_steps(redis, keys, [job_id])
+    return result

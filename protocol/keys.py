@@ -69,6 +69,14 @@ class Keys:
         another token are refused there (see worker/jobs/shard_scripts.py)."""
         return f"{self.prefix}:job:{job_id}:stream-fence"
 
+    def stream_steps(self) -> str:
+        """Stream, on every Redis holding token streams (the main one and each stream shard): one
+        entry per worker step, field `j` listing (space-separated) the job ids whose streams got
+        entries in that step, written in the same transaction after them. An API process' stream
+        hub blocks on this one key and then reads only the streams named (api/stream_hub.py)
+        instead of blocking on every stream it follows. Capped (protocol/stream_steps.py)."""
+        return f"{self.prefix}:stream-steps"
+
     # Shared sets.
     def leases(self) -> str:
         """Sorted set job_id -> lease deadline (ms since epoch): where recovery looks for lapsed jobs."""

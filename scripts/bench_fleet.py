@@ -18,13 +18,17 @@ at which the busiest server would reach one core: tokens/s / (its CPU seconds pe
 
 Reported: us of Redis CPU per generated token (the workers' own count), per
 token delivered (every subscriber), the generated tokens/s one Redis core would carry at that
-cost, and Redis commands per generated token.
+cost, and Redis commands per generated token. With `--by-script`, SLOWLOG records every command
+in the window, so Redis' time per token is also split by Lua script (INFO commandstats lumps them
+all under EVALSHA); logging every command adds to the figures, so use it to compare scripts, not
+for the totals.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import shutil
@@ -34,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +53,7 @@ from protocol.keys import Keys  # noqa: E402
 from worker.engine.synthetic_engine import SyntheticEngine  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+_SLOWLOG_LEN = 500_000
 MODEL = "synthetic"
 
 
@@ -165,6 +171,29 @@ def _published(redis: Redis) -> int:
     return int(redis.hget(Keys().counters(), "generated_tokens_total") or 0)
 
 
+def _script_names() -> dict[str, str]:
+    from worker.jobs.job_scripts import JobScripts
+
+    return {hashlib.sha1(source.encode()).hexdigest(): name
+            for name, source in JobScripts.SOURCES.items()}
+
+
+def _by_script(servers: dict[str, Redis], generated: int) -> dict[str, float]:
+    """Us per generated token of each command in the servers' SLOWLOG, EVALSHA by script name."""
+    names = _script_names()
+    usec: Counter[str] = Counter()
+    for redis in servers.values():
+        for entry in redis.slowlog_get(_SLOWLOG_LEN):
+            words = [w.decode() if isinstance(w, bytes) else str(w)
+                     for w in entry["command"].split(b" " if isinstance(entry["command"], bytes)
+                                                     else " ")[:2]]
+            name = words[0].lower()
+            if name == "evalsha" and len(words) > 1:
+                name = f"evalsha:{names.get(words[1], words[1][:8])}"
+            usec[name] += int(entry["duration"])
+    return {name: round(us / max(generated, 1), 2) for name, us in usec.most_common(12)}
+
+
 def _sum_stats(servers: dict[str, Redis]) -> dict[str, tuple[int, int]]:
     total: dict[str, tuple[int, int]] = {}
     for redis in servers.values():
@@ -183,6 +212,11 @@ async def _measure(base_url: str, servers: dict[str, Redis],
         slots = [asyncio.create_task(_job_slot(client, args, counts, stop))
                  for _ in range(args.concurrency)]
         await asyncio.sleep(args.warmup)
+        if args.by_script:
+            for redis in servers.values():
+                redis.config_set("slowlog-log-slower-than", 0)
+                redis.config_set("slowlog-max-len", _SLOWLOG_LEN)
+                redis.slowlog_reset()
         cpus0 = {name: _redis_cpu_s(redis) for name, redis in servers.items()}
         published0 = _published(servers["main"])
         calls0, gen0, del0, t0 = (_sum_stats(servers), counts.generated, counts.delivered,
@@ -192,6 +226,7 @@ async def _measure(base_url: str, servers: dict[str, Redis],
         published1 = _published(servers["main"])
         calls1, gen1, del1, t1 = (_sum_stats(servers), counts.generated, counts.delivered,
                                   time.monotonic())
+        by_script = _by_script(servers, published1 - published0) if args.by_script else None
         stop.set()
         await asyncio.wait(slots, timeout=60)
     # Generated: what the workers published in the window (their generated_tokens_total). The
@@ -230,6 +265,7 @@ async def _measure(base_url: str, servers: dict[str, Redis],
         "commands_per_generated_token": {name: round(n / max(generated, 1), 3)
                                          for name, n in sorted(calls.items()) if n},
         "errors": counts.errors[:5],
+        **({"slowlog_us_per_generated_token_by_script": by_script} if by_script else {}),
     }
 
 
@@ -248,6 +284,8 @@ def main() -> int:
     parser.add_argument("--subscribers", type=int, default=1, help="SSE readers per job")
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--seconds", type=float, default=20.0, help="measurement window")
+    parser.add_argument("--by-script", action="store_true",
+                        help="split Redis' time per token by Lua script (SLOWLOG every command)")
     parser.add_argument("--shards", default="0",
                         help="stream shards, a comma-separated list of counts run one after the "
                              "other (0: the streams on the queue's Redis, as by default)")

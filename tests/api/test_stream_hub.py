@@ -24,6 +24,7 @@ from api.app import create_app
 from api.settings import ApiSettings
 from api.stream_hub import StreamHub, Subscription
 from protocol import FinishReason, Keys, ModelCard, StreamEntry, stream_ids
+from protocol.stream_steps import encode_tokens, notify_steps
 
 pytestmark = pytest.mark.anyio
 KEYS = Keys()
@@ -39,17 +40,34 @@ def _token(index: int) -> dict[str, str | int | float]:
                        text=f"t{index}").to_fields()
 
 
-def _publish(sync: redis.Redis, job_id: str, start: int, stop: int) -> None:
+def _publish(sync: redis.Redis, job_id: str, start: int, stop: int, notify: bool = True) -> None:
+    """Tokens start..stop-1 as one worker step writes them: the entries, then (in the same
+    transaction) the step notification naming the job."""
+    pipe = sync.pipeline(transaction=True)
     for index in range(start, stop):
-        sync.xadd(KEYS.stream(job_id), _token(index), id=stream_ids.token_entry_id(index))
+        pipe.xadd(KEYS.stream(job_id), _token(index), id=stream_ids.token_entry_id(index))
+    if notify:
+        notify_steps(pipe, KEYS, [job_id])
+    pipe.execute()
+
+
+def _publish_step(sync: redis.Redis, job_id: str, start: int, stop: int) -> None:
+    """Tokens start..stop-1 as the append script writes them: the entries, then the notification
+    carrying them."""
+    _publish(sync, job_id, start, stop, notify=False)
+    values = [str(v) for i in range(start, stop) for v in (i, 100 + i, f"t{i}", "")]
+    sync.xadd(KEYS.stream_steps(), {"e": encode_tokens([(KEYS.stream(job_id), values)])})
 
 
 def _publish_done(sync: redis.Redis, job_id: str, num_tokens: int) -> None:
     entry = StreamEntry(kind=StreamEntry.DONE, finish_reason=FinishReason.STOP, prompt_tokens=2,
                         completion_tokens=num_tokens)
-    sync.xadd(KEYS.stream(job_id), entry.to_fields(), id=stream_ids.done_entry_id(num_tokens))
-    sync.hset(KEYS.state(job_id), mapping={"status": "finished", "finish_reason": "stop",
+    pipe = sync.pipeline(transaction=True)
+    pipe.xadd(KEYS.stream(job_id), entry.to_fields(), id=stream_ids.done_entry_id(num_tokens))
+    pipe.hset(KEYS.state(job_id), mapping={"status": "finished", "finish_reason": "stop",
                                            "completion_tokens": num_tokens})
+    notify_steps(pipe, KEYS, [job_id])
+    pipe.execute()
 
 
 def _register_model(sync: redis.Redis) -> None:
@@ -263,14 +281,16 @@ async def test_a_least_interval_gathers_several_steps_in_one_xread(
     await asyncio.sleep(0.1)
     sync.config_resetstat()
     seen: list[str] = []
-    for index in range(5):  # five worker steps, 40 ms apart
-        _publish(sync, "a", index, index + 1)
+    for index in range(5):  # five worker steps, 40 ms apart, their tokens in their notifications
+        _publish_step(sync, "a", index, index + 1)
         await asyncio.sleep(0.04)
     while len(seen) < 5:
         seen += await _ids(subscription)
     assert seen == ["0-1", "0-2", "0-3", "0-4", "0-5"]
-    # XREADs issued since the reset (the one blocked at the reset got step one): one after each
-    # step; or, with the interval, one for the other four steps (the next waits out the second).
+    # XREADs Redis counted since the reset (it counts a blocking one when it blocks: not the one
+    # blocked at the reset, which got step one, but the one blocked now); none of the stream.
+    # Without an interval: one read of the notifications for each later step, and the one
+    # blocked now. With it: one read for the other four steps (the hub waits out the interval).
     assert sync.info("commandstats")["cmdstat_xread"]["calls"] == num_xreads
     await hub.close()
     await control.aclose()
@@ -282,4 +302,77 @@ async def test_a_closed_hub_refuses_new_subscribers(redis_url: str) -> None:
     with pytest.raises(redis.exceptions.ConnectionError, match="the stream hub is closed"):
         await hub.subscribe(KEYS.stream("a"), "0-0")
     assert hub.num_streams == 0
+    await control.aclose()
+
+
+def _record_reads(hub: StreamHub) -> list[list[str]]:
+    """From now on, the keys of each XREAD the hub's reader sends (to the real Redis)."""
+    read: list[list[str]] = []
+    xread = hub._reader.xread
+
+    async def recording_xread(streams: dict[str, str], **kwargs: object) -> object:
+        read.append(sorted(streams))
+        return await xread(streams, **kwargs)  # type: ignore[arg-type]
+
+    hub._reader.xread = recording_xread  # type: ignore[method-assign]
+    return read
+
+
+async def test_a_step_reads_only_the_streams_its_notification_names(redis_url: str) -> None:
+    hub, control = _hub(redis_url, block_ms=10_000)
+    sync = redis.Redis.from_url(redis_url)
+    subscriptions = {job_id: await hub.subscribe(KEYS.stream(job_id), "0-0")
+                     for job_id in ("a", "b", "c", "d")}
+    await asyncio.sleep(0.1)  # the first (full) read is done: the hub waits for notifications
+    read = _record_reads(hub)
+    _publish(sync, "b", 0, 2)
+    assert await _ids(subscriptions["b"]) == ["0-1", "0-2"]
+    _publish(sync, "other-process-job", 0, 1)  # a stream nobody here follows: no read
+    _publish(sync, "d", 0, 1)
+    assert await _ids(subscriptions["d"]) == ["0-1"]
+    await asyncio.sleep(0.05)
+    steps = KEYS.stream_steps()
+    # Notifications, then only the stream each one names.
+    assert read == [[KEYS.stream("b")], [steps], [KEYS.stream("d")], [steps]] or read == [
+        [KEYS.stream("b")], [steps], [steps], [KEYS.stream("d")], [steps]]
+    assert not subscriptions["a"]._pending and not subscriptions["c"]._pending
+    await hub.close()
+    await control.aclose()
+
+
+async def test_an_entry_no_notification_announced_comes_with_the_next_full_read(
+        redis_url: str) -> None:
+    hub, control = _hub(redis_url, block_ms=300)
+    sync = redis.Redis.from_url(redis_url)
+    subscription = await hub.subscribe(KEYS.stream("a"), "0-0")
+    await asyncio.sleep(0.1)
+    started = time.monotonic()
+    _publish(sync, "a", 0, 2, notify=False)  # a writer that sends no notification
+    assert await _ids(subscription) == ["0-1", "0-2"]
+    assert time.monotonic() - started < 1.0  # within a block interval, not at a timeout of 5 s
+    _publish(sync, "a", 2, 3)
+    assert await _ids(subscription) == ["0-3"]
+    await hub.close()
+    await control.aclose()
+
+
+async def test_tokens_a_notification_carries_are_handed_out_without_reading_the_stream(
+        redis_url: str) -> None:
+    hub, control = _hub(redis_url, block_ms=10_000)
+    sync = redis.Redis.from_url(redis_url)
+    subscription = await hub.subscribe(KEYS.stream("a"), "0-0")
+    await asyncio.sleep(0.1)
+    read = _record_reads(hub)
+
+    _publish_step(sync, "a", 0, 2)
+    assert [(i, f) for i, f in await subscription.next(5.0)] == [
+        ("0-1", {"kind": "token", "index": "0", "token_id": "100", "text": "t0"}),
+        ("0-2", {"kind": "token", "index": "1", "token_id": "101", "text": "t1"})]
+    assert KEYS.stream("a") not in sum(read, [])
+    # A gap (token 2 written without a notification): the stream is read from the hub's cursor.
+    _publish(sync, "a", 2, 3, notify=False)
+    _publish_step(sync, "a", 3, 4)
+    assert await _ids(subscription) == ["0-3", "0-4"]
+    assert [KEYS.stream("a")] in read
+    await hub.close()
     await control.aclose()

@@ -152,8 +152,10 @@ return claimed
 """
 
 # The per-iteration call, for every job in the batch at once (one script, not one per job).
-# KEYS: leases, canceled, then (lease, stream, state) per job.
-# ARGV: lease_ms, renew ('1': renew every lease of the batch, '0': not this step), then per job:
+# KEYS: leases, canceled, then (lease, stream, state) per job, then the step notifications
+#       (Keys.stream_steps; [redis-cost]).
+# ARGV: lease_ms, renew ('1': renew every lease of the batch, '0': not this step), the step's
+#       tokens as a notification carries them ([redis-cost] protocol/stream_steps.py), then per job:
 #       job_id, token, prompt_tokens, first_token_at, prompt_logprobs (the encoded list, only in
 #       the append that carries token 0 of a job that asked for them; else ''), num_tokens and
 #       (index, token_id, text, logprobs) per token (logprobs '' when the job asked for none: no
@@ -185,7 +187,10 @@ local function first_token(state, first_token_at, prompt_tokens, prompt_logprobs
 end
 local function append(lease, stream, state, job_id, token, prompt_tokens, first_token_at,
                       prompt_logprobs, a, num_tokens)
-  if redis.call('GET', lease) ~= token then return 0 end
+  if redis.call('GET', lease) ~= token then
+    if num_tokens > 0 then is_whole = false end  -- [redis-cost]
+    return 0
+  end
   if num_tokens > 0 then
     local first = append_tokens(stream, a, num_tokens)
     if first == -1 then return -1 end
@@ -204,7 +209,7 @@ local function append(lease, stream, state, job_id, token, prompt_tokens, first_
   return 1
 end
 local results, canceled = {}, {}
-local a = 3
+local a = 4
 local k = 3
 while a <= #ARGV do
   local job_id, num_tokens = ARGV[a], tonumber(ARGV[a + 5])
@@ -214,6 +219,7 @@ while a <= #ARGV do
   a = a + 6 + 4 * num_tokens
   k = k + 3
 end
+send_notes(KEYS[#KEYS], ARGV[3])  -- [redis-cost] the step notification (shard_scripts.XADD_TOKEN)
 return {results, canceled}
 """
 

@@ -22,11 +22,30 @@ are refused, the jobs' leases lapse, and recovery hands them on to a claim that 
 
 from __future__ import annotations
 
+from protocol.stream_steps import STREAM_STEPS_MAXLEN
+
 # One token entry at ARGV[a..a+3] (index, token_id, text, logprobs: '' for none, then no `lp`
 # field), at its explicit id 0-(index+1); pcall, so that an id already there is an error reply the
 # caller reads (a resent round trip) rather than the script's end; and the run of them one append
 # writes. Shared with the main append (job_scripts.APPEND).
+# [redis-cost] The step notification (protocol/stream_steps.py), one XADD per script run: the
+# caller's `tokens` (every token it sent, encoded by the worker) when each of them was written
+# (the usual step), else the keys of the streams that got some (a refused job or a resent round
+# trip: the hub reads those streams). Decided here, after the fence checks and the XADDs, so a
+# notification never carries a token its stream lacks; passing the worker's encoding through
+# costs Redis one argument, where building it in Lua cost about as much as the XADDs.
 XADD_TOKEN = """
+local written = {}  -- streams that got tokens in this run
+local is_whole = true  -- every token sent was written: none refused, skipped or after a gap
+local function send_notes(steps, tokens)
+  if is_whole and tokens ~= '' then
+    redis.call('XADD', steps, 'MAXLEN', '~', """ + str(STREAM_STEPS_MAXLEN) + """, '*', 'e',
+               tokens)
+  elseif #written > 0 then
+    redis.call('XADD', steps, 'MAXLEN', '~', """ + str(STREAM_STEPS_MAXLEN) + """, '*', 'k',
+               table.concat(written, ' '))
+  end
+end
 local function xadd(stream, a)
   local id = '0-' .. (tonumber(ARGV[a]) + 1)
   if ARGV[a + 3] == '' then
@@ -45,6 +64,7 @@ local function append_tokens(stream, a, num_tokens)
   local first = a
   local added = xadd(stream, a)
   if type(added) == 'table' and added.err then
+    is_whole = false
     local expected = next_index(stream)
     first = nil
     for i = a, last, 4 do
@@ -55,6 +75,7 @@ local function append_tokens(stream, a, num_tokens)
     xadd(stream, first)
   end
   for i = first + 4, last, 4 do xadd(stream, i) end
+  written[#written + 1] = stream
   return first
 end
 """
@@ -88,14 +109,18 @@ end
 return replies
 """
 
-# KEYS: (stream fence, stream) per job.
-# ARGV: per job: token, num_tokens, then (index, token_id, text, logprobs) per token (logprobs ''
+# KEYS: (stream fence, stream) per job, then the step notifications (Keys.stream_steps).
+# ARGV: the step's tokens as a notification carries them (protocol/stream_steps.py), then per
+#       job: token, num_tokens, then (index, token_id, text, logprobs) per token (logprobs ''
 #       when the job asked for none: no `lp` field is written), as the main append takes them.
 # Returns per job 1 (appended), 0 (refused: another claim adopted the stream), -1 (gap: refused).
 # A resent round trip finds its first tokens there: it skips them, as the main append does.
 SHARD_APPEND = _NEXT_INDEX + XADD_TOKEN + """
 local function append(fence, stream, token, a, num_tokens)
-  if redis.call('GET', fence) ~= token then return 0 end
+  if redis.call('GET', fence) ~= token then
+    if num_tokens > 0 then is_whole = false end
+    return 0
+  end
   if num_tokens == 0 then return 1 end
   local first = append_tokens(stream, a, num_tokens)
   if first == nil then return 1 end
@@ -105,13 +130,14 @@ local function append(fence, stream, token, a, num_tokens)
   return 1
 end
 local results = {}
-local a, k = 1, 1
+local a, k = 2, 1
 while a <= #ARGV do
   local num_tokens = tonumber(ARGV[a + 1])
   results[#results + 1] = append(KEYS[k], KEYS[k + 1], ARGV[a], a + 2, num_tokens)
   a = a + 2 + 4 * num_tokens
   k = k + 2
 end
+send_notes(KEYS[#KEYS], ARGV[1])
 return results
 """
 

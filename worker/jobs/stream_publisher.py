@@ -48,6 +48,7 @@ from protocol.messages import (
     finished_counter,
 )
 from protocol.rq_keys import KeyTemplate, RQKeys
+from protocol.stream_steps import encode_tokens, notify_steps
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.lease import Lease
 from worker.jobs.rq_presence import RQPresence
@@ -95,6 +96,16 @@ class _EndMarker:
     cached_tokens: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class _ShardedAppend:
+    """The main-Redis part of a sharded job's append: the append script's keys and arguments."""
+
+    job_id: str
+    keys: list[str]
+    args: list[EncodableT]
+    is_first: bool  # brings the job's first token: its state needs first_token_at now
+
+
 @dataclass(slots=True)
 class _ScriptCall:
     kind: str  # append | finish | requeue | recover
@@ -138,11 +149,20 @@ class StreamPublisher:
     def _reset(self) -> None:
         self._calls: list[_ScriptCall] = []
         self._append_ids: list[str] = []
+        # Jobs whose main-Redis stream gets a final entry this flush (the append script notifies
+        # its tokens itself).
+        self._notify_ids: list[str] = []
         self._append_keys: list[str] = []
         self._append_args: list[EncodableT] = []
+        # Jobs streaming to a shard: their main-Redis part (lease check and renewal, first-token
+        # state), sent with the append only when the step renews leases or brings the first token.
+        self._sharded: list[_ShardedAppend] = []
         self._shard_ids: dict[int, list[str]] = defaultdict(list)
         self._shard_keys: dict[int, list[str]] = defaultdict(list)
         self._shard_args: dict[int, list[EncodableT]] = defaultdict(list)
+        # The step's new tokens per stream, for the notification the append scripts write.
+        self._notified: list[tuple[str, list[str]]] = []
+        self._shard_notified: dict[int, list[tuple[str, list[str]]]] = defaultdict(list)
         self._extra: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []  # plain commands (stats, heartbeats)
         self._heartbeat = False
         self._worker_state: WorkerStatus | None = None
@@ -151,7 +171,8 @@ class StreamPublisher:
 
     @property
     def is_empty(self) -> bool:
-        return not (self._calls or self._append_ids or self._extra or self._counters
+        return not (self._calls or self._append_ids or self._sharded or self._extra
+                    or self._counters
                     or self._observations or self._heartbeat or self._pending_ends)
 
     # Per job.
@@ -159,28 +180,35 @@ class StreamPublisher:
         """New tokens (maybe none), the lease renewal and the cancel check, fenced by the job's
         token. All the batch's appends go to Redis as one script call."""
         lease = job.lease
-        tokens: list[EncodableT] = []
+        tokens: list[str] = []
         for token in job.unpublished:
             logprobs = token.logprobs.encode() if token.logprobs is not None else ""
-            tokens += [token.index, token.token_id, token.text, logprobs]
+            tokens += [str(token.index), str(token.token_id), token.text, logprobs]
         is_first = bool(job.unpublished) and job.unpublished[0].index == 0
         prompt_logprobs = job.prompt_logprobs if is_first else ""
         shard = self.shards.remote(lease.job_id)
-        self._append_keys += [self.keys.lease(lease.job_id), self.keys.stream(lease.job_id),
-                              self.keys.state(lease.job_id)]
+        append_keys = [self.keys.lease(lease.job_id), self.keys.stream(lease.job_id),
+                       self.keys.state(lease.job_id)]
         if shard is None:
+            self._append_keys += append_keys
             self._append_args += [lease.job_id, lease.token, job.num_prompt_tokens,
                                   repr(job.first_token_at), prompt_logprobs, len(job.unpublished),
                                   *tokens]
+            self._append_ids.append(lease.job_id)
+            if tokens:
+                self._notified.append((self.keys.stream(lease.job_id), tokens))
         else:
             # The main Redis checks and renews the lease; the shard takes the tokens.
-            self._append_args += [lease.job_id, lease.token, job.num_prompt_tokens,
-                                  repr(job.first_token_at) if is_first else "", prompt_logprobs, 0]
+            self._sharded.append(_ShardedAppend(
+                lease.job_id, append_keys,
+                [lease.job_id, lease.token, job.num_prompt_tokens,
+                 repr(job.first_token_at) if is_first else "", prompt_logprobs, 0], is_first))
             self._shard_ids[shard].append(lease.job_id)
             self._shard_keys[shard] += [self.keys.stream_fence(lease.job_id),
                                         self.keys.stream(lease.job_id)]
             self._shard_args[shard] += [lease.token, len(job.unpublished), *tokens]
-        self._append_ids.append(lease.job_id)
+            if tokens:
+                self._shard_notified[shard].append((self.keys.stream(lease.job_id), tokens))
         self._counters["generated_tokens_total"] += len(job.unpublished)
 
     def finish(self, job: RunningJob, end: JobEnd, now: float | None = None) -> None:
@@ -232,6 +260,8 @@ class StreamPublisher:
             end.finish_reason.value, job.num_prompt_tokens, job.num_tokens, end.error,
             job.num_cached_tokens)
         self._calls.append(_ScriptCall("finish", lease.job_id, "finish", keys, args, marker))
+        if shard is None:
+            self._notify_ids.append(lease.job_id)  # its final entry
         self._counters["prompt_tokens_total"] += job.num_prompt_tokens
         # vLLM's prefix cache counters count tokens: the prompt's, and those found cached.
         self._counters["prefix_cache_queries_total"] += job.num_prompt_tokens
@@ -325,16 +355,36 @@ class StreamPublisher:
         started = time.monotonic()
         # Renewing every lease costs two commands a job: do it a few times a lease, not each step.
         renew = started - self._renewed_at >= self.lease_ms / 1000 / _RENEWALS_PER_LEASE
-        if self._append_ids:
+        append_ids, append_keys, append_args = (list(self._append_ids), list(self._append_keys),
+                                                list(self._append_args))
+        # [redis-cost] A sharded job's main-Redis lease check adds nothing to its stream's
+        # fencing (its shard's fence refuses an older claim's tokens, and the shard append runs
+        # before this round trip anyway): it only tells this worker that the lease is gone,
+        # which a renewal (every 1/8 lease) tells as well. Between renewals such a job costs the
+        # main Redis one SMISMEMBER argument (its cancel flag), not a script's lease GET.
+        flag_only = []
+        for sharded in self._sharded:
+            if renew or sharded.is_first:
+                append_ids.append(sharded.job_id)
+                append_keys += sharded.keys
+                append_args += sharded.args
+            else:
+                flag_only.append(sharded.job_id)
+        if append_ids:
             # Appends first: a job's last tokens precede its finish in the same transaction.
             calls = [_ScriptCall("append", "", "append",
-                                 [self.keys.leases(), self.keys.canceled(), *self._append_keys],
-                                 [self.lease_ms, int(renew), *self._append_args]),
+                                 [self.keys.leases(), self.keys.canceled(), *append_keys,
+                                  self.keys.stream_steps()],
+                                 [self.lease_ms, int(renew), encode_tokens(self._notified),
+                                  *append_args]),
                      *calls]
-        append_ids = self._append_ids
         pipe = self.redis.pipeline(transaction=True)
         for call in calls:
             self.scripts.call(pipe, call.name, call.keys, call.args)
+        if flag_only:
+            pipe.smismember(self.keys.canceled(), flag_only)  # its reply follows the scripts'
+        # After the scripts: a stream hub that reads this notification finds the entries there.
+        notify_steps(pipe, self.keys, self._notify_ids)
         for command, args, kwargs in self._extra:
             getattr(pipe, command)(*args, **kwargs)
         if self.presence is not None:
@@ -348,7 +398,7 @@ class StreamPublisher:
         # next flush resends the whole iteration (its appends are idempotent; its finishes and
         # requeues are refused if they ran; only metric counters may count twice).
         replies = self._retry_missing_scripts(self.redis, calls, replies)
-        if renew and self._append_ids:
+        if renew and append_ids:
             self._renewed_at = started
         self._reset()
         for call, reply in zip(calls, replies):
@@ -356,6 +406,12 @@ class StreamPublisher:
                 self._read_appends(append_ids, reply, report)
             else:
                 self._read(call, reply, report)
+        if flag_only:
+            flags = replies[len(calls)]
+            if isinstance(flags, ResponseError):
+                log.error("cancel check failed: %s", flags)
+            else:
+                report.canceled.update(job_id for job_id, flag in zip(flag_only, flags) if flag)
         if self._pending_ends:
             self._send_ends()
         return report
@@ -370,13 +426,16 @@ class StreamPublisher:
         for shard in sorted(set(self._shard_ids) | set(ends_by_shard)):
             calls: list[_ScriptCall] = []
             if self._shard_ids.get(shard):
-                calls.append(_ScriptCall("append", "", "shard_append", self._shard_keys[shard],
-                                         self._shard_args[shard]))
+                calls.append(_ScriptCall("append", "", "shard_append",
+                                         [*self._shard_keys[shard], self.keys.stream_steps()],
+                                         [encode_tokens(self._shard_notified[shard]),
+                                          *self._shard_args[shard]]))
             calls += [self._end_call(marker) for marker in ends_by_shard[shard]]
             client = self.shards.clients[shard]
             pipe = client.pipeline(transaction=True)
             for call in calls:
                 self.scripts.call(pipe, call.name, call.keys, call.args)
+            notify_steps(pipe, self.keys, [marker.job_id for marker in ends_by_shard[shard]])
             replies = self._retry_missing_scripts(client, calls, pipe.execute(raise_on_error=False))
             for call, reply in zip(calls, replies):
                 if call.kind == "append":

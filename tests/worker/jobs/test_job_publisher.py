@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from redis.client import Pipeline
 from rq import Worker
@@ -148,3 +150,40 @@ def test_an_iteration_is_kept_when_redis_drops_while_its_scripts_are_reloaded(
     assert [e[1][b"kind"] for e in redis.xrange(KEYS.stream("a"))] == [b"token", b"token",
                                                                         b"done"]
     assert pub.is_empty
+
+
+def _notifications(redis) -> list[dict[str, object]]:
+    return [{k.decode(): json.loads(v) if k == b"e" else v.decode() for k, v in fields.items()}
+            for _, fields in redis.xrange(KEYS.stream_steps())]
+
+
+def test_a_step_notifies_its_tokens_only_when_every_one_was_written() -> None:
+    redis = fake_redis()
+    submit(redis, "a", "b")
+    queue = make_queue(redis)
+    pub = make_publisher(queue)
+    a, b = (running(claim) for claim in queue.claim(2))
+    generate(a, 7, 8)
+    generate(b, 9)
+    pub.append(a)
+    pub.append(b)
+    pub.flush()
+    a.unpublished.clear()
+    b.unpublished.clear()
+    # Step two: b's lease went to another claim, so b's token is refused; a's is written.
+    redis.set(KEYS.lease("b"), "999")
+    generate(a, 10)
+    generate(b, 11)
+    pub.append(a)
+    pub.append(b)
+    assert pub.flush().refused == {"b"}
+    # Step three: a's final entry (named from Python, after it).
+    a.unpublished.clear()
+    pub.finish(a, JobEnd(JobStatus.FINISHED, FinishReason.STOP))
+    pub.flush()
+    assert _notifications(redis) == [
+        {"e": [KEYS.stream("a"), ["0", "7", "<7>", "", "1", "8", "<8>", ""],
+               KEYS.stream("b"), ["0", "9", "<9>", ""]]},
+        {"k": KEYS.stream("a")},  # not b's refused token: the hub reads a's stream instead
+        {"k": KEYS.stream("a")}]
+    assert [f[b"token_id"] for _, f in redis.xrange(KEYS.stream("b"))] == [b"9"]

@@ -3,6 +3,9 @@ the cancel flag and the job's records on the main Redis (two fakeredis servers).
 
 from __future__ import annotations
 
+import json
+import time
+
 import fakeredis
 
 from protocol import FinishReason, JobReader, JobStatus, StreamEntry, cancel_job
@@ -187,3 +190,61 @@ def test_a_preempted_sharded_job_is_requeued_as_preempted() -> None:
     assert JobReader(main).state("job-1").status == JobStatus.PREEMPTED
     (again,) = _claim(queue, shards)
     assert again.token_ids == [11]
+
+
+def _notifications(redis) -> list[dict[str, object]]:
+    return [{k.decode(): json.loads(v) if k == b"e" else v.decode() for k, v in fields.items()}
+            for _, fields in redis.xrange(KEYS.stream_steps())]
+
+
+def test_between_renewals_a_sharded_job_costs_the_main_redis_only_its_cancel_flag() -> None:
+    main, shard = fake_redis(), fake_redis()
+    submit(main, "job-1", "job-2")
+    queue, shards, pub = _worker(main, shard)
+    job_1, job_2 = _claim(queue, shards, 2)
+    for job in (job_1, job_2):
+        generate(job, 11)
+        pub.append(job)
+    pub.flush()  # renews (the first flush) and records the first tokens: both in the script
+    for job in (job_1, job_2):
+        job.unpublished.clear()  # published (the worker clears them after each flush)
+    sent: list[tuple[object, ...]] = []
+    real_call = queue.scripts.call
+
+    def recording_call(target, name, keys, args):
+        sent.append((name, *keys))
+        return real_call(target, name, keys, args)
+
+    queue.scripts.call = recording_call  # type: ignore[method-assign]
+    cancel_job(main, "job-2")
+    for job in (job_1, job_2):
+        generate(job, 12)
+        pub.append(job)
+    report = pub.flush()
+    # No append script on the main Redis this step: only the shard's, and the flags' SMISMEMBER.
+    assert [name for name, *_ in sent] == ["shard_append"]
+    assert (report.refused, report.canceled) == (set(), {"job-2"})
+    assert [e.token_id for _, e in _stream(shard, "job-1")] == [11, 12]
+    # The shard's notifications: each step's tokens, as the hub hands them out.
+    assert _notifications(shard) == [
+        {"e": [KEYS.stream("job-1"), ["0", "11", "<11>", ""],
+               KEYS.stream("job-2"), ["0", "11", "<11>", ""]]},
+        {"e": [KEYS.stream("job-1"), ["1", "12", "<12>", ""],
+               KEYS.stream("job-2"), ["1", "12", "<12>", ""]]}]
+    assert main.exists(KEYS.stream_steps()) == 0
+
+
+def test_a_lapsed_sharded_lease_is_noticed_at_the_next_renewal() -> None:
+    main, shard = fake_redis(), fake_redis()
+    submit(main, "job-1")
+    queue, shards, pub = _worker(main, shard, lease_ms=800)  # renewals every 100 ms
+    (job,) = _claim(queue, shards)
+    generate(job, 11)
+    pub.append(job)
+    pub.flush()
+    job.unpublished.clear()
+    expire_lease(main, "job-1")
+    time.sleep(0.15)
+    generate(job, 12)
+    pub.append(job)
+    assert pub.flush().refused == {"job-1"}

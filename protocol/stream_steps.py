@@ -1,0 +1,89 @@
+"""Step notifications: what token streams got, one entry per worker step (`Keys.stream_steps`).
+
+A stream hub (api/stream_hub.py) blocks on this one key instead of on every stream it follows
+(Redis paid for each of those at every read: registering and unregistering them as blocked keys,
+then re-running the read over all of them, whichever had changed). An entry has one field:
+
+- `e`: the tokens themselves, as `encode_tokens` writes them: a JSON list [stream key, [index,
+  token_id, text, logprobs ('' for none), ...], stream key, ...]. The worker encodes its step's
+  tokens and the append script (worker/jobs/shard_scripts.XADD_TOKEN) adds them as they are, after
+  its fence checks and XADDs, and only when every one of them was written; the hub hands them out
+  without reading the streams (reading them cost Redis about as much as writing them).
+- `k`: stream keys to read (space-separated): from the append script when it did not write every
+  token it got (a refused job, a resent round trip), and from `notify_steps` for final entries,
+  after them in the same transaction.
+
+A notification carries nothing a stream lacks, and the streams stay the truth: a hub that finds a
+gap between what it delivered and an `e` entry reads the stream, and its full read of every
+watched stream each block interval makes up for a notification it never saw (trimmed away, or a
+writer that sends none).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+
+from redis import Redis
+from redis.asyncio.client import Pipeline as AsyncPipeline
+from redis.client import Pipeline
+
+from protocol.job_reader import RawEntry
+from protocol.keys import Keys
+from protocol.messages import StreamEntry
+from protocol.stream_ids import token_entry_id
+
+# About this many steps are kept: at 100 worker steps/s, over a minute and a half, far more than
+# a hub falls behind before its periodic full read catches it up anyway.
+STREAM_STEPS_MAXLEN = 10_000
+_STREAMS_FIELD = "k"
+_TOKENS_FIELD = "e"
+
+
+def notify_steps(pipe: Redis | Pipeline | AsyncPipeline, keys: Keys, job_ids: Iterable[str]) -> None:
+    """The notification for `job_ids` (nothing for none), on `pipe` after the streams' writes
+    (or on a client, once they are done), to the Redis that holds those streams."""
+    listed = " ".join(dict.fromkeys(keys.stream(job_id) for job_id in job_ids))
+    if listed:
+        pipe.xadd(keys.stream_steps(), {_STREAMS_FIELD: listed}, maxlen=STREAM_STEPS_MAXLEN,
+                  approximate=True)
+
+
+def encode_tokens(runs: list[tuple[str, list[str]]]) -> str:
+    """A step's tokens for `e`: per stream key, its new tokens' (index, token_id, text, logprobs)
+    flat, as strings (those the append script takes); '' when there are none."""
+    if not runs:
+        return ""
+    return json.dumps([part for stream, values in runs for part in (stream, values)],
+                      ensure_ascii=False, separators=(",", ":"))
+
+
+def _field(fields: dict[object, object], name: str) -> str:
+    raw = fields.get(name, fields.get(name.encode(), ""))
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def notified_streams(fields: dict[object, object]) -> list[str]:
+    """The stream keys one notification names to read (`k`)."""
+    return _field(fields, _STREAMS_FIELD).split()
+
+
+def notified_tokens(fields: dict[object, object]) -> list[tuple[str, list[RawEntry]]]:
+    """The token entries one notification carries (`e`), per stream key, as XREAD returns them
+    (ids and fields, strings)."""
+    raw = _field(fields, _TOKENS_FIELD)
+    if not raw:
+        return []
+    notes = json.loads(raw)
+    runs = []
+    for stream, values in zip(notes[::2], notes[1::2]):
+        entries: list[RawEntry] = []
+        for a in range(0, len(values), 4):
+            index, token_id, text, logprobs = values[a:a + 4]
+            entry = {"kind": StreamEntry.TOKEN, "index": str(index), "token_id": str(token_id),
+                     "text": text}
+            if logprobs:
+                entry["lp"] = logprobs
+            entries.append((token_entry_id(int(index)), entry))
+        runs.append((stream, entries))
+    return runs
