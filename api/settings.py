@@ -90,6 +90,22 @@ class ApiSettings(BaseSettings):
     tool_parser: str = Field(
         "hermes", description="How tool calls are read from the output of chat requests with "
                               "tools (api/tool_parsers.py: hermes).")
+    max_file_bytes: int = Field(
+        50 * 1024 * 1024, ge=1, description="Largest file POST /v1/files takes (Batch API input); "
+        "files are kept in Redis, so this bounds the memory one upload costs.")
+    max_batch_lines: int = Field(50_000, ge=1, description="Most requests one batch input file holds.")
+    file_retention_s: int = Field(
+        7 * 24 * 3600, ge=60, description="How long uploaded files and batch output files are kept.")
+    batch_retention_s: int = Field(
+        7 * 24 * 3600, ge=60, description="How long a batch object is kept once it ended.")
+    batch_tick_s: float = Field(
+        1.0, gt=0, le=60, description="How often each API process advances the open batches.")
+    batch_submit_lines: int = Field(
+        256, ge=1, description="Lines a batch runner queues per batch and tick (the rest wait "
+        "for the next tick, so a huge batch never stalls the others).")
+    batch_runner: bool = Field(
+        True, description="Advance open batches in this API process (any number of processes "
+        "may: a Redis lock per batch keeps them from duplicating work).")
     log_level: str = Field("info")
 
     @field_validator("tool_parser")
