@@ -61,7 +61,9 @@ from protocol import JobState, JobStatus, Priority
 log = logging.getLogger(__name__)
 
 CHAT_URL = "/v1/chat/completions"
-_LOCK_TTL_MS = 60_000  # past any one step; a lapsed lock only lets another runner repeat work
+# Past any one step (a lapsed lock only lets another runner repeat work), and short, so a lock
+# left by a process that died (or a Redis that restarted) mid-step holds its batch up briefly.
+_LOCK_TTL_MS = 15_000
 
 
 class _Later(Exception):
