@@ -78,6 +78,10 @@ class BatchRunner:
         self.settings = ctx.settings
         # Parsed input files of the batches this process advanced (re-read after a restart).
         self._inputs: dict[str, list[BatchInputLine]] = {}
+        # The queued lines' jobs (written once, so safe to keep), and where the next poll of a
+        # batch's unanswered lines starts (the polls take turns over them).
+        self._lines: dict[str, dict[int, LineJobs]] = {}
+        self._poll_from: dict[str, int] = {}
 
     async def run_forever(self) -> None:
         while True:
@@ -108,7 +112,7 @@ class BatchRunner:
             return
         if batch.status.is_final:
             await self.store.close(batch_id)
-            self._inputs.pop(batch_id, None)
+            self._forget(batch_id)
             return
         if batch.status is BatchStatus.CANCELLING:
             await self._wind_down(batch, BatchStatus.CANCELLED, "batch_cancelled",
@@ -158,7 +162,8 @@ class BatchRunner:
     async def _progress(self, batch: BatchRecord) -> None:
         if batch.submitted < batch.total:
             await self._submit_some(batch)
-        await self._answer_ended(batch)
+            batch = await self.store.get(batch.id)
+        await self._answer_ended(batch, poll_lines=self.settings.batch_poll_lines)
         batch = await self.store.get(batch.id)
         if batch.submitted >= batch.total and batch.completed + batch.failed >= batch.total:
             if await self.store.transition(batch.id, (BatchStatus.IN_PROGRESS,),
@@ -223,12 +228,29 @@ class BatchRunner:
                         prompt_tokens=[job.prompt_tokens or 0 for job in accepted],
                         echoes=echoes, n=body.n, parses_calls=parses_calls)
 
-    async def _answer_ended(self, batch: BatchRecord, ending: tuple[str, str] | None = None) -> set[int]:
-        """Answer every queued line whose jobs all ended; returns the lines still unanswered.
-        `ending` (code, message): the batch is winding down, so a canceled job's line says so."""
-        lines = await self.store.lines(batch.id)
-        answered = await self.store.answered(batch.id)
-        pending = {index: line for index, line in lines.items() if index not in answered}
+    async def _queued_lines(self, batch: BatchRecord, answered: set[int]) -> dict[int, LineJobs]:
+        """The queued lines not answered yet (read from Redis once each, then kept here)."""
+        cache = self._lines.setdefault(batch.id, {})
+        unread = [index for index in range(batch.submitted)
+                  if index not in cache and index not in answered]
+        if unread:
+            cache.update(await self.store.lines_at(batch.id, unread))
+        return {index: line for index, line in cache.items() if index not in answered}
+
+    async def _answer_ended(self, batch: BatchRecord, ending: tuple[str, str] | None = None,
+                            poll_lines: int | None = None) -> set[int]:
+        """Answer the queued lines whose jobs all ended, polling at most `poll_lines` of them
+        (taking turns: a big batch costs each tick a bounded number of reads); returns the lines
+        polled and still unanswered. `ending` (code, message): the batch is winding down, so a
+        canceled job's line says so."""
+        pending = await self._queued_lines(batch, await self.store.answered(batch.id))
+        indexes = sorted(pending)
+        if poll_lines is not None and len(indexes) > poll_lines:
+            start = self._poll_from.get(batch.id, 0)
+            turn = [i for i in indexes if i >= start][:poll_lines]
+            turn += indexes[:poll_lines - len(turn)]  # wrap around
+            self._poll_from[batch.id] = turn[-1] + 1
+            pending = {index: pending[index] for index in turn}
         statuses = await self._statuses([job_id for line in pending.values() for job_id in line.job_ids])
         waiting: set[int] = set()
         for index, line in sorted(pending.items()):
@@ -289,8 +311,15 @@ class BatchRunner:
     async def _wind_down(self, batch: BatchRecord, final: BatchStatus, code: str,
                          message: str) -> None:
         """Answer what ended, cancel the rest (answered as cancelled/expired), then end."""
+        if batch.stamps.get("in_progress_at") is None and batch.total == 0:
+            # Ended while validating: its lines are still answered, each as never run.
+            try:
+                batch.total = len(await self._input(batch))
+                await self.store.set_fields(batch.id, total=batch.total)
+            except ApiError:
+                pass  # no readable input file: no lines to answer
         waiting = await self._answer_ended(batch, ending=(code, message))
-        lines = await self.store.lines(batch.id)
+        lines = self._lines.get(batch.id, {})
         for index in sorted(waiting):
             for job_id in lines[index].job_ids:
                 await self.ctx.jobs.cancel_unowned(job_id)
@@ -335,8 +364,12 @@ class BatchRunner:
         if moved:
             log.info("batch %s %s", batch.id, final.value)
         await self.store.close(batch.id)
-        self._inputs.pop(batch.id, None)
+        self._forget(batch.id)
         return moved
+
+    def _forget(self, batch_id: str) -> None:
+        for cache in (self._inputs, self._lines, self._poll_from):
+            cache.pop(batch_id, None)
 
 
 def _response_line(custom_id: str, request_id: str, status_code: int,

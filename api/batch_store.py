@@ -254,6 +254,12 @@ class BatchStore:
         raw = await self._aio.hgetall(self._keys.batch_lines(batch_id))
         return {int(index): LineJobs.from_json(_text(payload)) for index, payload in raw.items()}
 
+    async def lines_at(self, batch_id: str, indexes: list[int]) -> dict[int, LineJobs]:
+        """The lines of `indexes` that were queued (a line answered at submission has none)."""
+        raw = await self._aio.hmget(self._keys.batch_lines(batch_id), [str(i) for i in indexes])
+        return {index: LineJobs.from_json(_text(payload))
+                for index, payload in zip(indexes, raw) if payload is not None}
+
     async def answer(self, batch_id: str, index: int, kind: str, line: dict[str, Any]) -> bool:
         """Line `index`'s answer, for the output (OUTPUT) or error (ERROR) file; False when the
         line already had one (it keeps its first)."""

@@ -71,7 +71,8 @@ class AppContext:
         tokenizers = TokenizerCache(aio, keys)
         jobs = JobService(aio, sync, keys, models, tokenizers, settings.max_queue_depth,
                           settings.retry_after_s, settings.idempotency_ttl_s,
-                          settings.result_ttl_s, settings.failure_ttl_s, settings.max_logprobs)
+                          settings.result_ttl_s, settings.failure_ttl_s, settings.max_logprobs,
+                          settings.max_batch_queue_depth)
         shard_clients = [
             aio if url == settings.redis_url else _async_client(url, settings)
             for url in shard_urls(settings.redis_url, settings.stream_redis_urls)]

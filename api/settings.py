@@ -33,6 +33,10 @@ class ApiSettings(BaseSettings):
         1000, ge=1, description="Jobs waiting over one model's priority queues before its submissions "
                               "get 429."
     )
+    max_batch_queue_depth: int = Field(
+        1000, ge=1, description="Jobs waiting on one model's batch-tier queue: batch lines past it "
+        "wait in their batch's input file. The batch queue does not count toward "
+        "max_queue_depth, so a big batch never turns interactive requests away.")
     retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 429 and 503 answers.")
     result_ttl_s: int = Field(
         24 * 3600, ge=1, le=MAX_RETENTION_S,
@@ -103,6 +107,9 @@ class ApiSettings(BaseSettings):
     batch_submit_lines: int = Field(
         256, ge=1, description="Lines a batch runner queues per batch and tick (the rest wait "
         "for the next tick, so a huge batch never stalls the others).")
+    batch_poll_lines: int = Field(
+        1024, ge=1, description="Unanswered lines a batch runner checks per batch and tick (they "
+        "take turns), bounding the Redis reads a huge batch costs.")
     batch_runner: bool = Field(
         True, description="Advance open batches in this API process (any number of processes "
         "may: a Redis lock per batch keeps them from duplicating work).")

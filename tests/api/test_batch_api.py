@@ -261,3 +261,66 @@ async def test_batches_list_newest_first_with_after_and_limit(client: httpx.Asyn
     assert [b["id"] for b in page["data"]] == ids[::-1][:2] and page["has_more"] is True
     rest = (await client.get("/v1/batches", params={"limit": 2, "after": page["last_id"]})).json()
     assert [b["id"] for b in rest["data"]] == ids[:1] and rest["has_more"] is False
+
+
+async def test_an_expired_batch_keeps_what_finished_and_answers_the_rest() -> None:
+    harness = make_harness(batch_submit_lines=2)
+    harness.register_model()
+    async with harness.client() as client:
+        batch = await _create(client, _jsonl(_line("a"), _line("b"), _line("c")))
+        runner = BatchRunner(harness.context)
+        await runner.tick()
+        await runner.tick()  # queues a and b only (two lines a tick)
+        finished = await harness.serve_next_job(["ok"])
+        harness.sync.hset(harness.keys.batch(batch["id"]), "expires_at", 1)  # its window passed
+        await runner.tick()
+        done = (await client.get(f"/v1/batches/{batch['id']}")).json()
+        assert done["status"] == "expired" and done["expired_at"] is not None
+        assert done["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
+        (output,) = [json.loads(x) for x in (await client.get(
+            f"/v1/files/{done['output_file_id']}/content")).text.splitlines()]
+        assert output["response"]["request_id"] == finished
+        errors = [json.loads(x) for x in (await client.get(
+            f"/v1/files/{done['error_file_id']}/content")).text.splitlines()]
+        assert [(x["custom_id"], x["error"]["code"]) for x in errors] == [
+            ("b", "batch_expired"), ("c", "batch_expired")]
+        lines = await harness.context.batches.lines(batch["id"])
+        assert harness.state(lines[1].job_ids[0]).status is JobStatus.CANCELED
+
+
+async def test_a_batch_cancelled_while_validating_still_answers_every_line(
+        harness: Harness, client: httpx.AsyncClient) -> None:
+    batch = await _create(client, _jsonl(_line("a"), _line("b")))
+    assert (await client.post(f"/v1/batches/{batch['id']}/cancel")).json()["status"] == "cancelling"
+    await BatchRunner(harness.context).tick()
+    done = (await client.get(f"/v1/batches/{batch['id']}")).json()
+    assert done["status"] == "cancelled"
+    assert done["request_counts"] == {"total": 2, "completed": 0, "failed": 2}
+    errors = [json.loads(x) for x in (await client.get(
+        f"/v1/files/{done['error_file_id']}/content")).text.splitlines()]
+    assert [(x["custom_id"], x["error"]["code"]) for x in errors] == [
+        ("a", "batch_cancelled"), ("b", "batch_cancelled")]
+
+
+async def test_lines_wait_in_the_file_while_the_batch_queue_is_full_and_polls_take_turns() -> None:
+    harness = make_harness(max_batch_queue_depth=1, batch_poll_lines=1)
+    harness.register_model()
+    batch_queue = RQKeys.queue(harness.keys.queue_name(MODEL, Priority.BATCH))
+    async with harness.client() as client:
+        batch = await _create(client, _jsonl(_line("a"), _line("b"), _line("c")))
+        runner = BatchRunner(harness.context)
+        await runner.tick()
+        served = []
+        for _ in range(3):
+            await runner.tick()
+            assert harness.sync.llen(batch_queue) == 1  # one at a time: the rest wait their turn
+            served.append(await harness.serve_next_job(["x"]))
+        for _ in range(3):
+            await runner.tick()
+        done = (await client.get(f"/v1/batches/{batch['id']}")).json()
+        output = [json.loads(x) for x in (await client.get(
+            f"/v1/files/{done['output_file_id']}/content")).text.splitlines()]
+    assert done["status"] == "completed", done
+    assert done["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert [(x["custom_id"], x["response"]["request_id"]) for x in output] == list(
+        zip("abc", served))
