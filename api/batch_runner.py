@@ -117,7 +117,8 @@ class BatchRunner:
         if batch.status is BatchStatus.CANCELLING:
             await self._wind_down(batch, BatchStatus.CANCELLED, "batch_cancelled",
                                   "The batch was cancelled before this request ran")
-        elif time.time() >= batch.expires_at:
+        elif time.time() >= batch.expires_at and batch.status in (BatchStatus.VALIDATING,
+                                                                  BatchStatus.IN_PROGRESS):
             await self._wind_down(batch, BatchStatus.EXPIRED, "batch_expired",
                                   "This request could not be executed before the completion "
                                   "window expired")
@@ -363,6 +364,8 @@ class BatchRunner:
         moved = await self.store.transition(batch.id, allowed, final, **fields)
         if moved:
             log.info("batch %s %s", batch.id, final.value)
+        elif not (await self.store.get(batch.id)).status.is_final:
+            return False  # a cancel came first: the next tick winds it down as cancelled
         await self.store.close(batch.id)
         self._forget(batch.id)
         return moved

@@ -12,6 +12,7 @@ from api_support import KEY_A, KEY_B, MODEL, Harness, make_harness
 
 from api.batch_files import parse_batch_input
 from api.batch_runner import BatchRunner
+from api.batch_store import BatchStatus
 from api.errors import InvalidRequestError
 from protocol import FinishReason, JobStatus, Priority
 from protocol.rq_keys import RQKeys
@@ -324,3 +325,17 @@ async def test_lines_wait_in_the_file_while_the_batch_queue_is_full_and_polls_ta
     assert done["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
     assert [(x["custom_id"], x["response"]["request_id"]) for x in output] == list(
         zip("abc", served))
+
+
+async def test_an_end_that_lost_a_race_to_a_cancel_leaves_the_batch_open_for_it(
+        harness: Harness, client: httpx.AsyncClient) -> None:
+    batch = await _create(client, _jsonl(_line("a")))
+    runner = BatchRunner(harness.context)
+    await runner.tick()
+    stale = await harness.context.batches.get(batch["id"])  # in_progress, as a runner read it
+    await client.post(f"/v1/batches/{batch['id']}/cancel")  # ...then a cancel lands
+    assert not await runner.end_batch(stale, BatchStatus.EXPIRED, (BatchStatus.IN_PROGRESS,))
+    assert batch["id"] in await harness.context.batches.open_ids()
+    await runner.tick()
+    assert (await client.get(f"/v1/batches/{batch['id']}")).json()["status"] == "cancelled"
+    assert batch["id"] not in await harness.context.batches.open_ids()
