@@ -64,6 +64,9 @@ CHAT_URL = "/v1/chat/completions"
 # Past any one step (a lapsed lock only lets another runner repeat work), and short, so a lock
 # left by a process that died (or a Redis that restarted) mid-step holds its batch up briefly.
 _LOCK_TTL_MS = 15_000
+# How long a cancelled or expired batch waits for its canceled jobs to end (OpenAI's batches stay
+# cancelling for up to 10 minutes); a job still unended then is answered as never run.
+_WIND_DOWN_GRACE_S = 600.0
 
 
 class _Later(Exception):
@@ -311,7 +314,10 @@ class BatchRunner:
     # cancelling -> cancelled; validating | in_progress -> expired
     async def _wind_down(self, batch: BatchRecord, final: BatchStatus, code: str,
                          message: str) -> None:
-        """Answer what ended, cancel the rest (answered as cancelled/expired), then end."""
+        """Lines never queued are answered as cancelled/expired at once; queued ones get their
+        jobs canceled and are answered as they end (a job that finished first keeps its answer
+        in the output file). Once none runs (or after _WIND_DOWN_GRACE_S), the batch ends: until
+        then it stays cancelling (or in_progress past its window), as OpenAI's does."""
         if batch.stamps.get("in_progress_at") is None and batch.total == 0:
             # Ended while validating: its lines are still answered, each as never run.
             try:
@@ -323,7 +329,13 @@ class BatchRunner:
         lines = self._lines.get(batch.id, {})
         for index in sorted(waiting):
             for job_id in lines[index].job_ids:
-                await self.ctx.jobs.cancel_unowned(job_id)
+                await self.ctx.jobs.cancel_unowned(job_id)  # (a queued job ends here and now)
+        if waiting:
+            waiting = await self._answer_ended(batch, ending=(code, message))
+        started = batch.stamps.get("cancelling_at", batch.expires_at)
+        if waiting and time.time() < started + _WIND_DOWN_GRACE_S:
+            return  # running jobs stop at their worker's next step: answered at a next tick
+        for index in sorted(waiting):  # held by no live worker for the whole grace: given up
             await self.store.answer(batch.id, index, ERROR,
                                     _error_line(lines[index].custom_id, code, message))
         custom_ids = await self._custom_ids(batch)

@@ -339,3 +339,27 @@ async def test_an_end_that_lost_a_race_to_a_cancel_leaves_the_batch_open_for_it(
     await runner.tick()
     assert (await client.get(f"/v1/batches/{batch['id']}")).json()["status"] == "cancelled"
     assert batch["id"] not in await harness.context.batches.open_ids()
+
+
+async def test_a_cancelled_batch_stays_cancelling_until_its_running_jobs_end(
+        harness: Harness, client: httpx.AsyncClient) -> None:
+    batch = await _create(client, _jsonl(_line("a"), _line("b")))
+    runner = BatchRunner(harness.context)
+    await runner.tick()
+    await runner.tick()
+    running = await harness.take_job()
+    harness.publish_tokens(running, ["so"])  # a worker is generating it
+    await client.post(f"/v1/batches/{batch['id']}/cancel")
+    await runner.tick()
+    status = (await client.get(f"/v1/batches/{batch['id']}")).json()
+    assert status["status"] == "cancelling"
+    assert status["request_counts"] == {"total": 2, "completed": 0, "failed": 1}  # b: never ran
+    assert harness.sync.sismember(harness.keys.canceled(), running)  # the worker is told
+    harness.publish_done(running, 1, FinishReason.CANCELED)  # ...and stops at its next step
+    await runner.tick()
+    done = (await client.get(f"/v1/batches/{batch['id']}")).json()
+    assert done["status"] == "cancelled"
+    errors = [json.loads(x) for x in (await client.get(
+        f"/v1/files/{done['error_file_id']}/content")).text.splitlines()]
+    assert [(x["custom_id"], x["error"]["code"]) for x in errors] == [
+        ("a", "batch_cancelled"), ("b", "batch_cancelled")]
