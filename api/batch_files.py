@@ -17,6 +17,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from api.errors import InvalidRequestError, NotFoundError
+from api.owner_pages import newest_first
 from protocol import Keys
 
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
@@ -167,25 +168,16 @@ class FileStore:
 
     async def page(self, owner: str, purpose: str | None, limit: int,
                    after: str | None) -> tuple[list[FileObject], bool]:
-        """The owner's files, newest first, after the file id `after`; and whether more follow."""
-        ids = [str(i) for i in await self._aio.zrevrange(self._keys.files_by_owner(owner), 0, -1)]
-        if after is not None:
-            ids = ids[ids.index(after) + 1:] if after in ids else []
-        files: list[FileObject] = []
-        gone: list[str] = []
-        for file_id in ids:
+        """The owner's files (of `purpose`), newest first, after the file id `after`; and
+        whether more follow."""
+        async def load(file_id: str) -> FileObject | None:
             try:
-                file = await self.get(file_id, owner)
+                return await self.get(file_id, owner)
             except NotFoundError:
-                gone.append(file_id)  # expired: its entry goes too
-                continue
-            if purpose is None or file.purpose == purpose:
-                files.append(file)
-                if len(files) > limit:  # one past the page: more follow
-                    break
-        if gone:
-            await self._aio.zrem(self._keys.files_by_owner(owner), *gone)
-        return files[:limit], len(files) > limit
+                return None  # expired
+
+        return await newest_first(self._aio, self._keys.files_by_owner(owner), after, limit, load,
+                                  keep=lambda file: purpose is None or file.purpose == purpose)
 
     async def delete(self, file_id: str, owner: str) -> None:
         await self.get(file_id, owner)

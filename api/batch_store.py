@@ -21,6 +21,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from api.errors import NotFoundError
+from api.owner_pages import newest_first
 from protocol import Keys
 
 
@@ -196,23 +197,13 @@ class BatchStore:
 
     async def page(self, owner: str, limit: int, after: str | None) -> tuple[list[BatchRecord], bool]:
         """The owner's batches, newest first, after the batch id `after`; and whether more follow."""
-        key = self._keys.batches_by_owner(owner)
-        ids = [str(i) for i in await self._aio.zrevrange(key, 0, -1)]
-        if after is not None:
-            ids = ids[ids.index(after) + 1:] if after in ids else []
-        batches: list[BatchRecord] = []
-        gone: list[str] = []
-        for batch_id in ids:
+        async def load(batch_id: str) -> BatchRecord | None:
             try:
-                batches.append(await self.get(batch_id, owner))
+                return await self.get(batch_id, owner)
             except NotFoundError:
-                gone.append(batch_id)  # its retention ended
-                continue
-            if len(batches) > limit:
-                break
-        if gone:
-            await self._aio.zrem(key, *gone)
-        return batches[:limit], len(batches) > limit
+                return None  # its retention ended
+
+        return await newest_first(self._aio, self._keys.batches_by_owner(owner), after, limit, load)
 
     async def open_ids(self) -> list[str]:
         return sorted(str(i) for i in await self._aio.smembers(self._keys.batches_open()))

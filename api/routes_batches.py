@@ -13,6 +13,7 @@ from api.batch_files import BATCH_ENDPOINTS
 from api.batch_store import BatchStatus
 from api.context import AppContext, get_context
 from api.errors import OPENAI_TAG, ConflictError, InvalidRequestError, NotFoundError
+from api.owner_pages import list_object
 
 router = APIRouter(prefix="/v1", tags=[OPENAI_TAG], dependencies=[Depends(caller_owner)])
 
@@ -66,9 +67,7 @@ async def list_batches(owner: Owner, ctx: Context,
                        after: Annotated[str | None, Query()] = None,
                        limit: Annotated[int, Query(ge=1, le=100)] = 20) -> dict[str, Any]:
     batches, has_more = await ctx.batches.page(owner, limit, after)
-    data = [batch.to_openai() for batch in batches]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+    return list_object([batch.to_openai() for batch in batches], has_more)
 
 
 @router.get("/batches/{batch_id}", summary="A batch")

@@ -13,6 +13,7 @@ from api.batch_files import UPLOAD_PURPOSES, parse_batch_input
 from api.context import AppContext, get_context
 from api.errors import OPENAI_TAG, InvalidRequestError, PayloadTooLargeError
 from api.multipart_form import parse_form
+from api.owner_pages import list_object
 
 router = APIRouter(prefix="/v1", tags=[OPENAI_TAG], dependencies=[Depends(caller_owner)])
 
@@ -52,9 +53,7 @@ async def list_files(owner: Owner, ctx: Context, purpose: Annotated[str | None, 
                      limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
                      after: Annotated[str | None, Query()] = None) -> dict[str, Any]:
     files, has_more = await ctx.files.page(owner, purpose, limit, after)
-    data = [file.to_openai() for file in files]
-    return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-            "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+    return list_object([file.to_openai() for file in files], has_more)
 
 
 @router.get("/files/{file_id}", summary="A file's metadata")

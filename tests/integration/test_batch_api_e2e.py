@@ -6,16 +6,12 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 from redis import Redis
@@ -23,8 +19,8 @@ from redis import Redis
 from protocol import JobState, JobStatus, SamplingParams
 from protocol.rq_keys import RQKeys
 from tests.conftest import RedisServer, _free_port
-from tests.integration.conftest import KEYS, PROMPTS, REPO, Fleet, WorkerProcess, wait_until
-from tests.integration.test_api_e2e import ApiServer
+from tests.integration.conftest import KEYS, PROMPTS, Fleet, WorkerProcess, wait_until
+from tests.integration.test_api_e2e import ApiServer, serve_api
 
 pytestmark = pytest.mark.slow
 
@@ -54,31 +50,8 @@ def batch_fleet(aof_redis: RedisServer, tiny_llama_dir: Path,
 
 @pytest.fixture(scope="module")
 def api(batch_fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("batch-api-log") / "api.log"
-    env = {**os.environ, "CARPOOL_API_KEYS": KEY, "CARPOOL_STREAM_BLOCK_MS": "200",
-           "CARPOOL_BATCH_TICK_S": "0.2", "PYTHONUNBUFFERED": "1"}
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "api", "--host", "127.0.0.1", "--port", str(port),
-             "--redis-url", batch_fleet.redis_url], cwd=REPO, env=env, stdout=log,
-            stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    server = ApiServer(url=url, model=batch_fleet.model_dir.name, process=process,
-                       log_path=log_path)
-
-    def ready() -> bool:
-        try:
-            return httpx.get(f"{url}/healthz", timeout=1).json().get("workers", 0) >= 2
-        except (httpx.HTTPError, ValueError):
-            return False
-
-    try:
-        wait_until(ready, 120, "the API to see the workers", lambda: server.log() + batch_fleet.logs())
-        yield server
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    yield from serve_api(batch_fleet, tmp_path_factory.mktemp("batch-api-log"),
+                         {"CARPOOL_API_KEYS": KEY, "CARPOOL_BATCH_TICK_S": "0.2"}, num_workers=2)
 
 
 def _jsonl(url: str, bodies: dict[str, dict[str, Any]]) -> io.BytesIO:
