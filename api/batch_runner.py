@@ -37,6 +37,7 @@ import time
 import uuid
 from typing import Any
 
+import anyio.to_thread
 import redis.exceptions
 from pydantic import ValidationError
 
@@ -154,7 +155,8 @@ class BatchRunner:
         lines = self._inputs.get(batch.id)
         if lines is None:
             content = await self.files.content(batch.input_file_id, batch.owner)
-            lines = parse_batch_input(content.encode(), self.settings.max_batch_lines)
+            lines = await anyio.to_thread.run_sync(  # seconds for a big file: off the event loop
+                parse_batch_input, content.encode(), self.settings.max_batch_lines)
             self._inputs[batch.id] = lines
         return lines
 

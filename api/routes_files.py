@@ -3,8 +3,10 @@ retrieve, read content, list, delete. Files live in Redis with a retention TTL (
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Annotated, Any
 
+import anyio.to_thread
 from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import Response
 
@@ -24,7 +26,9 @@ FileId = Annotated[str, Path(max_length=200)]
 
 @router.post("/files", summary="Upload a file (purpose 'batch': a Batch API input, JSONL)")
 async def create_file(request: Request, owner: Owner, ctx: Context) -> dict[str, Any]:
-    form = parse_form(request.headers.get("content-type", ""), await request.body())
+    # Parsing a file of tens of MB takes seconds: off the event loop, so other requests go on.
+    form = await anyio.to_thread.run_sync(partial(
+        parse_form, request.headers.get("content-type", ""), await request.body()))
     purpose = form.get("purpose")
     if purpose is None:
         raise InvalidRequestError("Missing required parameter: 'purpose' (use 'batch')",
@@ -42,7 +46,8 @@ async def create_file(request: Request, owner: Owner, ctx: Context) -> dict[str,
     if len(upload.value) > limit:
         raise PayloadTooLargeError(f"The file is {len(upload.value)} bytes; the limit is {limit} "
                                    f"bytes (CARPOOL_MAX_FILE_BYTES): split it into smaller files")
-    parse_batch_input(upload.value, ctx.settings.max_batch_lines)  # 400 naming the bad line
+    # 400 naming the bad line.
+    await anyio.to_thread.run_sync(parse_batch_input, upload.value, ctx.settings.max_batch_lines)
     file = await ctx.files.create(owner, upload.filename or "upload.jsonl", purpose_name,
                                   upload.value.decode("utf-8"))
     return file.to_openai()
