@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -9,6 +11,8 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from api import (
+    routes_batches,
+    routes_files,
     routes_jobs,
     routes_openai,
     routes_ops,
@@ -16,6 +20,7 @@ from api import (
     routes_tokenize,
     routes_webhooks,
 )
+from api.batch_runner import BatchRunner
 from api.body_limit import BodyLimitMiddleware
 from api.context import AppContext
 from api.errors import install_error_handlers
@@ -41,7 +46,13 @@ def create_app(settings: ApiSettings, context: AppContext | None = None) -> Fast
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        runner = (asyncio.create_task(BatchRunner(ctx).run_forever())
+                  if settings.batch_runner else None)
         yield
+        if runner is not None:
+            runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await runner
         await ctx.close()
 
     docs = settings.public_docs
@@ -53,11 +64,15 @@ def create_app(settings: ApiSettings, context: AppContext | None = None) -> Fast
     )
     app.state.context = ctx
     install_error_handlers(app, settings.retry_after_s)
-    routers = [routes_jobs.router, routes_openai.router, routes_tokenize.router,
+    routers = [routes_jobs.router, routes_openai.router, routes_files.router,
+               routes_batches.router, routes_tokenize.router,
                routes_ops.open_router, routes_ops.router, routes_webhooks.router,
                routes_playground.router]
     for router in routers:
         app.include_router(router)
+    # An upload's body is the file plus its form's few hundred bytes.
+    upload_limit = (settings.max_file_bytes + 64 * 1024, "CARPOOL_MAX_FILE_BYTES")
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,
-                       routes=[route for router in routers for route in router.routes])
+                       routes=[route for router in routers for route in router.routes],
+                       path_limits={"/v1/files": upload_limit})
     return app

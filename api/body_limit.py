@@ -23,18 +23,23 @@ class BodyLimitMiddleware:
     the app from ever seeing a partial body, so no parser has to tell "too large" from "broken".
     """
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int, routes: Sequence[BaseRoute]) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, routes: Sequence[BaseRoute],
+                 path_limits: dict[str, tuple[int, str]] | None = None) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
         self._routes = routes  # to answer in the error shape of the route that was asked
+        # Exact paths with a limit of their own (file uploads), and the setting that sets it.
+        self._path_limits = path_limits or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not _has_body(scope):
             await self.app(scope, receive, send)
             return
+        limit, setting = self._path_limits.get(scope.get("path", ""),
+                                               (self.max_body_bytes, "CARPOOL_MAX_BODY_BYTES"))
         declared = _content_length(scope)
-        if declared is not None and declared > self.max_body_bytes:
-            await self._refuse(scope, receive, send, f"is {declared} bytes")
+        if declared is not None and declared > limit:
+            await self._refuse(scope, receive, send, f"is {declared} bytes", limit, setting)
             return
         chunks: list[bytes] = []
         size = 0
@@ -44,18 +49,20 @@ class BodyLimitMiddleware:
                 return  # the client left while sending: nobody is waiting for an answer
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body_bytes:
-                await self._refuse(scope, receive, send, f"is over {self.max_body_bytes} bytes")
+            if size > limit:
+                await self._refuse(scope, receive, send, f"is over {limit} bytes", limit, setting)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         await self.app(scope, _replay(b"".join(chunks), receive), send)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, size: str, limit: int,
+                      setting: str) -> None:
+        fix = ("send a shorter prompt or fewer messages" if setting == "CARPOOL_MAX_BODY_BYTES"
+               else "split the content into smaller files")
         error = PayloadTooLargeError(
-            f"The request body {size}; the limit is {self.max_body_bytes} bytes "
-            "(CARPOOL_MAX_BODY_BYTES): send a shorter prompt or fewer messages")
+            f"The request body {size}; the limit is {limit} bytes ({setting}): {fix}")
         # Matched here because routing has not run yet; error_response picks the shape by route.
         route = next((r for r in self._routes if r.matches(scope)[0] is Match.FULL), None)
         request = Request({**scope, "route": route} if route else scope, receive)

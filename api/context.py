@@ -13,6 +13,8 @@ from fastapi import Request
 from redis.backoff import NoBackoff
 
 from api.auth import ApiKeyAuth
+from api.batch_files import FileStore
+from api.batch_store import BatchStore
 from api.job_service import JobService
 from api.job_stream import JobStream
 from api.model_registry import ModelRegistry
@@ -46,6 +48,13 @@ class AppContext:
     shard_clients: list[aioredis.Redis] = field(default_factory=list)
     shard_hubs: list[StreamHub | None] = field(default_factory=list)
     state_reads: SharedStateReads | None = None
+    # The Batch API's files and batches (built from the settings when not handed in).
+    files: FileStore = field(init=False)
+    batches: BatchStore = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.files = FileStore(self.aio, self.keys, self.settings.file_retention_s)
+        self.batches = BatchStore(self.aio, self.keys, self.settings.batch_retention_s)
 
     @classmethod
     def build(cls, settings: ApiSettings, aio: aioredis.Redis | None = None,
@@ -63,7 +72,7 @@ class AppContext:
         jobs = JobService(aio, sync, keys, models, tokenizers, settings.max_queue_depth,
                           settings.retry_after_s, settings.idempotency_ttl_s,
                           settings.result_ttl_s, settings.failure_ttl_s, settings.max_logprobs,
-                          settings.webhook_allow_list)
+                          settings.webhook_allow_list, settings.max_batch_queue_depth)
         shard_clients = [
             aio if url == settings.redis_url else _async_client(url, settings)
             for url in shard_urls(settings.redis_url, settings.stream_redis_urls)]

@@ -79,7 +79,7 @@ class JobCreate(StructuredOutputParams):
         description="vLLM's: each prompt token's log-probability given the ones before it and the "
                     "this many most likely there (raw model distribution; capped by the server's "
                     "max_logprobs), in the status once the first token is out.")
-    priority: Priority = Field(Priority.NORMAL, description="Queue to wait in: high, normal or low.")
+    priority: Priority = Field(Priority.NORMAL, description="Queue: high, normal, low or batch (idle seats only).")
     queue_timeout_s: QueueTimeoutS = None
     deadline_s: DeadlineS = None
     retention_s: RetentionS = None

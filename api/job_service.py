@@ -121,13 +121,15 @@ class JobService:
                  tokenizers: TokenizerCache, max_queue_depth: int, retry_after_s: int,
                  idempotency_ttl_s: int = 24 * 3600, result_ttl_s: int = DEFAULT_RESULT_TTL,
                  failure_ttl_s: int = DEFAULT_FAILURE_TTL, max_logprobs: int = 20,
-                 webhook_allow_list: WebhookAllowList = WebhookAllowList()) -> None:
+                 webhook_allow_list: WebhookAllowList = WebhookAllowList(),
+                 max_batch_queue_depth: int | None = None) -> None:
         self._aio = aio
         self._sync = sync
         self._keys = keys
         self._models = models
         self._tokenizers = tokenizers
-        self._admission = QueueAdmission(aio, keys, max_queue_depth, retry_after_s)
+        self._admission = QueueAdmission(aio, keys, max_queue_depth, retry_after_s,
+                                         max_background_depth=max_batch_queue_depth)
         self._idempotency_ttl_s = idempotency_ttl_s
         self._result_ttl_s = result_ttl_s
         self._failure_ttl_s = failure_ttl_s
@@ -187,7 +189,8 @@ class JobService:
                        checked: list[tuple[GenerationRequest, SamplingParams, int | None, str | None]],
                        idempotency: Idempotency | None) -> list[AcceptedJob]:
         first = checked[0][0]
-        async with self._admission.admit(card.name, len(checked)) as admissions:
+        async with self._admission.admit(card.name, len(checked),
+                                         first.priority) as admissions:
             created_at = time.time()
             accepted = [AcceptedJob(JobSpec(
                 job_id=new_job_id(), model=card.name, prompt=request.prompt,

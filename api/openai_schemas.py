@@ -152,7 +152,8 @@ class _CommonParams(StructuredOutputParams):
         description="vLLM's: each prompt token's log-probability given the ones before it and the "
                     "this many most likely there (raw model distribution; capped by the server's "
                     "max_logprobs), as a `prompt_logprobs` list (first entry null). Not with stream.")
-    priority: Priority = Field(Priority.NORMAL, description="Carpool queue: high, normal or low.")
+    priority: Priority = Field(Priority.NORMAL,
+                               description="Carpool queue: high, normal, low or batch (idle seats).")
     webhook_url: WebhookUrl = None  # or the X-Carpool-Webhook-Url header
 
     @field_validator("prompt_logprobs")

@@ -11,7 +11,7 @@ import anyio
 import redis.asyncio as aioredis
 
 from api.errors import QueueFullError
-from protocol import Keys
+from protocol import Keys, Priority
 from protocol.rq_keys import RQKeys
 
 # An admission whose submission never enqueued (its process died) stops counting after this long:
@@ -37,6 +37,8 @@ return {1, depth}
 class QueueAdmission:
     """Admits a submission only while its model's queues hold fewer than `max_queue_depth` jobs
     (per model: a model whose workers are gone fills its own queues, not the others').
+    The background tier (`batch`) has a depth of its own and does not count toward the others':
+    batch lines wait their turn in their input file, never crowding interactive requests out.
 
     Checked naively (read the depth, then enqueue), a burst reads the same depth everywhere and all
     of it gets in, and a per-process count of enqueues in flight cannot see the other API
@@ -47,8 +49,10 @@ class QueueAdmission:
     """
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, max_queue_depth: int,
-                 retry_after_s: int, ttl_ms: int = ADMISSION_TTL_MS) -> None:
+                 retry_after_s: int, ttl_ms: int = ADMISSION_TTL_MS,
+                 max_background_depth: int | None = None) -> None:
         self.max_queue_depth = max_queue_depth
+        self.max_background_depth = max_background_depth or max_queue_depth
         self._redis = redis
         self._keys = keys
         self._retry_after_s = retry_after_s
@@ -56,20 +60,25 @@ class QueueAdmission:
         self._script = redis.register_script(_ADMIT_LUA)
 
     @asynccontextmanager
-    async def admit(self, model: str, num_jobs: int = 1) -> AsyncIterator[list[str]]:
+    async def admit(self, model: str, num_jobs: int = 1,
+                    priority: Priority = Priority.NORMAL) -> AsyncIterator[list[str]]:
         """Enqueue `num_jobs` jobs of `model` inside this block, passing the admission ids it
         gives to submit_jobs; raises QueueFullError (429) instead when they would not all fit."""
         admissions = [uuid.uuid4().hex for _ in range(num_jobs)]
+        # The tiers counted: the background one alone, or all the others. (Admissions not
+        # enqueued yet count for both: a few jobs for a moment.)
+        tiers = [p for p in Priority.ordered() if p.is_background == priority.is_background]
+        limit = self.max_background_depth if priority.is_background else self.max_queue_depth
         script_keys = [self._keys.admissions(model),
-                       *(RQKeys.queue(name) for name in self._keys.queue_names(model))]
-        reply = await self._script(keys=script_keys,
-                                   args=[self.max_queue_depth, self._ttl_ms, *admissions])
+                       *(RQKeys.queue(self._keys.queue_name(model, p)) for p in tiers)]
+        reply = await self._script(keys=script_keys, args=[limit, self._ttl_ms, *admissions])
         is_admitted, depth = (int(value) for value in cast("list[int]", reply))
         if not is_admitted:
             wanted = "" if num_jobs == 1 else f" for {num_jobs} more jobs"
+            queue = "batch queue" if priority.is_background else "job queue"
             raise QueueFullError(
-                f"The job queue of model '{model}' is full ({depth} jobs waiting, the limit is "
-                f"{self.max_queue_depth}){wanted}; retry later", self._retry_after_s)
+                f"The {queue} of model '{model}' is full ({depth} jobs waiting, the limit is "
+                f"{limit}){wanted}; retry later", self._retry_after_s)
         try:
             yield admissions
         except BaseException:

@@ -34,6 +34,10 @@ class ApiSettings(BaseSettings):
         1000, ge=1, description="Jobs waiting over one model's priority queues before its submissions "
                               "get 429."
     )
+    max_batch_queue_depth: int = Field(
+        1000, ge=1, description="Jobs waiting on one model's batch-tier queue: batch lines past it "
+        "wait in their batch's input file. The batch queue does not count toward "
+        "max_queue_depth, so a big batch never turns interactive requests away.")
     retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 429 and 503 answers.")
     result_ttl_s: int = Field(
         24 * 3600, ge=1, le=MAX_RETENTION_S,
@@ -96,6 +100,25 @@ class ApiSettings(BaseSettings):
         description="Hosts a job's webhook_url may name: host patterns (*.example.com) and networks "
                     "(10.0.0.0/8), comma-separated; empty: any public address. Private, loopback "
                     "and link-local addresses only when listed (protocol/webhook_urls.py).")
+    max_file_bytes: int = Field(
+        50 * 1024 * 1024, ge=1, description="Largest file POST /v1/files takes (Batch API input); "
+        "files are kept in Redis, so this bounds the memory one upload costs.")
+    max_batch_lines: int = Field(50_000, ge=1, description="Most requests one batch input file holds.")
+    file_retention_s: int = Field(
+        7 * 24 * 3600, ge=60, description="How long uploaded files and batch output files are kept.")
+    batch_retention_s: int = Field(
+        7 * 24 * 3600, ge=60, description="How long a batch object is kept once it ended.")
+    batch_tick_s: float = Field(
+        1.0, gt=0, le=60, description="How often each API process advances the open batches.")
+    batch_submit_lines: int = Field(
+        256, ge=1, description="Lines a batch runner queues per batch and tick (the rest wait "
+        "for the next tick, so a huge batch never stalls the others).")
+    batch_poll_lines: int = Field(
+        1024, ge=1, description="Unanswered lines a batch runner checks per batch and tick (they "
+        "take turns), bounding the Redis reads a huge batch costs.")
+    batch_runner: bool = Field(
+        True, description="Advance open batches in this API process (any number of processes "
+        "may: a Redis lock per batch keeps them from duplicating work).")
     log_level: str = Field("info")
 
     @field_validator("webhook_allowed_hosts", mode="before")

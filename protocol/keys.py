@@ -100,6 +100,41 @@ class Keys:
         made (written in the enqueue's own transaction)."""
         return f"{self.prefix}:owner:{owner}:idempotency:{idempotency_key}"
 
+    # The Batch API (api/batch_*): files and batches, owned by an API key, kept for a retention.
+    def file(self, file_id: str) -> str:
+        """Hash with a TTL: a file's metadata fields (api.batch_files.FileObject) and `content`."""
+        return f"{self.prefix}:file:{file_id}"
+
+    def files_by_owner(self, owner: str) -> str:
+        """Sorted set file id -> created_at of the owner's files (ids whose file expired are
+        dropped as listings meet them)."""
+        return f"{self.prefix}:owner:{owner}:files"
+
+    def batch(self, batch_id: str) -> str:
+        """Hash: the batch object's fields (api.batch_store.BatchRecord) and its answer counts."""
+        return f"{self.prefix}:batch:{batch_id}"
+
+    def batch_lines(self, batch_id: str) -> str:
+        """Hash: input line index -> the jobs that line was submitted as (api.batch_store.LineJobs
+        JSON), written once the line is queued."""
+        return f"{self.prefix}:batch:{batch_id}:lines"
+
+    def batch_answers(self, batch_id: str) -> str:
+        """Hash: input line index -> its output or error file line, written once (HSETNX)."""
+        return f"{self.prefix}:batch:{batch_id}:answers"
+
+    def batches_by_owner(self, owner: str) -> str:
+        """Sorted set batch id -> created_at of the owner's batches."""
+        return f"{self.prefix}:owner:{owner}:batches"
+
+    def batches_open(self) -> str:
+        """Set of batch ids not yet in a final status: what the batch runners advance."""
+        return f"{self.prefix}:batches:open"
+
+    def batch_lock(self, batch_id: str) -> str:
+        """String with a TTL: the token of the API process advancing the batch right now."""
+        return f"{self.prefix}:batch:{batch_id}:lock"
+
     # Workers and models.
     def models(self) -> str:
         """Hash model name -> ModelCard JSON, written by workers at start and never removed: the

@@ -15,10 +15,18 @@ class Priority(str, Enum):
     HIGH = "high"
     NORMAL = "normal"
     LOW = "low"
+    # Below low: the Batch API's lines. Workers take them only for seats no other tier wants
+    # and requeue (preempt) them first when a higher tier waits (worker.jobs.batch_preemption).
+    BATCH = "batch"
 
     @classmethod
     def ordered(cls) -> list[Priority]:
-        return [cls.HIGH, cls.NORMAL, cls.LOW]
+        return [cls.HIGH, cls.NORMAL, cls.LOW, cls.BATCH]
+
+    @property
+    def is_background(self) -> bool:
+        """Whether jobs of this tier give way to every other tier (preempted first)."""
+        return self is Priority.BATCH
 
 
 class JobStatus(str, Enum):

@@ -44,7 +44,7 @@ def _field_error(response: httpx.Response) -> tuple[list[Any], str]:
     ({"prompt": "x", "seed": -1}, ["body", "seed"], "greater than or equal to 0"),
     ({"prompt": "x", "seed": 2**63}, ["body", "seed"], "less than or equal to 9223372036854775807"),
     ({"prompt": "x", "stop": ["x" * 257]}, ["body", "stop", 0], "at most 256 characters"),
-    ({"prompt": "x", "priority": "urgent"}, ["body", "priority"], "'high', 'normal' or 'low'"),
+    ({"prompt": "x", "priority": "urgent"}, ["body", "priority"], "'high', 'normal', 'low' or 'batch'"),
     ({"prompt": "x", "ignore_eos": "yes"}, ["body", "ignore_eos"], "valid boolean"),
     ({"prompt": "x", "n": 0}, ["body", "n"], "greater than or equal to 1"),
     ({"prompt": "x", "n": 17}, ["body", "n"], "'n' must be at most 16 (got 17)"),

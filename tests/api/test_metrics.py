@@ -107,7 +107,7 @@ async def test_stats_json(harness: Harness, client: httpx.AsyncClient) -> None:
     stats = (await client.get("/v1/stats")).json()
     assert stats["preemptions"] == 3
     assert stats["jobs_preempted_total"] == 3
-    assert stats["queue_depth"] == {"high": 0, "normal": 0, "low": 0}
+    assert stats["queue_depth"] == {"high": 0, "normal": 0, "low": 0, "batch": 0}
     assert [(w["name"], w["num_running"], w["max_num_seqs"]) for w in stats["workers"]] == [
         ("w1", 2, 8)]
 

@@ -69,6 +69,26 @@ async def test_each_model_has_its_own_limit() -> None:
             pytest.fail("admitted past the limit")
 
 
+async def test_the_batch_tier_has_a_depth_of_its_own() -> None:
+    aio, sync = _fake()
+    batch = [dataclasses.replace(_spec(f"b{i}"), priority=Priority.BATCH) for i in range(3)]
+    submit_jobs(sync, batch)
+    admission = QueueAdmission(aio, KEYS, 2, 5, max_background_depth=3)
+    # Three batch jobs wait: interactive tiers are not held back by them...
+    async with admission.admit("tiny") as place:
+        submit_job(sync, _spec("a"), admission=place)
+    # ...but the batch queue is full at its own limit.
+    with pytest.raises(QueueFullError) as caught:
+        async with admission.admit("tiny", priority=Priority.BATCH):
+            pytest.fail("admitted past the batch limit")
+    assert caught.value.message == ("The batch queue of model 'tiny' is full (3 jobs waiting, the "
+                                    "limit is 3); retry later")
+    submit_job(sync, _spec("z"))
+    with pytest.raises(QueueFullError):  # the interactive tiers reached theirs: 2
+        async with admission.admit("tiny"):
+            pytest.fail("admitted past the limit")
+
+
 async def test_admissions_not_enqueued_yet_count_toward_the_depth() -> None:
     aio, sync = _fake()
     admission = QueueAdmission(aio, KEYS, 2, 1)

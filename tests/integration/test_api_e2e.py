@@ -53,13 +53,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def api(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
-    fleet.start(("e2e-worker", WORKER_ARGS))
+def serve_api(fleet: Fleet, log_dir: Path, env: dict[str, str],
+              num_workers: int = 1) -> Iterator[ApiServer]:
+    """An API process (`python -m api`) on the fleet's Redis, once it sees `num_workers` workers;
+    stopped when the generator closes."""
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("api-log") / "api.log"
-    env = {**os.environ, "CARPOOL_API_KEYS": f"{KEY_A},{KEY_B}", "CARPOOL_STREAM_BLOCK_MS": "200",
-           "CARPOOL_SSE_KEEPALIVE_S": "1", "PYTHONUNBUFFERED": "1"}
+    log_path = log_dir / "api.log"
+    env = {**os.environ, "CARPOOL_STREAM_BLOCK_MS": "200", "PYTHONUNBUFFERED": "1", **env}
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "api", "--host", "127.0.0.1", "--port", str(port),
@@ -69,17 +69,24 @@ def api(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiS
 
     def ready() -> bool:
         try:
-            return httpx.get(f"{url}/healthz", timeout=1).json().get("workers", 0) >= 1
+            return httpx.get(f"{url}/healthz", timeout=1).json().get("workers", 0) >= num_workers
         except (httpx.HTTPError, ValueError):
             return False
 
     server = ApiServer(url=url, model=fleet.model_dir.name, process=process, log_path=log_path)
     try:
-        wait_until(ready, 120, "the API to see a worker", lambda: server.log() + fleet.logs())
+        wait_until(ready, 120, "the API to see the workers", lambda: server.log() + fleet.logs())
         yield server
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def api(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
+    fleet.start(("e2e-worker", WORKER_ARGS))
+    yield from serve_api(fleet, tmp_path_factory.mktemp("api-log"),
+                         {"CARPOOL_API_KEYS": f"{KEY_A},{KEY_B}", "CARPOOL_SSE_KEEPALIVE_S": "1"})
 
 
 def test_openai_completions_plain_and_streamed_agree(api: ApiServer) -> None:

@@ -150,7 +150,7 @@ def test_submit_jobs_queues_many_in_one_transaction(fake_redis: fakeredis.FakeRe
 
 def test_queue_names_are_per_model_and_invertible() -> None:
     assert KEYS.queue_names("a-high") == ["carpool-a-high-high", "carpool-a-high-normal",
-                                          "carpool-a-high-low"]
+                                          "carpool-a-high-low", "carpool-a-high-batch"]
     for model in ("tiny", "a-high", "org/Model-7B"):
         for name in KEYS.queue_names(model):
             assert KEYS.model_of_queue(name) == model

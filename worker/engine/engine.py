@@ -105,8 +105,11 @@ class Engine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         output_token_ids: Seq[int] = (),
+        preempt_first: bool = False,
     ) -> None:
-        """Queue a request; `output_token_ids` resumes one, generation continuing at that index."""
+        """Queue a request; `output_token_ids` resumes one, generation continuing at that index.
+        `preempt_first`: a background request (the Batch API's tier), which the scheduler
+        preempts before any other when the KV pool runs out."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._requests:
@@ -139,6 +142,7 @@ class Engine:
             seed=seed,
             # A resumed request handed its prompt logprobs out with its first token already.
             needs_prompt_logprobs=params.prompt_logprobs is not None and not output,
+            preempt_first=preempt_first,
         )
         detokenizer = Detokenizer(self._decode, prompt, params.stop, params.min_tokens)
         for token_id in output:  # replay, so the deltas continue exactly where they stopped

@@ -238,11 +238,20 @@ class Scheduler:
         out.finished.append(seq)
 
     def _find_victim(self, seq: Sequence, scheduled: set[str]) -> Sequence | None:
-        """The youngest sequence admitted after `seq` that holds blocks and is not in this step."""
+        """The youngest sequence admitted after `seq` that holds blocks and is not in this step.
+        Background sequences (`preempt_first`) give way to every other one, older or not: a
+        foreground `seq` takes the youngest background holder first; a background `seq` only
+        ever takes a younger background one (else it steps aside itself)."""
+        if not seq.preempt_first:
+            for candidate in reversed(self.running):
+                if candidate.preempt_first and candidate.request_id not in scheduled \
+                        and self.block_manager.block_table(candidate.request_id):
+                    return candidate
         for candidate in reversed(self.running):
             if candidate is seq:
                 return None
-            if candidate.request_id in scheduled:
+            if candidate.request_id in scheduled or (seq.preempt_first
+                                                     and not candidate.preempt_first):
                 continue
             if self.block_manager.block_table(candidate.request_id):
                 return candidate

@@ -30,6 +30,8 @@ class Sequence:
     # Asked for prompt logprobs and not yet handed them out (with its first token): until then
     # every prompt position is computed, the prefix cache skipped, so none is missing.
     needs_prompt_logprobs: bool = False
+    # A background request (the Batch API's tier): the first victim when the KV pool runs out.
+    preempt_first: bool = False
 
     @property
     def num_tokens(self) -> int:

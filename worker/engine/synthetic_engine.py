@@ -70,7 +70,7 @@ class SyntheticEngine:
         return self.tokenizer.encode(" ".join(m["content"] for m in messages))
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                    output_token_ids: tuple[int, ...] = ()) -> None:
+                    output_token_ids: tuple[int, ...] = (), preempt_first: bool = False) -> None:
         self._requests[request_id] = _Request(sampling.max_tokens, len(prompt_ids),
                                               len(output_token_ids))
 

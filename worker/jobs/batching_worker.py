@@ -36,7 +36,7 @@ from rq.worker import WorkerStatus
 from protocol.generation import FinishReason, PromptLogprobs, SamplingParams
 from protocol.generation_defaults import generation_defaults
 from protocol.keys import Keys
-from protocol.messages import JobSpec, JobStatus, ModelCard, WorkerStats
+from protocol.messages import JobSpec, JobStatus, ModelCard, Priority, WorkerStats
 from protocol.stream_shards import shard_urls
 from worker.engine.config import BatchingMode
 from worker.engine.outputs import StepOutput, StepStats
@@ -91,6 +91,13 @@ class BatchingWorker:
                                          settings.lease_ms, self.presence, self.shards)
         self.jobs: dict[str, RunningJob] = {}
         self._pending: list[_Pending] = []
+        # Jobs of the tiers above batch waiting on this model's queues, as the last flush read
+        # them (only while this worker holds batch-tier jobs; 0 otherwise).
+        self._num_foreground_queued = 0
+        self._is_kv_starved = False  # the last claim found no KV room for a waiting higher tier
+        self._foreground_queue_keys = [
+            key for key, priority in zip(self.queue.queue_keys, Priority.ordered())
+            if not priority.is_background]
         self._stop_requested = False
         self._last_heartbeat = 0.0
         self._last_stats: StepStats | None = None
@@ -204,6 +211,7 @@ class BatchingWorker:
         return free_slots
 
     def _claim_now(self) -> list[ClaimedJob]:
+        waiting = self._make_seats_for_foreground()
         free_slots = self._free_slots()
         # Jobs still waiting inside the engine mean it is full already: leave the rest queued
         # for workers that can start them now.
@@ -216,7 +224,36 @@ class BatchingWorker:
             self._redis_unreachable("claiming jobs", exc)
             return []
         self._redis_reachable()
+        # A higher tier waits and a seat was free, yet nothing of it fit in the KV blocks left
+        # (the claim keeps queue order, so it took nothing below it either): batch jobs hold them.
+        self._is_kv_starved = waiting > 0 and budget is not None and not any(
+            claim.spec is not None and not claim.spec.priority.is_background for claim in claims)
         return claims
+
+    def _make_seats_for_foreground(self) -> int:
+        """Batch-tier jobs only fill seats nobody else wants: while higher-tier jobs wait and this
+        worker is full, requeue (preempt) its youngest batch-tier jobs, one per waiting job, to
+        the front of the batch queue, stream kept, so they resume exactly where they stopped.
+        The claim that follows takes the highest tier first. (Another worker with free seats may
+        take the waiting jobs first: then the batch jobs were requeued for nothing, a cost of a
+        step or two, never a lost or duplicated token.) A worker with seats but no KV blocks left
+        for a waiting job (the last claim was starved) gives up one batch job a boundary until
+        the job fits. Returns the higher-tier jobs seen waiting."""
+        waiting, self._num_foreground_queued = self._num_foreground_queued, 0
+        shortfall = waiting - self._free_slots()
+        if self._is_kv_starved and waiting:
+            shortfall = max(shortfall, 1)
+        self._is_kv_starved = False
+        if shortfall <= 0:
+            return waiting
+        background = [job for job in self.jobs.values()
+                      if job.spec is not None and job.spec.priority.is_background]
+        for job in reversed(background[-shortfall:]):  # the youngest first: the least to redo
+            del self.jobs[job.job_id]
+            self.engine.abort(job.job_id)  # frees its seat and KV blocks at this boundary
+            self.publisher.requeue(job, count_as_preemption=True)
+            log.info("job %s (batch tier) preempted: %d higher-tier jobs wait", job.job_id, waiting)
+        return waiting
 
     def _wait_for_jobs(self) -> list[ClaimedJob]:
         try:
@@ -289,7 +326,8 @@ class BatchingWorker:
                 self._end_later(job, JobEnd(JobStatus.FINISHED, FinishReason.LENGTH))
                 return
             self.engine.add_request(job.job_id, prompt_ids, spec.sampling,
-                                    output_token_ids=tuple(job.token_ids))
+                                    output_token_ids=tuple(job.token_ids),
+                                    preempt_first=spec.priority.is_background)
         except (ValueError, TypeError) as exc:
             self._fail(job, str(exc))
             return
@@ -361,6 +399,9 @@ class BatchingWorker:
             self._last_stats = None
         for job in self.jobs.values():
             pub.append(job)
+        if any(job.spec is not None and job.spec.priority.is_background
+               for job in self.jobs.values()):
+            pub.watch_queues(self._foreground_queue_keys)
         for job, end in finished:
             pub.finish(job, end, now)
             del self.jobs[job.job_id]
@@ -407,6 +448,7 @@ class BatchingWorker:
             return report
 
     def _act_on(self, report: PublishReport, pending: list[_Pending]) -> None:
+        self._num_foreground_queued = report.num_queued_watched or 0
         for job_id in report.refused:
             if self.jobs.pop(job_id, None) is not None:
                 # Another worker holds it now (our lease lapsed): stop, write nothing more.

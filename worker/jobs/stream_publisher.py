@@ -79,6 +79,8 @@ class PublishReport:
     ended: dict[str, JobStatus] = field(default_factory=dict)  # status each finish wrote
     requeued: set[str] = field(default_factory=set)
     recovered: list[str] = field(default_factory=list)
+    # Jobs waiting on the queues `watch_queues` named (None: none were watched this flush).
+    num_queued_watched: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +166,7 @@ class StreamPublisher:
         self._notified: list[tuple[str, list[str]]] = []
         self._shard_notified: dict[int, list[tuple[str, list[str]]]] = defaultdict(list)
         self._extra: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []  # plain commands (stats, heartbeats)
+        self._watched: list[str] = []  # RQ queue keys whose lengths this flush reads
         self._heartbeat = False
         self._worker_state: WorkerStatus | None = None
         self._counters: Counter[str] = Counter()
@@ -303,6 +306,12 @@ class StreamPublisher:
             self._extra.append(("zadd", (RQKeys.executions(lease.job_id),
                                          {lease.execution_id: deadline + 60}), {"xx": True}))
 
+    def watch_queues(self, queue_keys: list[str]) -> None:
+        """Read how many jobs wait on these queues in this flush (PublishReport.num_queued_watched):
+        how a worker holding batch-tier jobs learns, at no extra round trip, that a higher tier
+        waits for its seats."""
+        self._watched = list(queue_keys)
+
     def worker_state(self, state: WorkerStatus) -> None:
         """RQ's view of the worker: busy while it has jobs, idle otherwise."""
         self._worker_state = state
@@ -381,8 +390,13 @@ class StreamPublisher:
         pipe = self.redis.pipeline(transaction=True)
         for call in calls:
             self.scripts.call(pipe, call.name, call.keys, call.args)
+        # Replies right after the scripts': the cancel flags of sharded jobs, then the watched
+        # queue lengths.
         if flag_only:
-            pipe.smismember(self.keys.canceled(), flag_only)  # its reply follows the scripts'
+            pipe.smismember(self.keys.canceled(), flag_only)
+        watched = self._watched
+        for queue_key in watched:
+            pipe.llen(queue_key)
         # After the scripts: a stream hub that reads this notification finds the entries there.
         notify_steps(pipe, self.keys, self._notify_ids)
         for command, args, kwargs in self._extra:
@@ -401,6 +415,10 @@ class StreamPublisher:
         if renew and append_ids:
             self._renewed_at = started
         self._reset()
+        if watched:
+            first = len(calls) + (1 if flag_only else 0)
+            lengths = replies[first:first + len(watched)]
+            report.num_queued_watched = sum(int(n) for n in lengths if isinstance(n, int))
         for call, reply in zip(calls, replies):
             if call.kind == "append":
                 self._read_appends(append_ids, reply, report)

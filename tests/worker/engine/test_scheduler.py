@@ -99,6 +99,39 @@ def test_the_youngest_running_sequence_is_preempted_and_requeued_in_front() -> N
     check_block_accounting(scheduler)
 
 
+def test_a_background_sequence_is_preempted_first_even_when_older() -> None:
+    # As above, but a (the oldest) is a background request: it goes, not c, the youngest.
+    scheduler = make_scheduler(num_blocks=6, block_size=2, max_num_batched_tokens=64)
+    a, b, c = (make_seq(name, num_prompt_tokens=3, max_tokens=8) for name in "abc")
+    a.preempt_first = True
+    late = make_seq("late", num_prompt_tokens=1)
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    fake_step(scheduler)
+    scheduler.add(late)
+    fake_step(scheduler)  # the pool is full
+    out, _ = fake_step(scheduler)  # a (oldest) needs a third block first: it steps aside itself
+    assert out.preempted == [a]
+    assert out.seqs == [b, c]
+    assert a.status is SequenceStatus.WAITING and a.num_preemptions == 1
+    assert c.num_preemptions == 0
+    check_block_accounting(scheduler)
+
+
+def test_a_background_sequence_only_preempts_younger_ones() -> None:
+    scheduler = make_scheduler(num_blocks=6, block_size=2, max_num_batched_tokens=64)
+    a, b, c = (make_seq(name, num_prompt_tokens=3, max_tokens=8) for name in "abc")
+    a.preempt_first = b.preempt_first = True
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    fake_step(scheduler)
+    fake_step(scheduler)
+    out, _ = fake_step(scheduler)  # a (background) needs a block: b, younger and background, goes
+    assert out.preempted == [b]
+    assert out.seqs == [a, c]
+    check_block_accounting(scheduler)
+
+
 def test_a_sequence_preempts_itself_when_it_is_the_youngest_holder() -> None:
     scheduler = make_scheduler(num_blocks=2, block_size=2, max_num_batched_tokens=64)
     a, b = make_seq("a", 2, max_tokens=8), make_seq("b", 1, max_tokens=8)

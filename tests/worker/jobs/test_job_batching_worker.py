@@ -202,3 +202,30 @@ def test_the_model_card_carries_generation_config_defaults(tmp_path: Path) -> No
     assert worker._generation_defaults() == {"temperature": 0.7, "top_p": 0.8, "top_k": 20}
     (tmp_path / "generation_config.json").write_text("{not json")
     assert worker._generation_defaults() == {}
+
+
+@pytest.mark.parametrize("running", ["continuous"], indirect=True)
+def test_batch_tier_jobs_give_their_seats_to_a_higher_tier_and_resume_exactly(
+        running: Running, reference) -> None:
+    from protocol import Priority
+
+    model = running.worker.settings.served_model_name
+    long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    batch = [dataclasses.replace(spec, job_id=f"batch-{i}", priority=Priority.BATCH, sampling=long)
+             for i, spec in enumerate(_specs(model, 3))]  # three seats: the worker is full
+    submit_jobs(running.redis, batch)
+    _wait(lambda: all(running.redis.xlen(KEYS.stream(s.job_id)) >= 2 for s in batch))
+    (urgent,) = [dataclasses.replace(spec, job_id="urgent", priority=Priority.HIGH)
+                 for spec in _specs(model, 1)]
+    submit_jobs(running.redis, [urgent])
+    reader = JobReader(running.redis)
+    urgent_state = _wait(lambda: (s := reader.state("urgent")).status.is_final and s)
+    states = _wait(lambda: (s := [reader.state(x.job_id) for x in batch]) and
+                   all(st.status.is_final for st in s) and s)
+    # The urgent job ran while batch jobs were still unfinished: one of them gave way.
+    assert urgent_state.finished_at < max(s.finished_at for s in states)
+    assert sum(s.num_preemptions for s in states) >= 1
+    expected = reference.generate([s.prompt for s in batch], long)
+    assert [list(s.token_ids) for s in states] == [list(c.token_ids) for c in expected]
+    (urgent_expected,) = reference.generate([urgent.prompt], urgent.sampling)
+    assert list(urgent_state.token_ids) == list(urgent_expected.token_ids)

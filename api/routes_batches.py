@@ -1,0 +1,90 @@
+"""OpenAI Batch API: create, retrieve, list and cancel batches. The routes only write and read
+batch objects; the BatchRunner (api/batch_runner.py) advances them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Path, Query
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from api.auth import caller_owner
+from api.batch_files import BATCH_ENDPOINTS
+from api.batch_store import BatchStatus
+from api.context import AppContext, get_context
+from api.errors import OPENAI_TAG, ConflictError, InvalidRequestError, NotFoundError
+from api.owner_pages import list_object
+
+router = APIRouter(prefix="/v1", tags=[OPENAI_TAG], dependencies=[Depends(caller_owner)])
+
+Owner = Annotated[str, Depends(caller_owner)]
+Context = Annotated[AppContext, Depends(get_context)]
+BatchId = Annotated[str, Path(max_length=200)]
+COMPLETION_WINDOWS = {"24h": 24 * 3600}
+
+
+class BatchCreateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str = Field(description="A file uploaded with purpose 'batch'.")
+    endpoint: Literal["/v1/chat/completions", "/v1/completions"] = Field(
+        description="The route every line of the input file calls.")
+    completion_window: Literal["24h"] = Field(description="Only '24h', as OpenAI.")
+    metadata: dict[str, str] | None = Field(None, description="Up to 16 key-value pairs.")
+    output_expires_after: dict[str, Any] | None = Field(
+        None, description="Accepted for compatibility; output files follow CARPOOL_FILE_RETENTION_S.")
+
+    @field_validator("metadata")
+    @classmethod
+    def _small_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is None:
+            return value
+        if len(value) > 16:
+            raise ValueError(f"at most 16 pairs (got {len(value)})")
+        for key, item in value.items():
+            if len(key) > 64 or len(item) > 512:
+                raise ValueError(f"keys are at most 64 characters and values 512 (key '{key[:64]}')")
+        return value
+
+
+@router.post("/batches", summary="Create a batch from an uploaded input file")
+async def create_batch(body: BatchCreateRequest, owner: Owner, ctx: Context) -> dict[str, Any]:
+    try:
+        file = await ctx.files.get(body.input_file_id, owner)
+    except NotFoundError as exc:
+        raise NotFoundError(exc.message, param="input_file_id", code=exc.code) from exc
+    if file.purpose != "batch":
+        raise InvalidRequestError(f"File '{file.id}' has purpose '{file.purpose}'; a batch's input "
+                                  f"file needs purpose 'batch'", param="input_file_id")
+    assert body.endpoint in BATCH_ENDPOINTS
+    batch = await ctx.batches.create(owner, body.endpoint, file.id, body.completion_window,
+                                     COMPLETION_WINDOWS[body.completion_window], body.metadata)
+    return batch.to_openai()
+
+
+@router.get("/batches", summary="List batches, newest first")
+async def list_batches(owner: Owner, ctx: Context,
+                       after: Annotated[str | None, Query()] = None,
+                       limit: Annotated[int, Query(ge=1, le=100)] = 20) -> dict[str, Any]:
+    batches, has_more = await ctx.batches.page(owner, limit, after)
+    return list_object([batch.to_openai() for batch in batches], has_more)
+
+
+@router.get("/batches/{batch_id}", summary="A batch")
+async def retrieve_batch(batch_id: BatchId, owner: Owner, ctx: Context) -> dict[str, Any]:
+    return (await ctx.batches.get(batch_id, owner)).to_openai()
+
+
+@router.post("/batches/{batch_id}/cancel", summary="Cancel a batch")
+async def cancel_batch(batch_id: BatchId, owner: Owner, ctx: Context) -> dict[str, Any]:
+    """Moves it to `cancelling`; the runner cancels its unfinished jobs, writes the files (what
+    finished in the output file, the rest in the error file) and ends it `cancelled`."""
+    batch = await ctx.batches.get(batch_id, owner)
+    moved = await ctx.batches.transition(
+        batch_id, (BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS), BatchStatus.CANCELLING)
+    batch = await ctx.batches.get(batch_id, owner)
+    if not moved and batch.status not in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
+        raise ConflictError(f"Batch '{batch_id}' is {batch.status.value}: only a validating or "
+                            f"in-progress batch can be cancelled", param="batch_id",
+                            code="batch_not_cancellable")
+    return batch.to_openai()
