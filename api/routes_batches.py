@@ -13,9 +13,18 @@ from api.batch_files import BATCH_ENDPOINTS
 from api.batch_store import BatchStatus
 from api.context import AppContext, get_context
 from api.errors import OPENAI_TAG, ConflictError, InvalidRequestError, NotFoundError
+from api.openai_schemas import OpenAIError
 from api.owner_pages import list_object
 
 router = APIRouter(prefix="/v1", tags=[OPENAI_TAG], dependencies=[Depends(caller_owner)])
+
+# OpenAI's error shape on every failure, documented per route (the fuzz suite holds them to it).
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": OpenAIError, "description": what} for code, what in (
+        (400, "Invalid request (the message names the field)."), (401, "Missing or wrong API key."),
+        (404, "No such batch or input file (or not yours)."),
+        (409, "The batch already ended or is being cancelled."),
+        (503, "Redis unreachable (see Retry-After)."))}
 
 Owner = Annotated[str, Depends(caller_owner)]
 Context = Annotated[AppContext, Depends(get_context)]
@@ -47,7 +56,7 @@ class BatchCreateRequest(BaseModel):
         return value
 
 
-@router.post("/batches", summary="Create a batch from an uploaded input file")
+@router.post("/batches", summary="Create a batch from an uploaded input file", responses=_ERRORS)
 async def create_batch(body: BatchCreateRequest, owner: Owner, ctx: Context) -> dict[str, Any]:
     try:
         file = await ctx.files.get(body.input_file_id, owner)
@@ -62,7 +71,7 @@ async def create_batch(body: BatchCreateRequest, owner: Owner, ctx: Context) -> 
     return batch.to_openai()
 
 
-@router.get("/batches", summary="List batches, newest first")
+@router.get("/batches", summary="List batches, newest first", responses=_ERRORS)
 async def list_batches(owner: Owner, ctx: Context,
                        after: Annotated[str | None, Query()] = None,
                        limit: Annotated[int, Query(ge=1, le=100)] = 20) -> dict[str, Any]:
@@ -70,12 +79,12 @@ async def list_batches(owner: Owner, ctx: Context,
     return list_object([batch.to_openai() for batch in batches], has_more)
 
 
-@router.get("/batches/{batch_id}", summary="A batch")
+@router.get("/batches/{batch_id}", summary="A batch", responses=_ERRORS)
 async def retrieve_batch(batch_id: BatchId, owner: Owner, ctx: Context) -> dict[str, Any]:
     return (await ctx.batches.get(batch_id, owner)).to_openai()
 
 
-@router.post("/batches/{batch_id}/cancel", summary="Cancel a batch")
+@router.post("/batches/{batch_id}/cancel", summary="Cancel a batch", responses=_ERRORS)
 async def cancel_batch(batch_id: BatchId, owner: Owner, ctx: Context) -> dict[str, Any]:
     """Moves it to `cancelling`; the runner cancels its unfinished jobs, writes the files (what
     finished in the output file, the rest in the error file) and ends it `cancelled`."""

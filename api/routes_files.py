@@ -15,16 +15,24 @@ from api.batch_files import UPLOAD_PURPOSES, parse_batch_input
 from api.context import AppContext, get_context
 from api.errors import OPENAI_TAG, InvalidRequestError, PayloadTooLargeError
 from api.multipart_form import parse_form
+from api.openai_schemas import OpenAIError
 from api.owner_pages import list_object
 
 router = APIRouter(prefix="/v1", tags=[OPENAI_TAG], dependencies=[Depends(caller_owner)])
+
+# OpenAI's error shape on every failure, documented per route (the fuzz suite holds them to it).
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": OpenAIError, "description": what} for code, what in (
+        (400, "Invalid request (the message names the field or the JSONL line)."),
+        (401, "Missing or wrong API key."), (404, "No such file (or not yours)."),
+        (413, "File over CARPOOL_MAX_FILE_BYTES."), (503, "Redis unreachable (see Retry-After)."))}
 
 Owner = Annotated[str, Depends(caller_owner)]
 Context = Annotated[AppContext, Depends(get_context)]
 FileId = Annotated[str, Path(max_length=200)]
 
 
-@router.post("/files", summary="Upload a file (purpose 'batch': a Batch API input, JSONL)")
+@router.post("/files", summary="Upload a file (purpose 'batch': a Batch API input, JSONL)", responses=_ERRORS)
 async def create_file(request: Request, owner: Owner, ctx: Context) -> dict[str, Any]:
     # Parsing a file of tens of MB takes seconds: off the event loop, so other requests go on.
     form = await anyio.to_thread.run_sync(partial(
@@ -53,7 +61,7 @@ async def create_file(request: Request, owner: Owner, ctx: Context) -> dict[str,
     return file.to_openai()
 
 
-@router.get("/files", summary="List files")
+@router.get("/files", summary="List files", responses=_ERRORS)
 async def list_files(owner: Owner, ctx: Context, purpose: Annotated[str | None, Query()] = None,
                      limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
                      after: Annotated[str | None, Query()] = None) -> dict[str, Any]:
@@ -61,17 +69,17 @@ async def list_files(owner: Owner, ctx: Context, purpose: Annotated[str | None, 
     return list_object([file.to_openai() for file in files], has_more)
 
 
-@router.get("/files/{file_id}", summary="A file's metadata")
+@router.get("/files/{file_id}", summary="A file's metadata", responses=_ERRORS)
 async def retrieve_file(file_id: FileId, owner: Owner, ctx: Context) -> dict[str, Any]:
     return (await ctx.files.get(file_id, owner)).to_openai()
 
 
-@router.get("/files/{file_id}/content", summary="A file's content")
+@router.get("/files/{file_id}/content", summary="A file's content", responses=_ERRORS)
 async def file_content(file_id: FileId, owner: Owner, ctx: Context) -> Response:
     return Response(await ctx.files.content(file_id, owner), media_type="application/jsonl")
 
 
-@router.delete("/files/{file_id}", summary="Delete a file")
+@router.delete("/files/{file_id}", summary="Delete a file", responses=_ERRORS)
 async def delete_file(file_id: FileId, owner: Owner, ctx: Context) -> dict[str, Any]:
     await ctx.files.delete(file_id, owner)
     return {"id": file_id, "object": "file", "deleted": True}

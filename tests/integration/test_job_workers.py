@@ -49,7 +49,8 @@ def test_workers_show_in_rq_info_and_publish_their_model(pair: Fleet) -> None:
     assert set(workers) == {"alpha", "beta"}
     model = pair.model_dir.name
     assert workers["alpha"].queue_names() == [
-        f"carpool-{model}-high", f"carpool-{model}-normal", f"carpool-{model}-low"]
+        f"carpool-{model}-high", f"carpool-{model}-normal", f"carpool-{model}-low",
+        f"carpool-{model}-batch"]
     info = subprocess.run([sys.executable, "-m", "rq.cli", "info", "--url", pair.redis_url],
                           capture_output=True, text=True, timeout=60)
     assert "alpha" in info.stdout and "beta" in info.stdout, info.stdout + info.stderr
