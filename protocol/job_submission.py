@@ -151,7 +151,8 @@ def _submit_once(redis: Redis, specs: list[JobSpec], keys: Keys, result_ttl: int
                              deadline_at=spec.deadline_at,
                              logprobs=-1 if spec.sampling.logprobs is None else spec.sampling.logprobs,
                              prompt_logprobs_asked=(-1 if spec.sampling.prompt_logprobs is None
-                                                    else spec.sampling.prompt_logprobs))
+                                                    else spec.sampling.prompt_logprobs),
+                             max_tokens=spec.sampling.max_tokens)
             jobs.append(queue.enqueue_call(
                 RQ_JOB_FUNCTION,
                 args=[spec.to_dict()],

@@ -92,6 +92,27 @@ class Keys:
         made (written in the enqueue's own transaction)."""
         return f"{self.prefix}:owner:{owner}:idempotency:{idempotency_key}"
 
+    # Fair shares between API keys (worker/jobs/fair_share.py) and per-key limits.
+    def fair_weights(self) -> str:
+        """Hash owner id -> weight (a positive number; missing: 1), written by the API from its
+        settings at start: the share of seats each key gets when keys compete."""
+        return f"{self.prefix}:fair:weights"
+
+    def fair_vtimes(self, model: str) -> str:
+        """Hash owner id -> virtual token counter (tokens charged / weight) over `model`'s
+        workers; the claim serves the owner with the lowest first."""
+        return f"{self.prefix}:model:{model}:fair:vtimes"
+
+    def fair_clock(self, model: str) -> str:
+        """String: `model`'s virtual clock, the counter of the owner served last (it only grows);
+        an owner coming back from idle starts there, so idling banks no credit."""
+        return f"{self.prefix}:model:{model}:fair:clock"
+
+    def owner_token_log(self, owner: str) -> str:
+        """Sorted set: one member "<id>:<tokens>" per admitted submission -> its time (ms, Redis
+        clock), over the last minute: the owner's tokens-per-minute limit counts from it."""
+        return f"{self.prefix}:owner:{owner}:token-log"
+
     # Workers and models.
     def models(self) -> str:
         """Hash model name -> ModelCard JSON, written by workers at start and never removed: the

@@ -227,6 +227,9 @@ class JobState:
     # Its sampling.prompt_logprobs (-1: none asked), so a status read knows to HGET them (the
     # worker writes them, encoded, in this hash's `prompt_logprobs` field: protocol.job_reader).
     prompt_logprobs_asked: int = -1
+    # Its sampling.max_tokens: what the fair-share claim charges the owner up front (corrected
+    # to the tokens generated when the job ends; worker/jobs/fair_share.py). 0: not recorded.
+    max_tokens: int = 0
     # The final result (set with the final status): generated text and token ids.
     text: str = ""
     token_ids: tuple[int, ...] = ()

@@ -1,5 +1,6 @@
 """Taking jobs off the RQ queues of one model into a worker's batch (the claim), highest
-priority first.
+priority first; within a priority, the job of the API key with the lowest virtual token counter
+(fair shares between keys: worker/jobs/fair_share.py).
 
 Non-blocking at an iteration boundary (the batch must not wait); blocking only while the worker
 is idle. Each claim is one Lua script that pops, fences, leases and records the job as started
@@ -38,6 +39,7 @@ from protocol.job_submission import DEFAULT_FAILURE_TTL, DEFAULT_RESULT_TTL
 from protocol.keys import Keys
 from protocol.messages import JobSpec, JobState, JobStatus, StreamEntry
 from protocol.rq_keys import KeyTemplate, RQKeys
+from worker.jobs.fair_share import DEFAULT_CHARGE_TOKENS, DEFAULT_SCAN_WINDOW
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.lease import Lease
 
@@ -85,7 +87,8 @@ def decode_spec(job_id: str, raw_data: bytes, redis: Redis) -> JobSpec:
 
 class JobQueue:
     def __init__(self, redis: Redis, scripts: JobScripts, keys: Keys, worker_name: str,
-                 model: str, lease_ms: int, execution_ttl_s: int, block_size: int) -> None:
+                 model: str, lease_ms: int, execution_ttl_s: int, block_size: int,
+                 fair_scan_window: int = DEFAULT_SCAN_WINDOW) -> None:
         self.redis = redis
         self.scripts = scripts
         self.keys = keys
@@ -93,6 +96,7 @@ class JobQueue:
         self.lease_ms = lease_ms
         self.execution_ttl_s = execution_ttl_s
         self.block_size = block_size
+        self.fair_scan_window = fair_scan_window
         # Only the served model's queues: another model's jobs are never taken here.
         self.queue_names = keys.queue_names(model)
         self.queue_keys = [RQKeys.queue(name) for name in self.queue_names]
@@ -106,13 +110,15 @@ class JobQueue:
         self._script_keys = [keys.leases(), keys.canceled(), RQKeys.worker_executions(worker_name),
                              RQKeys.worker(worker_name), *self.queue_keys,
                              *(RQKeys.started(name) for name in self.queue_names),
-                             *self.wakeup_keys]
+                             *self.wakeup_keys, keys.fair_weights(), keys.fair_vtimes(model),
+                             keys.fair_clock(model)]
 
     def claim(self, max_jobs: int, free_kv_blocks: int | None = None,
               adopt: tuple[str, int] | None = None) -> list[ClaimedJob]:
-        """Take up to `max_jobs` jobs without blocking, stopping at the first one that needs
-        more than `free_kv_blocks` (None: no limit). `adopt` = (job_id, queue index) of a job
-        already taken off its queue (by an rq worker: worker.rq_entry), claimed first."""
+        """Take up to `max_jobs` jobs without blocking (by priority, then fair share between
+        owners), stopping at the first one that needs more than `free_kv_blocks` (None: no
+        limit). `adopt` = (job_id, queue index) of a job already taken off its queue (by an rq
+        worker: worker.rq_entry), claimed first."""
         if max_jobs <= 0 and adopt is None:
             return []
         now = time.time()
@@ -123,6 +129,7 @@ class JobQueue:
             adopt_id, adopt_index + 1 if adopt else 0, self.execution_ttl_s,
             utcformat(rq_now()), repr(now), uuid.uuid4().hex[:12] + "-", len(self.queue_names),
             *self._template_args, RQKeys.composite_separator(),
+            self.fair_scan_window, DEFAULT_CHARGE_TOKENS,
         ]
         try:
             reply = self.scripts.call(self.redis, "claim", self._script_keys, args)

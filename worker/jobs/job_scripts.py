@@ -30,6 +30,7 @@ from redis import Redis
 from redis.client import Pipeline
 from redis.typing import EncodableT
 
+from worker.jobs.fair_share import CLAIM_FAIR_PICK, FINISH_FAIR_SETTLE
 from worker.jobs.shard_scripts import SHARD_ADOPT, SHARD_APPEND, SHARD_END, XADD_TOKEN
 
 _COMMON = """
@@ -57,17 +58,20 @@ end
 
 # KEYS: leases, canceled, this worker's RQ executions set, RQ worker hash,
 #       then P queue keys, then P StartedJobRegistry keys, then P wake-up lists (priority order;
-#       the queues of the one model this worker serves).
+#       the queues of the one model this worker serves), then the fair-share weights, vtimes and
+#       clock (worker/jobs/fair_share.py).
 # ARGV: worker_name, lease_ms, max_jobs, free_kv_blocks (-1: no limit), block_size,
 #       adopt_job_id (already popped; '' for none), adopt_queue_index (1-based),
 #       execution_ttl_s, rq_now (rq's UTC format), now_s (epoch float), execution_id_prefix, P,
 #       templates (prefix, suffix): state 13, stream 15, lease 17, fence 19, rq job 21,
-#       rq execution 23 (over the composite key), rq executions 25; composite separator 27.
+#       rq execution 23 (over the composite key), rq executions 25; composite separator 27;
+#       fair-share scan window 28, default charge 29.
 # Returns, per claimed job: {job_id, queue_index, fence, execution_id, rq data, result_ttl,
 #       failure_ttl, JobState fields (flat), stream entries, is_canceled}.
 CLAIM = _COMMON + """
 local P = tonumber(ARGV[12])
 local function key(i, id) return ARGV[i] .. id .. ARGV[i + 1] end
+""" + CLAIM_FAIR_PICK + """
 local lease_ms = tonumber(ARGV[2])
 local max_jobs = tonumber(ARGV[3])
 local budget = tonumber(ARGV[4])
@@ -112,6 +116,7 @@ local function claim(job_id, qi)
   if started_at == 0 then redis.call('HSET', state, 'started_at', ARGV[10]) end
   redis.call('HSET', state, 'status', 'running', 'worker', ARGV[1], 'execution', composite)
   redis.call('HSETNX', state, 'job_id', job_id)  -- a job enqueued without submit_job
+  fair_charge(state)  -- [fair-share]
   local rq_fields = redis.call('HMGET', rq_job, 'data', 'result_ttl', 'failure_ttl')
   claimed[#claimed + 1] = {job_id, qi, fence, execution_id, rq_fields[1] or '',
                            rq_fields[2] or '', rq_fields[3] or '', redis.call('HGETALL', state),
@@ -122,7 +127,7 @@ end
 if ARGV[6] ~= '' then claim(ARGV[6], tonumber(ARGV[7])) end
 local qi = 1
 while #claimed < max_jobs and qi <= P do
-  local head = redis.call('LINDEX', KEYS[4 + qi], 0)
+  local head = fair_next(qi)  -- [fair-share] was: LINDEX queue 0 (then LPOP)
   if not head then
     qi = qi + 1
   else
@@ -132,10 +137,11 @@ while #claimed < max_jobs and qi <= P do
       if need > budget then break end
       budget = budget - need
     end
-    redis.call('LPOP', KEYS[4 + qi])
+    fair_take(qi, head)  -- [fair-share] was: LPOP queue
     claim(head, qi)
   end
 end
+fair_save()  -- [fair-share]
 -- One wake-up per job still queued: a wake-up whose job was taken here (or canceled) would
 -- only wake an idle worker for nothing.
 for i = 1, P do
@@ -218,7 +224,7 @@ return {results, canceled}
 
 # KEYS: lease, stream, leases, state, canceled, rq job, rq results, rq execution,
 #       rq executions, started registry, finished registry, failed registry, canceled registry,
-#       worker executions, rq worker hash, fence.
+#       worker executions, rq worker hash, fence, the model's fair-share vtimes.
 # ARGV: token, job_id, outcome (finished|failed|canceled), finish_reason, error, prompt_tokens,
 #       completion_tokens, text, token_ids (JSON), result_ttl, failure_ttl, composite,
 #       execution_id, rq_now, now_s, working_seconds, exc_info, cached_tokens, stream_here ('1':
@@ -236,6 +242,7 @@ if outcome == 'finished' and redis.call('SISMEMBER', KEYS[5], job_id) == 1 then
   outcome = 'canceled'
   reason = 'canceled'
 end
+""" + FINISH_FAIR_SETTLE + """
 local ttl = tonumber(ARGV[10])
 if outcome == 'failed' then ttl = tonumber(ARGV[11]) end
 local now_s = tonumber(ARGV[15])

@@ -213,7 +213,9 @@ class StreamPublisher:
                 RQKeys.executions(lease.job_id), RQKeys.started(queue), RQKeys.finished(queue),
                 RQKeys.failed(queue), RQKeys.canceled(queue),
                 RQKeys.worker_executions(self.worker_name), RQKeys.worker(self.worker_name),
-                self.keys.fence(lease.job_id)]
+                self.keys.fence(lease.job_id),
+                # The owner's fair-share counter of the job's model, settled to what it generated.
+                self.keys.fair_vtimes(self.keys.model_of_queue(queue) or "")]
         args: list[EncodableT] = [
             lease.token, lease.job_id, end.status.value, end.finish_reason.value, end.error,
             job.num_prompt_tokens, job.num_tokens, job.text,
