@@ -10,6 +10,7 @@ and reports each key's share of the tokens generated while both keys still had j
     python scripts/bench_fair_share.py                      # tiny random llama, equal weights
     python scripts/bench_fair_share.py --weights 2,1        # heavy key weight 2
     python scripts/bench_fair_share.py --fifo               # scan window 1: FIFO, for comparison
+    python scripts/bench_fair_share.py --vary               # jobs of different lengths
     python scripts/bench_fair_share.py --model smollm2
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -157,6 +159,8 @@ def main() -> None:
     parser.add_argument("--weights", default="1,1", help="heavy,light key weights")
     parser.add_argument("--fifo", action="store_true", help="scan window 1: plain FIFO claims")
     parser.add_argument("--threads", type=int, default=1, help="the worker's torch threads")
+    parser.add_argument("--vary", action="store_true",
+                        help="each job's length drawn from max_tokens/4..max_tokens (seeded)")
     args = parser.parse_args()
     heavy_weight, light_weight = (float(w) for w in args.weights.split(","))
 
@@ -185,11 +189,14 @@ def main() -> None:
         processes.append(api)
         _wait("the API", lambda: _healthy(api_port), api, 120)
         owners: dict[str, str] = {}
-        body = {"prompt": "The quick brown fox", "max_tokens": args.max_tokens,
-                "min_tokens": args.max_tokens, "temperature": 0}
+        lengths = random.Random(0)
         with httpx.Client(base_url=f"http://127.0.0.1:{api_port}", timeout=30) as client:
             for key, count in (("heavy-key", args.light_jobs * 10), ("light-key", args.light_jobs)):
                 for _ in range(count):
+                    length = (lengths.randint(max(1, args.max_tokens // 4), args.max_tokens)
+                              if args.vary else args.max_tokens)
+                    body = {"prompt": "The quick brown fox", "max_tokens": length,
+                            "min_tokens": length, "temperature": 0}
                     response = client.post("/v1/jobs", json=body,
                                            headers={"Authorization": f"Bearer {key}"})
                     response.raise_for_status()
@@ -197,7 +204,8 @@ def main() -> None:
         samples = FairShareMeter(redis, keys, owners).run()
         tokens, window_s = contended_tokens(samples)
         total = sum(tokens.values())
-        print(f"model {args.model}, {args.seats} seats, {args.max_tokens} tokens a job, weights "
+        length = f"{args.max_tokens // 4}-{args.max_tokens}" if args.vary else args.max_tokens
+        print(f"model {args.model}, {args.seats} seats, {length} tokens a job, weights "
               f"heavy:light {args.weights}, {'FIFO (scan window 1)' if args.fifo else 'fair share'}")
         print(f"heavy key: {args.light_jobs * 10} jobs, light key: {args.light_jobs} jobs; "
               f"both had jobs queued for {window_s:.2f} s of {samples[-1].at - samples[0].at:.2f} s")
