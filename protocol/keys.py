@@ -46,6 +46,17 @@ class Keys:
         queue's length, so stale wake-ups never pile up."""
         return f"{self.prefix}:queue:{queue_name}:wakeups"
 
+    def queue_owners(self, queue_name: str) -> str:
+        """Set: the owners (API key ids) with jobs in their list (`queue_owner_jobs`) of the RQ
+        queue `queue_name`: the index the fair-share claim picks an owner from
+        (worker/jobs/fair_share.py). Jobs stay on the RQ queue itself too."""
+        return f"{self.prefix}:queue:{queue_name}:owners"
+
+    def queue_owner_jobs(self, queue_name: str, owner: str) -> str:
+        """List: `owner`'s jobs on the RQ queue `queue_name`, in queue order. Always
+        `queue_owners(queue_name) + ":" + owner`: scripts build it that way from the set's key."""
+        return f"{self.queue_owners(queue_name)}:{owner}"
+
     # Per job.
     def state(self, job_id: str) -> str:
         """Hash: Carpool's view of the job (status, owner, timings, usage); see JobState fields."""

@@ -9,9 +9,9 @@ and reports each key's share of the tokens generated while both keys still had j
 
     python scripts/bench_fair_share.py                      # tiny random llama, equal weights
     python scripts/bench_fair_share.py --weights 2,1        # heavy key weight 2
-    python scripts/bench_fair_share.py --fifo               # scan window 1: FIFO, for comparison
     python scripts/bench_fair_share.py --vary               # jobs of different lengths
     python scripts/bench_fair_share.py --model smollm2
+    python scripts/bench_fair_share.py --claim-cost         # Redis time per claim, no model
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 from redis import Redis  # noqa: E402
-from redis.exceptions import ConnectionError as RedisConnectionError  # noqa: E402
 
 from protocol.keys import Keys  # noqa: E402
+from scripts.bench_fleet import _free_port, _start_redis  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 WAITING = {"queued", "preempted"}
@@ -100,30 +98,6 @@ def contended_tokens(samples: list[Sample]) -> tuple[dict[str, int], float]:
         last.at - first.at
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _start_redis() -> tuple[subprocess.Popen[bytes], str]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        sys.exit("redis-server is not installed")
-    port, directory = _free_port(), tempfile.mkdtemp(prefix="bench-fair-redis-")
-    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                "--appendonly", "no", "--dir", directory],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
-    for _ in range(200):
-        try:
-            if Redis.from_url(url).ping():
-                return process, url
-        except RedisConnectionError:
-            time.sleep(0.05)
-    sys.exit("redis-server did not start")
-
-
 def _wait(what: str, ready: object, process: subprocess.Popen[bytes], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -150,6 +124,37 @@ def _model_dir(name: str) -> str:
     return str(build_tiny_model(Path(tempfile.mkdtemp(prefix="bench-fair-model-")), "llama", seed=0))
 
 
+def claim_cost() -> None:
+    """Redis time (INFO commandstats) per claim with 1,000 jobs queued over 1, 3 and 20 keys: one
+    that finds no KV room (a worker at its KV limit retries every step) and one that takes a job."""
+    from protocol import JobSpec, submit_jobs
+    from worker.jobs.job_queue import JobQueue
+    from worker.jobs.job_scripts import JobScripts
+
+    process, url = _start_redis()
+    try:
+        redis = Redis.from_url(url)
+        for num_owners in (1, 3, 20):
+            redis.flushdb()
+            scripts = JobScripts()
+            scripts.load(redis)
+            submit_jobs(redis, [JobSpec.from_dict(dict(
+                job_id=f"job-{i}", model="bench", prompt="x", max_tokens=8,
+                owner=f"key-{i % num_owners}")) for i in range(1000)])
+            queue = JobQueue(redis, scripts, Keys(), "bench", "bench", 10_000, 120, 16)
+            costs = []
+            for budget in (0, None):
+                redis.config_resetstat()
+                for _ in range(200):
+                    queue.claim(1, free_kv_blocks=budget)
+                costs.append(float(redis.info("commandstats")["cmdstat_evalsha"]["usec_per_call"]))
+            print(f"{num_owners:>2} keys, 1000 jobs queued: {costs[0]:.0f} us per claim that finds "
+                  f"no KV room, {costs[1]:.0f} us per claim of one job")
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", help="tiny (a random llama), smollm2 or a dir")
@@ -157,11 +162,15 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--seats", type=int, default=6, help="the worker's max_num_seqs")
     parser.add_argument("--weights", default="1,1", help="heavy,light key weights")
-    parser.add_argument("--fifo", action="store_true", help="scan window 1: plain FIFO claims")
     parser.add_argument("--threads", type=int, default=1, help="the worker's torch threads")
     parser.add_argument("--vary", action="store_true",
                         help="each job's length drawn from max_tokens/4..max_tokens (seeded)")
+    parser.add_argument("--claim-cost", action="store_true",
+                        help="only measure Redis time per claim (no model, no API)")
     args = parser.parse_args()
+    if args.claim_cost:
+        claim_cost()
+        return
     heavy_weight, light_weight = (float(w) for w in args.weights.split(","))
 
     keys = Keys()
@@ -175,8 +184,7 @@ def main() -> None:
         worker = subprocess.Popen(
             [sys.executable, "-m", "worker", "--model", _model_dir(args.model), "--redis-url", url,
              "--name", "bench-fair", "--max-num-seqs", str(args.seats), "--num-threads",
-             str(args.threads), "--dtype", "float32", "--fair-scan-window",
-             "1" if args.fifo else "256"],
+             str(args.threads), "--dtype", "float32"],
             cwd=REPO, env=env,
             stdout=subprocess.DEVNULL)
         processes.append(worker)
@@ -206,7 +214,7 @@ def main() -> None:
         total = sum(tokens.values())
         length = f"{args.max_tokens // 4}-{args.max_tokens}" if args.vary else args.max_tokens
         print(f"model {args.model}, {args.seats} seats, {length} tokens a job, weights "
-              f"heavy:light {args.weights}, {'FIFO (scan window 1)' if args.fifo else 'fair share'}")
+              f"heavy:light {args.weights}")
         print(f"heavy key: {args.light_jobs * 10} jobs, light key: {args.light_jobs} jobs; "
               f"both had jobs queued for {window_s:.2f} s of {samples[-1].at - samples[0].at:.2f} s")
         for owner in ("heavy", "light"):

@@ -35,8 +35,6 @@ def _parser() -> argparse.ArgumentParser:
     add("--lease-seconds", type=float)
     add("--drain-seconds", type=float)
     add("--idle-block-seconds", type=float)
-    add("--fair-scan-window", type=int,
-        help="queued jobs per priority a claim reads to share seats between API keys")
     add("--keys-prefix")
     add("--log-level")
     add("--openmp", choices=["intel", "gnu"], help="OpenMP runtime of the model's CPU threads")

@@ -76,8 +76,7 @@ class BatchingWorker:
         self.scripts = JobScripts()
         self.queue = JobQueue(redis, self.scripts, self.keys, self.name,
                               settings.served_model_name, settings.lease_ms,
-                              settings.execution_ttl_seconds, settings.block_size,
-                              fair_scan_window=settings.fair_scan_window)
+                              settings.execution_ttl_seconds, settings.block_size)
         # rq's Worker adjusts its client's socket timeout for its own BLPOPs: give it its own.
         # rq_entry runs inside an rq worker, which keeps its own presence: no second one.
         self.presence = RQPresence(presence_redis or Redis.from_url(settings.redis_url), self.name,

@@ -39,7 +39,7 @@ from protocol.job_submission import DEFAULT_FAILURE_TTL, DEFAULT_RESULT_TTL
 from protocol.keys import Keys
 from protocol.messages import JobSpec, JobState, JobStatus, StreamEntry
 from protocol.rq_keys import KeyTemplate, RQKeys
-from worker.jobs.fair_share import DEFAULT_CHARGE_TOKENS, DEFAULT_SCAN_WINDOW
+from worker.jobs.fair_share import DEFAULT_CHARGE_TOKENS
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.lease import Lease
 
@@ -87,8 +87,7 @@ def decode_spec(job_id: str, raw_data: bytes, redis: Redis) -> JobSpec:
 
 class JobQueue:
     def __init__(self, redis: Redis, scripts: JobScripts, keys: Keys, worker_name: str,
-                 model: str, lease_ms: int, execution_ttl_s: int, block_size: int,
-                 fair_scan_window: int = DEFAULT_SCAN_WINDOW) -> None:
+                 model: str, lease_ms: int, execution_ttl_s: int, block_size: int) -> None:
         self.redis = redis
         self.scripts = scripts
         self.keys = keys
@@ -96,7 +95,6 @@ class JobQueue:
         self.lease_ms = lease_ms
         self.execution_ttl_s = execution_ttl_s
         self.block_size = block_size
-        self.fair_scan_window = fair_scan_window
         # Only the served model's queues: another model's jobs are never taken here.
         self.queue_names = keys.queue_names(model)
         self.queue_keys = [RQKeys.queue(name) for name in self.queue_names]
@@ -111,7 +109,8 @@ class JobQueue:
                              RQKeys.worker(worker_name), *self.queue_keys,
                              *(RQKeys.started(name) for name in self.queue_names),
                              *self.wakeup_keys, keys.fair_weights(), keys.fair_vtimes(model),
-                             keys.fair_clock(model)]
+                             keys.fair_clock(model),
+                             *(keys.queue_owners(name) for name in self.queue_names)]
 
     def claim(self, max_jobs: int, free_kv_blocks: int | None = None,
               adopt: tuple[str, int] | None = None) -> list[ClaimedJob]:
@@ -129,7 +128,7 @@ class JobQueue:
             adopt_id, adopt_index + 1 if adopt else 0, self.execution_ttl_s,
             utcformat(rq_now()), repr(now), uuid.uuid4().hex[:12] + "-", len(self.queue_names),
             *self._template_args, RQKeys.composite_separator(),
-            self.fair_scan_window, DEFAULT_CHARGE_TOKENS,
+            DEFAULT_CHARGE_TOKENS,
         ]
         try:
             reply = self.scripts.call(self.redis, "claim", self._script_keys, args)

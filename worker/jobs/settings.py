@@ -70,10 +70,6 @@ class WorkerSettings(BaseSettings):
     idle_block_seconds: float = Field(
         1.0, gt=0, le=30, description="Longest wait on the queues when idle (it also bounds how "
         "late an idle worker notices SIGTERM).")
-    fair_scan_window: int = Field(
-        256, ge=1, le=100_000,
-        description="Queued jobs per priority whose owner a claim reads to share seats fairly "
-        "between API keys (worker/jobs/fair_share.py); jobs behind it wait their turn in FIFO.")
     stats_ttl_seconds: float = Field(10.0, gt=0, description="TTL of the WorkerStats hash.")
     redis_timeout_seconds: float = Field(10.0, gt=0)
     redis_backoff_base_seconds: float = Field(

@@ -132,8 +132,9 @@ class StreamPublisher:
                      KeyTemplate.of(RQKeys.failed("\x00")),
                      KeyTemplate.of(RQKeys.worker_executions("\x00")),
                      KeyTemplate.of(k.wakeups("\x00"))]
+        owners = KeyTemplate.of(k.queue_owners("\x00"))  # fair-share index, after the separator
         return [part for t in templates for part in (t.prefix, t.suffix)] + [
-            RQKeys.composite_separator()]
+            RQKeys.composite_separator(), owners.prefix, owners.suffix]
 
     def _reset(self) -> None:
         self._calls: list[_ScriptCall] = []
@@ -250,7 +251,8 @@ class StreamPublisher:
                 RQKeys.started(lease.queue_name),
                 RQKeys.execution(lease.job_id, lease.execution_id),
                 RQKeys.executions(lease.job_id), RQKeys.worker_executions(self.worker_name),
-                self.keys.stream(lease.job_id), self.keys.wakeups(lease.queue_name)]
+                self.keys.stream(lease.job_id), self.keys.wakeups(lease.queue_name),
+                self.keys.queue_owners(lease.queue_name)]
         args: list[EncodableT] = [lease.token, lease.job_id, lease.composite, lease.execution_id,
                                   job.num_prompt_tokens, 1 if count_as_preemption else 0,
                                   job.num_tokens]

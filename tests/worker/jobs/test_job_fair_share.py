@@ -4,18 +4,20 @@ from __future__ import annotations
 
 from rq import Queue
 
-from protocol import FinishReason, JobStatus, Priority
+from protocol import FinishReason, JobStatus, Priority, cancel_job
 from protocol.rq_keys import RQKeys
+from tests.conftest import enqueue_raw
 from tests.worker.jobs.job_support import (
     KEYS,
+    expire_lease,
     fake_redis,
     generate,
     make_publisher,
     make_queue,
+    make_spec,
     running,
     submit,
 )
-from worker.jobs.job_queue import JobQueue
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.stream_publisher import JobEnd
 
@@ -140,16 +142,57 @@ def test_a_preempted_job_is_charged_once() -> None:
     assert _vtimes(redis) == {"a": 8.0}
 
 
-def test_jobs_behind_the_scan_window_wait_for_it() -> None:
+def test_a_light_key_behind_a_long_burst_boards_at_once() -> None:
+    redis = fake_redis()
+    submit(redis, *(f"h{i}" for i in range(1, 501)), owner="heavy")
+    submit(redis, "l1", owner="light")
+    queue = make_queue(redis)
+    assert _ids(queue.claim(3)) == ["h1", "l1", "h2"]
+    assert Queue(NORMAL, connection=redis).count == 498
+
+
+def test_the_index_follows_requeue_recovery_and_cancel() -> None:
     redis = fake_redis()
     submit(redis, "a1", "a2", "a3", owner="a")
-    submit(redis, "b1", owner="b")
-    scripts = JobScripts()
-    scripts.load(redis)
-    queue = JobQueue(redis, scripts, KEYS, "w1", "tiny", 10_000, execution_ttl_s=120,
-                     block_size=16, fair_scan_window=2)
-    # The first window holds a1, a2 only; the next one finds b1, whose counter is lower.
-    assert _ids(queue.claim(4)) == ["a1", "a2", "b1", "a3"]
+    queue = make_queue(redis)
+    first, second = queue.claim(2)
+    publisher = make_publisher(queue)
+    publisher.requeue(running(first), count_as_preemption=True)  # back at the front
+    publisher.flush()
+    expire_lease(redis, "a2")
+    publisher.recover()
+    publisher.flush()
+    owner_list = KEYS.queue_owner_jobs(NORMAL, "a")
+    assert redis.lrange(owner_list, 0, -1) == [b"a2", b"a1", b"a3"]
+    assert redis.lrange(RQKeys.queue(NORMAL), 0, -1) == [b"a2", b"a1", b"a3"]
+    cancel_job(redis, "a1")
+    assert redis.lrange(owner_list, 0, -1) == [b"a2", b"a3"]
+    assert _ids(queue.claim(3)) == ["a2", "a3"]
+    assert redis.llen(owner_list) == 0 and redis.llen(RQKeys.queue(NORMAL)) == 0
+
+
+def test_stale_index_entries_are_dropped_and_unindexed_jobs_claimed_fifo() -> None:
+    redis = fake_redis()
+    submit(redis, "a1", "a2", owner="a")
+    redis.lrem(RQKeys.queue(NORMAL), 1, "a1")  # taken off its queue outside Carpool's scripts
+    redis.hset(KEYS.state("a1"), "status", "canceled")
+    enqueue_raw(redis, make_spec("raw").to_dict(), "raw", "tiny", KEYS)  # a plain rq enqueue
+    queue = make_queue(redis)
+    # a2 is indexed; a1's entry is stale; "raw" is not in the index: FIFO once the index is empty.
+    assert _ids(queue.claim(3)) == ["a2", "raw"]
+    assert redis.smembers(KEYS.queue_owners(NORMAL)) == set()
+
+
+def test_an_index_entry_whose_job_left_the_rq_queue_is_skipped() -> None:
+    redis = fake_redis()
+    submit(redis, "a1", "a2", owner="a")
+    redis.lrem(RQKeys.queue(NORMAL), 1, "a1")  # still "queued" in its state, but off the queue
+    assert _ids(make_queue(redis).claim(2)) == ["a2"]
+
+
+def test_owner_list_keys_extend_the_owners_set_key() -> None:
+    # Scripts build an owner's list key as the owners set's key + ':' + owner.
+    assert KEYS.queue_owner_jobs(NORMAL, "key-1") == KEYS.queue_owners(NORMAL) + ":key-1"
 
 
 def test_a_job_without_recorded_max_tokens_is_charged_the_default() -> None:
