@@ -88,12 +88,12 @@ class FairShareMeter:
 
 
 def contended_tokens(samples: list[Sample]) -> tuple[dict[str, int], float]:
-    """Tokens each owner generated from the first sample to the last one in which every owner
-    still had a job queued, and that window's length in seconds."""
+    """Tokens each owner generated from the first to the last sample in which every owner had a
+    job queued, and that window's length in seconds."""
     both = [s for s in samples if all(count > 0 for count in s.queued.values())]
     if not both:
         raise ValueError("no sample saw every owner with a job queued")
-    first, last = samples[0], both[-1]
+    first, last = both[0], both[-1]
     return {owner: last.tokens[owner] - first.tokens[owner] for owner in first.tokens}, \
         last.at - first.at
 

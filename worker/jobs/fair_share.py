@@ -150,14 +150,16 @@ def requeue_to_owner_list(owners: str, state: str, job_id: str) -> str:
 """
 
 
-# [fair-share] Lua for FINISH: KEYS[17] is the model's vtimes hash; the state hash is KEYS[4]
-# and ARGV[7] the tokens generated. Placed after the lease and final-status guards.
-FINISH_FAIR_SETTLE = """
+def settle_owner_counter(vtimes: str) -> str:
+    """[fair-share] Lua for FINISH, after its lease and final-status guards: the claim charged
+    max_tokens; settle the owner's counter to what was generated. `vtimes` is the KEYS
+    expression of the model's Keys.fair_vtimes; the state hash is KEYS[4], ARGV[7] the tokens."""
+    return f"""
 -- [fair-share] begin: the claim charged max_tokens; settle the owner to what was generated.
 local fair = redis.call('HMGET', KEYS[4], 'fair_charge', 'fair_weight', 'owner')
 if fair[1] then
   local settled = (tonumber(ARGV[7]) - tonumber(fair[1])) / (tonumber(fair[2]) or 1)
-  redis.call('HINCRBYFLOAT', KEYS[17], fair[3] or '', string.format('%.17g', settled))
+  redis.call('HINCRBYFLOAT', {vtimes}, fair[3] or '', string.format('%.17g', settled))
 end
 -- [fair-share] end
 """

@@ -30,7 +30,7 @@ from redis import Redis
 from redis.client import Pipeline
 from redis.typing import EncodableT
 
-from worker.jobs.fair_share import CLAIM_FAIR_PICK, FINISH_FAIR_SETTLE, requeue_to_owner_list
+from worker.jobs.fair_share import CLAIM_FAIR_PICK, requeue_to_owner_list, settle_owner_counter
 from worker.jobs.shard_scripts import SHARD_ADOPT, SHARD_APPEND, SHARD_END, XADD_TOKEN
 
 _COMMON = """
@@ -244,7 +244,7 @@ if outcome == 'finished' and redis.call('SISMEMBER', KEYS[5], job_id) == 1 then
   outcome = 'canceled'
   reason = 'canceled'
 end
-""" + FINISH_FAIR_SETTLE + """
+""" + settle_owner_counter("KEYS[17]") + """
 local ttl = tonumber(ARGV[10])
 if outcome == 'failed' then ttl = tonumber(ARGV[11]) end
 local now_s = tonumber(ARGV[15])
