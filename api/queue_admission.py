@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from api.errors import KeyLimitError, QueueFullError
 from api.key_policies import KeyPolicy
 from protocol import Keys
-from protocol.rq_keys import KeyTemplate, RQKeys
+from protocol.rq_keys import RQKeys
 
 # An admission whose submission never enqueued (its process died) stops counting after this long:
 # far beyond a submission's few Redis round trips and its socket timeout.
@@ -24,10 +24,10 @@ ADMISSION_TTL_MS = 60_000
 MINUTE_MS = 60_000
 
 # KEYS: the model's admissions, the fair-share weights, the owner's token log, then the model's
-#       RQ queues.
+#       P RQ queues, then the owner's P lists of those queues (Keys.queue_owner_jobs).
 # ARGV: max depth, ttl_ms, owner, the owner's weight, its max queued jobs (0: none), its tokens
-#       per minute (0: none), the tokens asked, state key template (prefix 8, suffix 9), the
-#       token log member, then one admission id per job ("<owner>/<random>").
+#       per minute (0: none), the tokens asked, (unused 8, 9), the token log member, then one
+#       admission id per job ("<owner>/<random>").
 # Returns {1 admitted | 0 queue full | -1 the owner's queued jobs limit | -2 its tokens per
 #          minute, depth counted (0) / the owner's jobs waiting (-1) / tokens used this minute (-2),
 #          ms until the asked tokens fit (-2)}.
@@ -37,26 +37,22 @@ _ADMIT_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local num_jobs = #ARGV - 10
+local P = (#KEYS - 3) / 2
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local depth = redis.call('ZCARD', KEYS[1])
-for i = 4, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
+for i = 4, 3 + P do depth = depth + redis.call('LLEN', KEYS[i]) end
 if depth + num_jobs > tonumber(ARGV[1]) then return {0, depth, 0} end
 local owner = ARGV[3]
 local max_queued = tonumber(ARGV[5])
 if max_queued > 0 then
-  -- The owner's admissions not enqueued yet, and its jobs in the queues (a scan: only with a limit).
+  -- The owner's admissions not enqueued yet, and its jobs in the queues: the lengths of its
+  -- lists in the fair-share index (worker/jobs/fair_share.py), no scan of the queues.
   local prefix = owner .. '/'
   local mine = 0
   for _, admission in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
     if string.sub(admission, 1, #prefix) == prefix then mine = mine + 1 end
   end
-  for i = 4, #KEYS do
-    for _, job_id in ipairs(redis.call('LRANGE', KEYS[i], 0, -1)) do
-      if (redis.call('HGET', ARGV[8] .. job_id .. ARGV[9], 'owner') or '') == owner then
-        mine = mine + 1
-      end
-    end
-  end
+  for i = 4 + P, #KEYS do mine = mine + redis.call('LLEN', KEYS[i]) end
   if mine + num_jobs > max_queued then return {-1, mine, 0} end
 end
 local tpm = tonumber(ARGV[6])
@@ -110,8 +106,6 @@ class QueueAdmission:
         self._retry_after_s = retry_after_s
         self._ttl_ms = ttl_ms
         self._script = redis.register_script(_ADMIT_LUA)
-        state = KeyTemplate.of(keys.state("\x00"))
-        self._state_template = [state.prefix, state.suffix]
 
     @asynccontextmanager
     async def admit(self, model: str, num_jobs: int = 1, owner: str = "",
@@ -121,12 +115,14 @@ class QueueAdmission:
         KeyLimitError (429) instead when they would not all fit."""
         admissions = [f"{owner}/{uuid.uuid4().hex}" for _ in range(num_jobs)]
         token_log_entry = f"{uuid.uuid4().hex}:{tokens}"
+        queue_names = self._keys.queue_names(model)
         script_keys = [self._keys.admissions(model), self._keys.fair_weights(),
                        self._keys.owner_token_log(owner),
-                       *(RQKeys.queue(name) for name in self._keys.queue_names(model))]
+                       *(RQKeys.queue(name) for name in queue_names),
+                       *(self._keys.queue_owner_jobs(name, owner) for name in queue_names)]
         reply = await self._script(keys=script_keys, args=[
             self.max_queue_depth, self._ttl_ms, owner, repr(policy.weight),
-            policy.max_queued_jobs, policy.tokens_per_minute, tokens, *self._state_template,
+            policy.max_queued_jobs, policy.tokens_per_minute, tokens, "", "",
             token_log_entry, *admissions])
         outcome, count, wait_ms = (int(value) for value in cast("list[int]", reply))
         wanted = "" if num_jobs == 1 else f" for {num_jobs} more jobs"

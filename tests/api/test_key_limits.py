@@ -11,7 +11,6 @@ import pytest
 from api_support import KEY_A, KEY_B, MODEL, Harness, make_harness
 
 from api.auth import owner_id
-from protocol import Priority
 from protocol.rq_keys import RQKeys
 
 pytestmark = pytest.mark.anyio
@@ -52,7 +51,7 @@ async def test_queued_jobs_per_key_answers_429_naming_the_limit() -> None:
         # The other key has a limit of its own.
         assert (await b.post("/v1/jobs", json={"prompt": "hello"})).status_code == 202
         # A job of the key leaving the queue (a worker took it) makes room again.
-        harness.sync.lpop(RQKeys.queue(harness.keys.queue_name(MODEL, Priority.HIGH)))
+        await harness.take_job()
         assert (await a.post("/v1/jobs", json={"prompt": "hello"})).status_code == 202
     assert len(_queued(harness)) == 3
 

@@ -44,7 +44,8 @@ DEFAULT_CHARGE_TOKENS = 256
 # [fair-share] Lua for CLAIM, placed after its `key` helper and P. Needs, after the P wake-up
 # lists, KEYS weights, vtimes, clock (4+3P+1..3), then the P owners sets (Keys.queue_owners,
 # 4+3P+3+qi); ARGV[28] the default charge. Defines fair_next(qi) -> job id and its owner list
-# (or nil), fair_take(qi, job_id, owner_list) -> taken?, fair_charge(state) and fair_save().
+# (or nil), fair_take(qi, job_id, owner_list) -> taken?, fair_forget(job_id, qi),
+# fair_charge(state) and fair_save().
 CLAIM_FAIR_PICK = """
 -- [fair-share] begin (worker/jobs/fair_share.py): within a tier, the oldest job of the owner
 -- with the lowest virtual token counter.
@@ -111,6 +112,13 @@ local function fair_take(qi, job_id, owner_list)
   end
   redis.call('LPOP', owner_list)
   return redis.call('LREM', KEYS[4 + qi], 1, job_id) == 1
+end
+
+-- A job an rq worker took off its queue itself (worker.rq_entry adopts it): off its owner's
+-- list too.
+local function fair_forget(job_id, qi)
+  local owner = redis.call('HGET', key(13, job_id), 'owner') or ''
+  redis.call('LREM', KEYS[4 + 3 * P + 3 + qi] .. ':' .. owner, 1, job_id)
 end
 
 -- Charge a job's owner its max_tokens / weight at its first claim (the finish settles it).

@@ -124,7 +124,10 @@ local function claim(job_id, qi)
                            redis.call('SISMEMBER', KEYS[2], job_id)}
 end
 
-if ARGV[6] ~= '' then claim(ARGV[6], tonumber(ARGV[7])) end
+if ARGV[6] ~= '' then
+  fair_forget(ARGV[6], tonumber(ARGV[7]))  -- [fair-share]
+  claim(ARGV[6], tonumber(ARGV[7]))
+end
 local qi = 1
 while #claimed < max_jobs and qi <= P do
   local head, owner_list = fair_next(qi)  -- [fair-share] was: LINDEX queue 0

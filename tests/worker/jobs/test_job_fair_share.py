@@ -213,3 +213,13 @@ def test_the_kv_budget_applies_to_the_fairly_picked_job() -> None:
     # a1 (1 block) fits; b1, picked next, needs 3 of the 2 left: the claim stops there.
     assert _ids(queue.claim(2, free_kv_blocks=3)) == ["a1"]
     assert redis.lrange(RQKeys.queue(NORMAL), 0, -1) == [b"b1"]
+
+
+def test_a_job_adopted_from_an_rq_worker_leaves_its_owner_list() -> None:
+    redis = fake_redis()
+    submit(redis, "a1", "a2", owner="a")
+    redis.lpop(RQKeys.queue(NORMAL))  # an rq worker took a1 (worker.rq_entry), then adopts it
+    queue = make_queue(redis)
+    assert _ids(queue.claim(0, adopt=("a1", 1))) == ["a1"]
+    assert redis.lrange(KEYS.queue_owner_jobs(NORMAL, "a"), 0, -1) == [b"a2"]
+    assert _vtimes(redis) == {"a": 8.0}
