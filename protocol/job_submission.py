@@ -188,7 +188,7 @@ def _submit_once(redis: Redis, specs: list[JobSpec], keys: Keys, result_ttl: int
 # KEYS: canceled set, JobState hash, token stream, RQ job hash, fence counter.
 # ARGV: job_id, fallback TTL for the ended job's keys, then the (prefix, suffix) templates
 # around a queue name of the RQ queue key (3), its CanceledJobRegistry key (5) and its owners
-# set (7, Keys.queue_owners). The job's
+# set (7, Keys.queue_owners), and around a model name of its fair-share counters (9). The job's
 # queue is its RQ `origin`, known only in-script (see worker/jobs/job_scripts.py on templates).
 # The final entry's fields mirror StreamEntry.to_fields (kind "done"); tests parse it back.
 _CANCEL_LUA = """
@@ -239,6 +239,13 @@ for _, entry in ipairs(entries) do
   end
 end
 local num_tokens = #token_ids
+-- The fair-share index (worker/jobs/fair_share.py): a job charged at an earlier claim (preempted,
+-- then canceled while queued) settles its owner's counter to the tokens it did generate.
+local fair = redis.call('HMGET', KEYS[2], 'fair_charge', 'fair_weight', 'owner', 'model')
+if fair[1] then
+  redis.call('HINCRBYFLOAT', ARGV[9] .. (fair[4] or '') .. ARGV[10], fair[3] or '',
+             string.format('%.17g', (num_tokens - tonumber(fair[1])) / (tonumber(fair[2]) or 1)))
+end
 local prompt_tokens = redis.call('HGET', KEYS[2], 'prompt_tokens') or '0'
 redis.call('XADD', KEYS[3], '0-' .. (num_tokens + 1), 'kind', 'done', 'finish_reason', 'canceled',
            'prompt_tokens', prompt_tokens, 'completion_tokens', num_tokens, 'error', '')
@@ -274,7 +281,7 @@ def cancel_job(redis: Redis, job_id: str, keys: Keys = Keys()) -> JobStatus | No
     script_keys = [keys.canceled(), keys.state(job_id), keys.stream(job_id), RQKeys.job(job_id),
                    keys.fence(job_id)]
     templates = [KeyTemplate.of(RQKeys.queue("\x00")), KeyTemplate.of(RQKeys.canceled("\x00")),
-                 KeyTemplate.of(keys.queue_owners("\x00"))]
+                 KeyTemplate.of(keys.queue_owners("\x00")), KeyTemplate.of(keys.fair_vtimes("\x00"))]
     args: list[EncodableT] = [job_id, DEFAULT_RESULT_TTL,
                               *(part for t in templates for part in (t.prefix, t.suffix))]
     status = script(keys=script_keys, args=args, client=redis)

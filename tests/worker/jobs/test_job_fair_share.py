@@ -223,3 +223,19 @@ def test_a_job_adopted_from_an_rq_worker_leaves_its_owner_list() -> None:
     assert _ids(queue.claim(0, adopt=("a1", 1))) == ["a1"]
     assert redis.lrange(KEYS.queue_owner_jobs(NORMAL, "a"), 0, -1) == [b"a2"]
     assert _vtimes(redis) == {"a": 8.0}
+
+
+def test_a_preempted_job_canceled_while_queued_settles_its_charge() -> None:
+    redis = fake_redis()
+    submit(redis, "a1", owner="a")
+    queue = make_queue(redis)
+    (claim,) = queue.claim(1)
+    job = running(claim)
+    generate(job, 5, 6)
+    publisher = make_publisher(queue)
+    publisher.append(job)
+    publisher.requeue(job, count_as_preemption=True)
+    publisher.flush()
+    assert _vtimes(redis) == {"a": 8.0}
+    assert cancel_job(redis, "a1") is JobStatus.CANCELED
+    assert _vtimes(redis) == {"a": 2.0}  # the two tokens it generated
