@@ -47,6 +47,7 @@ from api.context import AppContext
 from api.errors import (
     ApiError,
     InvalidRequestError,
+    KeyLimitError,
     QueueFullError,
     ServiceUnavailableError,
     describe_validation_error,
@@ -222,7 +223,7 @@ class BatchRunner:
                 accepted = await self.ctx.jobs.submit_many(
                     completion_requests(body, self.settings, common))
                 echoes = [(job.prompt_text or "") if body.echo else "" for job in accepted]
-        except (QueueFullError, ServiceUnavailableError) as exc:
+        except (QueueFullError, KeyLimitError, ServiceUnavailableError) as exc:
             log.info("batch %s: line %d waits (%s)", batch.id, line.index, exc.message)
             raise _Later from exc
         except ApiError as exc:

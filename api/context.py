@@ -17,6 +17,7 @@ from api.batch_files import FileStore
 from api.batch_store import BatchStore
 from api.job_service import JobService
 from api.job_stream import JobStream
+from api.key_policies import KeyPolicies, KeyPolicy
 from api.model_registry import ModelRegistry
 from api.settings import ApiSettings
 from api.state_reads import SharedStateReads
@@ -72,7 +73,8 @@ class AppContext:
         jobs = JobService(aio, sync, keys, models, tokenizers, settings.max_queue_depth,
                           settings.retry_after_s, settings.idempotency_ttl_s,
                           settings.result_ttl_s, settings.failure_ttl_s, settings.max_logprobs,
-                          settings.webhook_allow_list, settings.max_batch_queue_depth)
+                          settings.webhook_allow_list, settings.max_batch_queue_depth,
+                          key_policies(settings))
         shard_clients = [
             aio if url == settings.redis_url else _async_client(url, settings)
             for url in shard_urls(settings.redis_url, settings.stream_redis_urls)]
@@ -129,6 +131,14 @@ def _hub(client: aioredis.Redis, settings: ApiSettings, keys: Keys) -> StreamHub
     reader = aioredis.Redis(connection_pool=client.connection_pool, single_connection_client=True)
     return StreamHub(reader, client, settings.stream_block_ms,
                      min_interval_ms=settings.stream_hub_interval_ms, keys=keys)
+
+
+def key_policies(settings: ApiSettings) -> KeyPolicies:
+    default = KeyPolicy(weight=settings.default_key_weight,
+                        max_queued_jobs=settings.max_queued_jobs_per_key,
+                        tokens_per_minute=settings.tokens_per_minute_per_key)
+    return KeyPolicies.build(settings.api_keys, default, settings.key_weights,
+                             settings.key_max_queued_jobs, settings.key_tokens_per_minute)
 
 
 def get_context(request: Request) -> AppContext:

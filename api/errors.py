@@ -93,6 +93,17 @@ class QueueFullError(ApiError):
         super().__init__(message, code="queue_full", headers={"Retry-After": str(retry_after_s)})
 
 
+class KeyLimitError(ApiError):
+    """One API key's own limit (queued jobs, tokens per minute: api/key_policies.py); `code`
+    names the limit."""
+
+    status_code = 429
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, code: str, retry_after_s: int) -> None:
+        super().__init__(message, code=code, headers={"Retry-After": str(retry_after_s)})
+
+
 class ServiceUnavailableError(ApiError):
     status_code = 503
     error_type = "server_error"

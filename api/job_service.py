@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 from api.chat_template import ChatTemplateError, render_chat, template_takes_tools
 from api.errors import ConflictError, InvalidRequestError, NotFoundError
 from api.idempotency_key import IDEMPOTENCY_HEADER
+from api.key_policies import KeyPolicies
 from api.model_registry import ModelRegistry
 from api.queue_admission import QueueAdmission
 from api.sampling_defaults import served_defaults, with_model_defaults
@@ -122,7 +123,8 @@ class JobService:
                  idempotency_ttl_s: int = 24 * 3600, result_ttl_s: int = DEFAULT_RESULT_TTL,
                  failure_ttl_s: int = DEFAULT_FAILURE_TTL, max_logprobs: int = 20,
                  webhook_allow_list: WebhookAllowList = WebhookAllowList(),
-                 max_batch_queue_depth: int | None = None) -> None:
+                 max_batch_queue_depth: int | None = None,
+                 key_policies: KeyPolicies = KeyPolicies()) -> None:
         self._aio = aio
         self._sync = sync
         self._keys = keys
@@ -135,6 +137,7 @@ class JobService:
         self._failure_ttl_s = failure_ttl_s
         self._max_logprobs = max_logprobs
         self._webhook_allow_list = webhook_allow_list
+        self._key_policies = key_policies
 
     async def submit(self, request: GenerationRequest) -> AcceptedJob:
         (accepted,) = await self.submit_many([request])
@@ -189,8 +192,19 @@ class JobService:
                        checked: list[tuple[GenerationRequest, SamplingParams, int | None, str | None]],
                        idempotency: Idempotency | None) -> list[AcceptedJob]:
         first = checked[0][0]
-        async with self._admission.admit(card.name, len(checked),
-                                         first.priority) as admissions:
+        policy = self._key_policies.for_owner(first.owner)
+        # What the tokens-per-minute limit counts: each job's prompt and its most new tokens.
+        tokens = sum((prompt_tokens or 0) + sampling.max_tokens
+                     for _, sampling, prompt_tokens, _ in checked)
+        if policy.tokens_per_minute and not first.priority.is_background \
+                and tokens > policy.tokens_per_minute:
+            raise InvalidRequestError(
+                f"This request needs {tokens} tokens (prompt + {first.max_tokens_param} over its "
+                f"{len(checked)} job(s)), more than this API key may submit in a minute "
+                f"({policy.tokens_per_minute}, tokens_per_minute_per_key); lower "
+                f"{first.max_tokens_param} or the prompt", param=first.max_tokens_param)
+        async with self._admission.admit(card.name, len(checked), first.owner, policy,
+                                         tokens, first.priority) as admissions:
             created_at = time.time()
             accepted = [AcceptedJob(JobSpec(
                 job_id=new_job_id(), model=card.name, prompt=request.prompt,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from api.fields import MAX_RETENTION_S
@@ -27,6 +27,27 @@ class ApiSettings(BaseSettings):
         default_factory=list,
         description="Accepted bearer keys; empty means the API runs open (CARPOOL_API_KEYS=k1,k2).",
     )
+    # Per-key policies (api/key_policies.py): "key=value" lists over the keys of api_keys.
+    default_key_weight: float = Field(
+        1.0, gt=0, description="A key's share of seats when keys compete for a model's workers "
+                               "(fair shares), unless key_weights names it.")
+    key_weights: Annotated[dict[str, float], NoDecode] = Field(
+        default_factory=dict,
+        description="Weights of named keys (CARPOOL_KEY_WEIGHTS=k1=2,k2=1): a key of weight 2 gets "
+                    "twice the tokens of a key of weight 1 while both have jobs waiting.")
+    max_queued_jobs_per_key: int = Field(
+        0, ge=0, description="Jobs one key may have waiting in a model's queues; past it its "
+                             "submissions get 429 (0: no limit).")
+    key_max_queued_jobs: Annotated[dict[str, int], NoDecode] = Field(
+        default_factory=dict, description="The same for named keys (CARPOOL_KEY_MAX_QUEUED_JOBS="
+                                          "k1=100,k2=10); 0: no limit.")
+    tokens_per_minute_per_key: int = Field(
+        0, ge=0, description="Tokens (prompt + max_tokens of each job) one key may submit per "
+                             "minute, over every API process; past it 429 with the wait in "
+                             "Retry-After (0: no limit).")
+    key_tokens_per_minute: Annotated[dict[str, int], NoDecode] = Field(
+        default_factory=dict, description="The same for named keys (CARPOOL_KEY_TOKENS_PER_MINUTE="
+                                          "k1=100000); 0: no limit.")
     public_docs: bool = Field(
         True, description="Serve /docs and /openapi.json without a key (they hold no job data)."
     )
@@ -149,6 +170,34 @@ class ApiSettings(BaseSettings):
         if isinstance(value, str):
             return [url.strip() for url in value.split(",") if url.strip()]
         return value
+
+    @field_validator("key_weights", "key_max_queued_jobs", "key_tokens_per_minute", mode="before")
+    @classmethod
+    def _split_pairs(cls, value: object) -> object:
+        if not isinstance(value, str):
+            return value
+        pairs: dict[str, str] = {}
+        for item in (part.strip() for part in value.split(",")):
+            key, sep, number = item.rpartition("=")
+            if item and (not sep or not key.strip()):
+                raise ValueError(f"expected key=value pairs separated by commas, got {item!r}")
+            if item:
+                pairs[key.strip()] = number.strip()
+        return pairs
+
+    @model_validator(mode="after")
+    def _per_key_settings_name_known_keys(self) -> ApiSettings:
+        for name in ("key_weights", "key_max_queued_jobs", "key_tokens_per_minute"):
+            values: dict[str, float] = getattr(self, name)
+            unknown = [key for key in values if key not in self.api_keys]
+            if unknown:
+                raise ValueError(f"{name} names {len(unknown)} key(s) that are not in api_keys")
+            negative = [key for key, number in values.items()
+                        if number < 0 or (name == "key_weights" and number == 0)]
+            if negative:
+                raise ValueError(f"{name} must be {'> 0' if name == 'key_weights' else '>= 0'} "
+                                 f"for every key")
+        return self
 
     @field_validator("api_keys", mode="before")
     @classmethod

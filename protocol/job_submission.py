@@ -154,7 +154,8 @@ def _submit_once(redis: Redis, specs: list[JobSpec], keys: Keys, result_ttl: int
                              logprobs=-1 if spec.sampling.logprobs is None else spec.sampling.logprobs,
                              prompt_logprobs_asked=(-1 if spec.sampling.prompt_logprobs is None
                                                     else spec.sampling.prompt_logprobs),
-                             webhook_url=spec.webhook_url)
+                             webhook_url=spec.webhook_url,
+                             max_tokens=spec.sampling.max_tokens)
             jobs.append(queue.enqueue_call(
                 RQ_JOB_FUNCTION,
                 args=[spec.to_dict()],
@@ -166,6 +167,9 @@ def _submit_once(redis: Redis, specs: list[JobSpec], keys: Keys, result_ttl: int
                 pipeline=pipe,
             ))
             pipe.lpush(keys.wakeups(queue.name), 1)
+            # The fair-share index (worker/jobs/fair_share.py): the job in its owner's list too.
+            pipe.rpush(keys.queue_owner_jobs(queue.name, spec.owner), spec.job_id)
+            pipe.sadd(keys.queue_owners(queue.name), spec.owner)
             # A dict[str, str] is a valid mapping; redis-py's Mapping key type is invariant.
             pipe.hset(keys.state(spec.job_id),
                       mapping=cast("Mapping[FieldT, EncodableT]", state.to_fields()))
@@ -186,7 +190,8 @@ def _submit_once(redis: Redis, specs: list[JobSpec], keys: Keys, result_ttl: int
 
 # KEYS: canceled set, JobState hash, token stream, RQ job hash, fence counter, webhook events.
 # ARGV: job_id, fallback TTL for the ended job's keys, then the (prefix, suffix) templates
-# around a queue name of the RQ queue key (3) and its CanceledJobRegistry key (5). The job's
+# around a queue name of the RQ queue key (3), its CanceledJobRegistry key (5) and its owners
+# set (7, Keys.queue_owners), and around a model name of its fair-share counters (9). The job's
 # queue is its RQ `origin`, known only in-script (see worker/jobs/job_scripts.py on templates).
 # The final entry's fields mirror StreamEntry.to_fields (kind "done"); tests parse it back.
 _CANCEL_LUA = EMIT_JOB_EVENT_LUA + """
@@ -214,6 +219,9 @@ if removed == 0 then
   redis.call('SADD', KEYS[1], job_id)
   return status
 end
+-- The fair-share index (worker/jobs/fair_share.py): out of its owner's list too.
+redis.call('LREM', ARGV[7] .. origin .. ARGV[8] .. ':' .. (redis.call('HGET', KEYS[2], 'owner') or ''),
+           1, job_id)
 local now = redis.call('TIME')
 local now_s = string.format('%d.%06d', now[1], now[2])
 -- A preempted job already has tokens: keep them as the job's partial result.
@@ -234,6 +242,13 @@ for _, entry in ipairs(entries) do
   end
 end
 local num_tokens = #token_ids
+-- The fair-share index (worker/jobs/fair_share.py): a job charged at an earlier claim (preempted,
+-- then canceled while queued) settles its owner's counter to the tokens it did generate.
+local fair = redis.call('HMGET', KEYS[2], 'fair_charge', 'fair_weight', 'owner', 'model')
+if fair[1] then
+  redis.call('HINCRBYFLOAT', ARGV[9] .. (fair[4] or '') .. ARGV[10], fair[3] or '',
+             string.format('%.17g', (num_tokens - tonumber(fair[1])) / (tonumber(fair[2]) or 1)))
+end
 local prompt_tokens = redis.call('HGET', KEYS[2], 'prompt_tokens') or '0'
 redis.call('XADD', KEYS[3], '0-' .. (num_tokens + 1), 'kind', 'done', 'finish_reason', 'canceled',
            'prompt_tokens', prompt_tokens, 'completion_tokens', num_tokens, 'error', '')
@@ -270,7 +285,8 @@ def cancel_job(redis: Redis, job_id: str, keys: Keys = Keys()) -> JobStatus | No
     script = redis.register_script(_CANCEL_LUA)
     script_keys = [keys.canceled(), keys.state(job_id), keys.stream(job_id), RQKeys.job(job_id),
                    keys.fence(job_id), keys.webhook_events()]
-    templates = [KeyTemplate.of(RQKeys.queue("\x00")), KeyTemplate.of(RQKeys.canceled("\x00"))]
+    templates = [KeyTemplate.of(RQKeys.queue("\x00")), KeyTemplate.of(RQKeys.canceled("\x00")),
+                 KeyTemplate.of(keys.queue_owners("\x00")), KeyTemplate.of(keys.fair_vtimes("\x00"))]
     args: list[EncodableT] = [job_id, DEFAULT_RESULT_TTL,
                               *(part for t in templates for part in (t.prefix, t.suffix))]
     status = script(keys=script_keys, args=args, client=redis)

@@ -46,6 +46,17 @@ class Keys:
         queue's length, so stale wake-ups never pile up."""
         return f"{self.prefix}:queue:{queue_name}:wakeups"
 
+    def queue_owners(self, queue_name: str) -> str:
+        """Set: the owners (API key ids) with jobs in their list (`queue_owner_jobs`) of the RQ
+        queue `queue_name`: the index the fair-share claim picks an owner from
+        (worker/jobs/fair_share.py). Jobs stay on the RQ queue itself too."""
+        return f"{self.prefix}:queue:{queue_name}:owners"
+
+    def queue_owner_jobs(self, queue_name: str, owner: str) -> str:
+        """List: `owner`'s jobs on the RQ queue `queue_name`, in queue order. Always
+        `queue_owners(queue_name) + ":" + owner`: scripts build it that way from the set's key."""
+        return f"{self.queue_owners(queue_name)}:{owner}"
+
     # Per job.
     def state(self, job_id: str) -> str:
         """Hash: Carpool's view of the job (status, owner, timings, usage); see JobState fields."""
@@ -134,6 +145,27 @@ class Keys:
     def batch_lock(self, batch_id: str) -> str:
         """String with a TTL: the token of the API process advancing the batch right now."""
         return f"{self.prefix}:batch:{batch_id}:lock"
+
+    # Fair shares between API keys (worker/jobs/fair_share.py) and per-key limits.
+    def fair_weights(self) -> str:
+        """Hash owner id -> weight (a positive number; missing: 1), written by the API from its
+        settings at start: the share of seats each key gets when keys compete."""
+        return f"{self.prefix}:fair:weights"
+
+    def fair_vtimes(self, model: str) -> str:
+        """Hash owner id -> virtual token counter (tokens charged / weight) over `model`'s
+        workers; the claim serves the owner with the lowest first."""
+        return f"{self.prefix}:model:{model}:fair:vtimes"
+
+    def fair_clock(self, model: str) -> str:
+        """String: `model`'s virtual clock, the counter of the owner served last (it only grows);
+        an owner coming back from idle starts there, so idling banks no credit."""
+        return f"{self.prefix}:model:{model}:fair:clock"
+
+    def owner_token_log(self, owner: str) -> str:
+        """Sorted set: one member "<id>:<tokens>" per admitted submission -> its time (ms, Redis
+        clock), over the last minute: the owner's tokens-per-minute limit counts from it."""
+        return f"{self.prefix}:owner:{owner}:token-log"
 
     # Workers and models.
     def models(self) -> str:

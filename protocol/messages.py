@@ -244,6 +244,9 @@ class JobState:
     prompt_logprobs_asked: int = -1
     # The JobSpec's webhook_url: the scripts that end the job read it here to emit its event.
     webhook_url: str = ""
+    # Its sampling.max_tokens: what the fair-share claim charges the owner up front (corrected
+    # to the tokens generated when the job ends; worker/jobs/fair_share.py). 0: not recorded.
+    max_tokens: int = 0
     # The final result (set with the final status): generated text and token ids.
     text: str = ""
     token_ids: tuple[int, ...] = ()

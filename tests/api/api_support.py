@@ -125,9 +125,12 @@ class Harness:
         queues = [RQKeys.queue(name) for name in self.keys.queue_names(model)]
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            for queue in queues:
+            for name, queue in zip(self.keys.queue_names(model), queues):
                 job_id = self.sync.lpop(queue)
                 if job_id:
+                    # Off its owner's list of the fair-share index too, as the claim takes it.
+                    owner = self.sync.hget(self.keys.state(job_id), "owner") or ""
+                    self.sync.lrem(self.keys.queue_owner_jobs(name, owner), 1, job_id)
                     return str(job_id)
             await asyncio.sleep(0.005)
         raise TimeoutError("no job arrived on any queue")

@@ -1,5 +1,6 @@
 """Taking jobs off the RQ queues of one model into a worker's batch (the claim), highest
-priority first.
+priority first; within a priority, the job of the API key with the lowest virtual token counter
+(fair shares between keys: worker/jobs/fair_share.py).
 
 Non-blocking at an iteration boundary (the batch must not wait); blocking only while the worker
 is idle. Each claim is one Lua script that pops, fences, leases and records the job as started
@@ -38,6 +39,7 @@ from protocol.job_submission import DEFAULT_FAILURE_TTL, DEFAULT_RESULT_TTL
 from protocol.keys import Keys
 from protocol.messages import JobSpec, JobState, JobStatus, StreamEntry
 from protocol.rq_keys import KeyTemplate, RQKeys
+from worker.jobs.fair_share import DEFAULT_CHARGE_TOKENS
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.lease import Lease
 
@@ -106,13 +108,16 @@ class JobQueue:
         self._script_keys = [keys.leases(), keys.canceled(), RQKeys.worker_executions(worker_name),
                              RQKeys.worker(worker_name), *self.queue_keys,
                              *(RQKeys.started(name) for name in self.queue_names),
-                             *self.wakeup_keys]
+                             *self.wakeup_keys, keys.fair_weights(), keys.fair_vtimes(model),
+                             keys.fair_clock(model),
+                             *(keys.queue_owners(name) for name in self.queue_names)]
 
     def claim(self, max_jobs: int, free_kv_blocks: int | None = None,
               adopt: tuple[str, int] | None = None) -> list[ClaimedJob]:
-        """Take up to `max_jobs` jobs without blocking, stopping at the first one that needs
-        more than `free_kv_blocks` (None: no limit). `adopt` = (job_id, queue index) of a job
-        already taken off its queue (by an rq worker: worker.rq_entry), claimed first."""
+        """Take up to `max_jobs` jobs without blocking (by priority, then fair share between
+        owners), stopping at the first one that needs more than `free_kv_blocks` (None: no
+        limit). `adopt` = (job_id, queue index) of a job already taken off its queue (by an rq
+        worker: worker.rq_entry), claimed first."""
         if max_jobs <= 0 and adopt is None:
             return []
         now = time.time()
@@ -123,6 +128,7 @@ class JobQueue:
             adopt_id, adopt_index + 1 if adopt else 0, self.execution_ttl_s,
             utcformat(rq_now()), repr(now), uuid.uuid4().hex[:12] + "-", len(self.queue_names),
             *self._template_args, RQKeys.composite_separator(),
+            DEFAULT_CHARGE_TOKENS,
         ]
         try:
             reply = self.scripts.call(self.redis, "claim", self._script_keys, args)

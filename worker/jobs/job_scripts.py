@@ -31,6 +31,7 @@ from redis.client import Pipeline
 from redis.typing import EncodableT
 
 from protocol.webhook_events import EMIT_JOB_EVENT_LUA
+from worker.jobs.fair_share import CLAIM_FAIR_PICK, requeue_to_owner_list, settle_owner_counter
 from worker.jobs.shard_scripts import SHARD_ADOPT, SHARD_APPEND, SHARD_END, XADD_TOKEN
 
 _COMMON = """
@@ -58,17 +59,20 @@ end
 
 # KEYS: leases, canceled, this worker's RQ executions set, RQ worker hash,
 #       then P queue keys, then P StartedJobRegistry keys, then P wake-up lists (priority order;
-#       the queues of the one model this worker serves).
+#       the queues of the one model this worker serves), then the fair-share weights, vtimes and
+#       clock, then P owners sets (Keys.queue_owners) (worker/jobs/fair_share.py).
 # ARGV: worker_name, lease_ms, max_jobs, free_kv_blocks (-1: no limit), block_size,
 #       adopt_job_id (already popped; '' for none), adopt_queue_index (1-based),
 #       execution_ttl_s, rq_now (rq's UTC format), now_s (epoch float), execution_id_prefix, P,
 #       templates (prefix, suffix): state 13, stream 15, lease 17, fence 19, rq job 21,
-#       rq execution 23 (over the composite key), rq executions 25; composite separator 27.
+#       rq execution 23 (over the composite key), rq executions 25; composite separator 27;
+#       fair-share default charge 28.
 # Returns, per claimed job: {job_id, queue_index, fence, execution_id, rq data, result_ttl,
 #       failure_ttl, JobState fields (flat), stream entries, is_canceled}.
 CLAIM = _COMMON + """
 local P = tonumber(ARGV[12])
 local function key(i, id) return ARGV[i] .. id .. ARGV[i + 1] end
+""" + CLAIM_FAIR_PICK + """
 local lease_ms = tonumber(ARGV[2])
 local max_jobs = tonumber(ARGV[3])
 local budget = tonumber(ARGV[4])
@@ -113,6 +117,7 @@ local function claim(job_id, qi)
   if started_at == 0 then redis.call('HSET', state, 'started_at', ARGV[10]) end
   redis.call('HSET', state, 'status', 'running', 'worker', ARGV[1], 'execution', composite)
   redis.call('HSETNX', state, 'job_id', job_id)  -- a job enqueued without submit_job
+  fair_charge(state)  -- [fair-share]
   local rq_fields = redis.call('HMGET', rq_job, 'data', 'result_ttl', 'failure_ttl')
   claimed[#claimed + 1] = {job_id, qi, fence, execution_id, rq_fields[1] or '',
                            rq_fields[2] or '', rq_fields[3] or '', redis.call('HGETALL', state),
@@ -120,23 +125,29 @@ local function claim(job_id, qi)
                            redis.call('SISMEMBER', KEYS[2], job_id)}
 end
 
-if ARGV[6] ~= '' then claim(ARGV[6], tonumber(ARGV[7])) end
+if ARGV[6] ~= '' then
+  fair_forget(ARGV[6], tonumber(ARGV[7]))  -- [fair-share]
+  claim(ARGV[6], tonumber(ARGV[7]))
+end
 local qi = 1
 while #claimed < max_jobs and qi <= P do
-  local head = redis.call('LINDEX', KEYS[4 + qi], 0)
+  local head, owner_list = fair_next(qi)  -- [fair-share] was: LINDEX queue 0
   if not head then
     qi = qi + 1
   else
+    local need = 0
     if budget >= 0 then
       -- Leave a job this worker cannot schedule now for one that can (and keep queue order).
-      local need = blocks_needed(head)
+      need = blocks_needed(head)
       if need > budget then break end
-      budget = budget - need
     end
-    redis.call('LPOP', KEYS[4 + qi])
-    claim(head, qi)
+    if fair_take(qi, head, owner_list) then  -- [fair-share] was: LPOP queue
+      if budget >= 0 then budget = budget - need end
+      claim(head, qi)
+    end
   end
 end
+fair_save()  -- [fair-share]
 -- One wake-up per job still queued: a wake-up whose job was taken here (or canceled) would
 -- only wake an idle worker for nothing.
 for i = 1, P do
@@ -225,7 +236,7 @@ return {results, canceled}
 
 # KEYS: lease, stream, leases, state, canceled, rq job, rq results, rq execution,
 #       rq executions, started registry, finished registry, failed registry, canceled registry,
-#       worker executions, rq worker hash, fence, webhook events.
+#       worker executions, rq worker hash, fence, webhook events, the model's fair-share vtimes.
 # ARGV: token, job_id, outcome (finished|failed|canceled), finish_reason, error, prompt_tokens,
 #       completion_tokens, text, token_ids (JSON), result_ttl, failure_ttl, composite,
 #       execution_id, rq_now, now_s, working_seconds, exc_info, cached_tokens, stream_here ('1':
@@ -243,6 +254,7 @@ if outcome == 'finished' and redis.call('SISMEMBER', KEYS[5], job_id) == 1 then
   outcome = 'canceled'
   reason = 'canceled'
 end
+""" + settle_owner_counter("KEYS[18]") + """
 local ttl = tonumber(ARGV[10])
 if outcome == 'failed' then ttl = tonumber(ARGV[11]) end
 local now_s = tonumber(ARGV[15])
@@ -294,7 +306,8 @@ return outcome
 """
 
 # KEYS: lease, leases, state, rq job, queue (the job's origin), started registry, rq execution,
-#       rq executions, worker executions, stream, the queue's wake-up list.
+#       rq executions, worker executions, stream, the queue's wake-up list, its owners set
+#       (Keys.queue_owners).
 # ARGV: token, job_id, composite, execution_id, prompt_tokens, count_as_preemption (1|0),
 #       num_tokens (what the job's stream holds, wherever it lives).
 # Returns 1 (back at the queue's front), 0 (refused: not the lease holder).
@@ -310,13 +323,15 @@ redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[2])
 redis.call('LPUSH', KEYS[5], ARGV[2])
 redis.call('LPUSH', KEYS[11], 1)
+""" + requeue_to_owner_list("KEYS[12]", "KEYS[3]", "ARGV[2]") + """
 return 1
 """
 
 # KEYS: leases.
 # ARGV: max_jobs, templates (prefix, suffix): state 2, stream 4, lease 6, rq job 8,
 #       rq execution 10, rq executions 12, rq queue 14, started 16, failed 18,
-#       worker executions 20, wake-ups (around the queue name) 22; composite separator 24.
+#       worker executions 20, wake-ups (around the queue name) 22; composite separator 24;
+#       owners set (around the queue name, Keys.queue_owners) 25.
 # Returns the ids put back at the front of their queue.
 RECOVER = _COMMON + """
 local function key(i, id) return ARGV[i] .. id .. ARGV[i + 1] end
@@ -353,6 +368,7 @@ for _, job_id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT
     redis.call('HINCRBY', state, 'num_recoveries', 1)
     redis.call('LPUSH', key(14, origin), job_id)
     redis.call('LPUSH', key(22, origin), 1)
+""" + requeue_to_owner_list("key(25, origin)", "state", "job_id") + """
     redis.call('ZREM', KEYS[1], job_id)
     recovered[#recovered + 1] = job_id
   end

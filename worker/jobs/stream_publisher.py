@@ -145,8 +145,9 @@ class StreamPublisher:
                      KeyTemplate.of(RQKeys.failed("\x00")),
                      KeyTemplate.of(RQKeys.worker_executions("\x00")),
                      KeyTemplate.of(k.wakeups("\x00"))]
+        owners = KeyTemplate.of(k.queue_owners("\x00"))  # fair-share index, after the separator
         return [part for t in templates for part in (t.prefix, t.suffix)] + [
-            RQKeys.composite_separator()]
+            RQKeys.composite_separator(), owners.prefix, owners.suffix]
 
     def _reset(self) -> None:
         self._calls: list[_ScriptCall] = []
@@ -244,7 +245,9 @@ class StreamPublisher:
                 RQKeys.executions(lease.job_id), RQKeys.started(queue), RQKeys.finished(queue),
                 RQKeys.failed(queue), RQKeys.canceled(queue),
                 RQKeys.worker_executions(self.worker_name), RQKeys.worker(self.worker_name),
-                self.keys.fence(lease.job_id), self.keys.webhook_events()]
+                self.keys.fence(lease.job_id), self.keys.webhook_events(),
+                # The owner's fair-share counter of the job's model, settled to what it generated.
+                self.keys.fair_vtimes(self.keys.model_of_queue(queue) or "")]
         args: list[EncodableT] = [
             lease.token, lease.job_id, end.status.value, end.finish_reason.value, end.error,
             job.num_prompt_tokens, job.num_tokens, job.text,
@@ -281,7 +284,8 @@ class StreamPublisher:
                 RQKeys.started(lease.queue_name),
                 RQKeys.execution(lease.job_id, lease.execution_id),
                 RQKeys.executions(lease.job_id), RQKeys.worker_executions(self.worker_name),
-                self.keys.stream(lease.job_id), self.keys.wakeups(lease.queue_name)]
+                self.keys.stream(lease.job_id), self.keys.wakeups(lease.queue_name),
+                self.keys.queue_owners(lease.queue_name)]
         args: list[EncodableT] = [lease.token, lease.job_id, lease.composite, lease.execution_id,
                                   job.num_prompt_tokens, 1 if count_as_preemption else 0,
                                   job.num_tokens]
