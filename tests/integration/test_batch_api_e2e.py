@@ -187,9 +187,11 @@ def test_a_cancelled_batch_cancels_its_jobs_and_answers_every_line(
         jobs = _wait_queued(client, batch_fleet, batch.id, len(bodies), api)
         cancelling = client.batches.cancel(batch.id)
         assert cancelling.status in ("cancelling", "cancelled")
+        # Still paused: the runner cancels the queued jobs at its next tick. (Resumed before
+        # that, the workers, whose wake-ups Redis already served, would run them first.)
+        done = _wait_status(client, batch.id, {"cancelled"}, api, batch_fleet)
     finally:
         _resume(batch_fleet)
-    done = _wait_status(client, batch.id, {"cancelled"}, api, batch_fleet)
     assert done.cancelling_at and done.cancelled_at and done.output_file_id is None
     errors = _lines(client, done.error_file_id)
     _check_exactly_once(done, [], errors, set(bodies))
