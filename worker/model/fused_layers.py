@@ -1,4 +1,4 @@
-"""Routes a Hugging Face model's RMSNorm, gated-MLP and attention modules through kernels' fused ops.
+"""Routes a Hugging Face model's RMSNorm, gated-MLP, attention and decoder-layer modules through kernels' fused ops.
 
 A decode step of a small model is dominated by op count, not arithmetic: Llama's RMSNorm is seven
 torch ops, its MLP five (three projections, silu, multiply) and its attention block some twenty
@@ -6,7 +6,9 @@ around the attention itself (three projections, views, fourteen for the rotary e
 Routed, an RMSNorm is one kernel call; an MLP three: one projection onto gate and up together,
 one silu-and-multiply, the down projection; an attention block one projection onto q, k and v
 together, one in-place rotary kernel, then the attention function transformers' AttentionInterface
-names (Carpool's paged attention in the engine) and the output projection. Concatenated weights
+names (Carpool's paged attention in the engine) and the output projection; a decoder layer adds
+the attention's output to the residual stream and normalises it in one call (fused_add_rms_norm).
+Concatenated weights
 are made once, and the modules' own parameters become views into them, so memory does not grow.
 As in linear_layers, only the modules' classes change, to subclasses whose forward calls kernels'
 dispatchers; those fall back to torch twins off the CPU fast path.
@@ -27,13 +29,17 @@ from torch import nn
 from transformers.activations import SiLUActivation
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kernels import linear, rms_norm, rotary_embedding, silu_and_mul
+from kernels import fused_add_rms_norm, linear, rms_norm, rotary_embedding, silu_and_mul
 from worker.model.linear_layers import packed_copy
 
 RMS_NORM_CLASSES = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"})
 GATED_MLP_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
 # Attention blocks with separate q/k/v projections and Llama's rotate-half rotary embedding, and
 # where each passes a sliding window to the attention function (as their own forward does).
+# Decoder layers whose forward is Llama's pre-norm block: norm, attention, residual add, norm, MLP,
+# residual add (transformers 5.24: Llama, Mistral, Qwen2 and Qwen3 have the same forward).
+DECODER_LAYER_CLASSES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
+                                   "Qwen3DecoderLayer"})
 ATTENTION_CLASSES = {
     "LlamaAttention": lambda module: None,
     "MistralAttention": lambda module: getattr(module.config, "sliding_window", None),
@@ -103,6 +109,39 @@ class _FusedAttention(nn.Module):
         return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
 
 
+class _FusedDecoderLayer(nn.Module):
+    """The block's first residual add and the norm after it in one kernel call (fused_add_rms_norm),
+    the second add in place: three calls around attention and MLP where the original makes four,
+    and two fewer [tokens, hidden] tensors allocated."""
+
+    self_attn: nn.Module
+    mlp: nn.Module
+    input_layernorm: nn.Module
+    post_attention_layernorm: nn.Module
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: Any = None,
+        use_cache: bool | None = False,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        attended, _ = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states), attention_mask=attention_mask,
+            position_ids=position_ids, cache=cache, use_cache=use_cache,
+            position_embeddings=position_embeddings, **kwargs,
+        )
+        # The residual stream is carried in `attended`, the output projection's fresh tensor, not in
+        # hidden_states: a caller may hold the layer's input (output_hidden_states). bf16 and fp32
+        # addition commute, so attended + hidden_states rounds as the original's residual + attended.
+        norm = self.post_attention_layernorm
+        normed = fused_add_rms_norm(hidden_states, attended, norm.weight, norm.variance_epsilon)
+        return self.mlp(normed).add_(attended)
+
+
 @functools.cache
 def _eager_attention(original: type) -> Any:
     """The architecture's own eager attention, which its forward falls back to by the same rule."""
@@ -166,8 +205,14 @@ def _share_qkv_weight(module: nn.Module) -> None:
     module.carpool_num_kv_heads = module.k_proj.out_features // module.head_dim
 
 
+def _is_plain_decoder_layer(module: nn.Module) -> bool:
+    norm = getattr(module, "post_attention_layernorm", None)
+    return (all(isinstance(getattr(module, name, None), nn.Module) for name in ("self_attn", "mlp", "input_layernorm"))
+            and type(norm).__name__.removeprefix("Fused") in RMS_NORM_CLASSES and hasattr(norm, "variance_epsilon"))
+
+
 def route_fused_layers(model: nn.Module, fused: bool = True, packed: bool = False) -> int:
-    """Make the model's known RMSNorm, gated-MLP and attention modules use the fused ops (or back);
+    """Make the model's known RMSNorm, gated-MLP, attention and decoder-layer modules use the fused ops (or back);
     returns how many modules changed class. packed: the MLPs and attention blocks also keep a
     oneDNN-reordered copy of their concatenated bf16 weight (as linear_layers does). Call after the
     model has its final device and dtype."""
@@ -192,6 +237,9 @@ def route_fused_layers(model: nn.Module, fused: bool = True, packed: bool = Fals
         elif original is None and cls.__name__ in ATTENTION_CLASSES and _is_plain_rotary_attention(module):
             _share_qkv_weight(module)
             module.__class__ = _fused_class(cls, _FusedAttention)
+            count += 1
+        elif original is None and cls.__name__ in DECODER_LAYER_CLASSES and _is_plain_decoder_layer(module):
+            module.__class__ = _fused_class(cls, _FusedDecoderLayer)
             count += 1
         if isinstance(module, _FusedGatedMLP):
             module.carpool_packed_gate_up_weight = packed_copy(module.carpool_gate_up_weight, packed)

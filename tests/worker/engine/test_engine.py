@@ -349,6 +349,6 @@ def test_cpu_kernels_switch_routes_the_linear_layers(tiny: TinyCase) -> None:
         built = cpu_extension.load() is not None
         assert engine.runner.uses_cpu_kernels is built
         assert linear_classes() == ({DispatchedLinear} if built else {torch.nn.Linear})
-        assert fused_modules() == (9 if built else 0)  # 2 layers x (2 norms + MLP + attention) + final norm
+        assert fused_modules() == (11 if built else 0)  # 2 layers x (2 norms + MLP + attention + layer) + final norm
     finally:
         make_engine(tiny.loaded)  # leave the shared model as the other tests expect it

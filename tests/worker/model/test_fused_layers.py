@@ -33,13 +33,13 @@ def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def test_routes_every_norm_mlp_and_attention_and_back(model: torch.nn.Module) -> None:
     names = {type(m).__name__ for m in model.modules()}
     arch = "Llama" if "LlamaMLP" in names else "Qwen2"
-    # Two norms per layer and the final one, one MLP and one attention block per layer.
-    assert route_fused_layers(model) == 4 * NUM_LAYERS + 1
+    # Two norms per layer and the final one, one MLP, one attention block and the layer itself.
+    assert route_fused_layers(model) == 5 * NUM_LAYERS + 1
     routed = {type(m).__name__ for m in model.modules()}
-    assert {f"Fused{arch}RMSNorm", f"Fused{arch}MLP", f"Fused{arch}Attention"} <= routed
-    assert not {f"{arch}MLP", f"{arch}RMSNorm", f"{arch}Attention"} & routed
+    assert {f"Fused{arch}RMSNorm", f"Fused{arch}MLP", f"Fused{arch}Attention", f"Fused{arch}DecoderLayer"} <= routed
+    assert not {f"{arch}MLP", f"{arch}RMSNorm", f"{arch}Attention", f"{arch}DecoderLayer"} & routed
     assert route_fused_layers(model) == 0  # already routed
-    assert route_fused_layers(model, fused=False) == 4 * NUM_LAYERS + 1
+    assert route_fused_layers(model, fused=False) == 5 * NUM_LAYERS + 1
     assert {type(m).__name__ for m in model.modules()} == names
 
 
@@ -91,6 +91,40 @@ def test_fused_attention_calls_the_models_attention_function(
     route_fused_layers(model, packed=dtype == torch.bfloat16 and runs_fast_here())
     tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 0, "atol": 0}
     torch.testing.assert_close(_logits(model, ids), expected, **tolerance)
+
+
+def _unroute_decoder_layers(model: torch.nn.Module) -> None:
+    for layer in model.model.layers:
+        layer.__class__ = type(layer).carpool_original_class
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_decoder_layer_computes_the_original_layers_logits_to_the_bit(
+    model: torch.nn.Module, dtype: torch.dtype,
+) -> None:
+    # Everything else routed alike: the fused add + norm must round where the original add, then
+    # the norm, round (the kernel and the twin each equal the unfused pair bit for bit).
+    model.to(dtype)
+    ids = torch.randint(3, 1000, (1, 9), generator=torch.Generator().manual_seed(7))
+    route_fused_layers(model)
+    assert type(model.model.layers[0]).__name__.endswith("DecoderLayer")
+    fused = _logits(model, ids)
+    _unroute_decoder_layers(model)
+    assert torch.equal(fused, _logits(model, ids))
+
+
+def test_fused_decoder_layer_leaves_its_input_alone(model: torch.nn.Module) -> None:
+    # The residual stream rides in the attention output: every layer's input, as
+    # output_hidden_states hands them back, stays what it was.
+    ids = torch.randint(3, 1000, (1, 9), generator=torch.Generator().manual_seed(8))
+    route_fused_layers(model)
+    with torch.inference_mode():
+        fused = model(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
+        _unroute_decoder_layers(model)
+        original = model(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
+    assert len(fused) == NUM_LAYERS + 1
+    for actual, expected in zip(fused, original):
+        assert torch.equal(actual, expected)
 
 
 def test_fused_attention_keeps_transformers_kv_cache_path(model: torch.nn.Module) -> None:
