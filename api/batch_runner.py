@@ -31,6 +31,7 @@ cancelled): the hook for a batch webhook (batch.completed / .failed / .expired /
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -377,8 +378,16 @@ class BatchRunner:
     async def end_batch(self, batch: BatchRecord, final: BatchStatus,
                         allowed: tuple[BatchStatus, ...], **fields: str) -> bool:
         """THE place a batch reaches a final status (completed, failed, expired, cancelled).
-        True when this call moved it (once per batch): emit batch events (webhooks) here."""
-        moved = await self.store.transition(batch.id, allowed, final, **fields)
+        True when this call moved it (once per batch); the batch's webhook event (batch.completed,
+        ...) is written by that same move, so it goes out exactly once."""
+        event = None
+        if batch.webhook_url:
+            ended = dataclasses.replace(batch, status=final)
+            data = {**ended.to_openai(), **fields}
+            if "errors" in fields:
+                data["errors"] = {"object": "list", "data": json.loads(fields["errors"])}
+            event = (f"batch.{final.value}", batch.webhook_url, batch.owner, data)
+        moved = await self.store.transition(batch.id, allowed, final, event, **fields)
         if moved:
             log.info("batch %s %s", batch.id, final.value)
         elif not (await self.store.get(batch.id)).status.is_final:

@@ -73,6 +73,7 @@ class BatchRecord:
     completed: int = 0  # lines answered in the output file
     failed: int = 0  # lines answered in the error file
     submitted: int = 0  # lines queued (or answered at submission) so far, in file order
+    webhook_url: str = ""  # where its final status is POSTed (webhooks/); "" for nowhere
 
     def to_openai(self) -> dict[str, Any]:
         return {
@@ -101,7 +102,8 @@ class BatchRecord:
             error_file_id=fields.get("error_file_id") or None,
             errors=json.loads(fields["errors"]) if fields.get("errors") else None,
             total=int(fields.get("total") or 0), completed=int(fields.get("completed") or 0),
-            failed=int(fields.get("failed") or 0), submitted=int(fields.get("submitted") or 0))
+            failed=int(fields.get("failed") or 0), submitted=int(fields.get("submitted") or 0),
+            webhook_url=fields.get("webhook_url", ""))
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +131,9 @@ class LineJobs:
                    parses_calls=bool(data.get("parses_calls")))
 
 
-# KEYS: batch. ARGV: number of allowed current statuses, the statuses, then field/value pairs.
+# KEYS: batch, webhook events. ARGV: number of allowed current statuses, the statuses, the
+# webhook event to emit with the move ('' for none; else JSON [type, url, owner, data]), then
+# field/value pairs.
 # Returns 1 (moved), or the status the batch has (refused), or false (no such batch).
 _TRANSITION = """
 local status = redis.call('HGET', KEYS[1], 'status')
@@ -137,7 +141,15 @@ if not status then return false end
 local n = tonumber(ARGV[1])
 for i = 2, n + 1 do
   if ARGV[i] == status then
-    for j = n + 2, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[j], ARGV[j + 1]) end
+    for j = n + 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[j], ARGV[j + 1]) end
+    if ARGV[n + 2] ~= '' then
+      -- The batch's webhook event, in the same script as the status it reports: written once,
+      -- by the one call that made the move (protocol.webhook_events' entry layout).
+      local event = cjson.decode(ARGV[n + 2])
+      local t = redis.call('TIME')
+      redis.call('XADD', KEYS[2], '*', 'type', event[1], 'url', event[2],
+                 'at', string.format('%d.%06d', t[1], t[2]), 'owner', event[3], 'data', event[4])
+    end
     return 1
   end
 end
@@ -168,17 +180,20 @@ class BatchStore:
         self._answer = aio.register_script(_ANSWER)
 
     async def create(self, owner: str, endpoint: str, input_file_id: str, completion_window: str,
-                     window_s: int, metadata: dict[str, str] | None) -> BatchRecord:
+                     window_s: int, metadata: dict[str, str] | None,
+                     webhook_url: str = "") -> BatchRecord:
         now = int(time.time())
         batch = BatchRecord(id=new_batch_id(), owner=owner, endpoint=endpoint,
                             input_file_id=input_file_id, completion_window=completion_window,
                             status=BatchStatus.VALIDATING, created_at=now,
-                            expires_at=now + window_s, metadata=metadata)
+                            expires_at=now + window_s, metadata=metadata,
+                            webhook_url=webhook_url)
         fields: dict[Any, Any] = {"id": batch.id, "owner": owner, "endpoint": endpoint,
                   "input_file_id": input_file_id, "completion_window": completion_window,
                   "status": batch.status.value, "created_at": str(now),
                   "expires_at": str(batch.expires_at),
-                  "metadata": json.dumps(metadata) if metadata is not None else ""}
+                  "metadata": json.dumps(metadata) if metadata is not None else "",
+                  "webhook_url": webhook_url}
         async with self._aio.pipeline(transaction=True) as pipe:
             pipe.hset(self._keys.batch(batch.id), mapping=fields)
             # Scored by the precise time: batches made within one second still list in order.
@@ -209,13 +224,19 @@ class BatchStore:
         return sorted(str(i) for i in await self._aio.smembers(self._keys.batches_open()))
 
     async def transition(self, batch_id: str, allowed: tuple[BatchStatus, ...], to: BatchStatus,
+                         event: tuple[str, str, str, dict[str, Any]] | None = None,
                          **fields: str | int) -> bool:
-        """Move to `to` (stamping its *_at time and setting `fields`) only from `allowed`."""
+        """Move to `to` (stamping its *_at time and setting `fields`) only from `allowed`; with
+        `event` (type, url, owner, data), its webhook event is written by the same script, so
+        exactly one event goes with the one move."""
         pairs: list[str | int] = ["status", to.value, to.stamp, int(time.time())]
         for name, value in fields.items():
             pairs += [name, value]
-        moved = await self._transition(keys=[self._keys.batch(batch_id)],
-                                       args=[len(allowed), *(s.value for s in allowed), *pairs])
+        encoded = "" if event is None else json.dumps(
+            [event[0], event[1], event[2], json.dumps(event[3], separators=(",", ":"))])
+        moved = await self._transition(
+            keys=[self._keys.batch(batch_id), self._keys.webhook_events()],
+            args=[len(allowed), *(s.value for s in allowed), encoded, *pairs])
         return bool(moved == 1)
 
     async def close(self, batch_id: str) -> None:

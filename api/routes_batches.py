@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Path, Query
+from fastapi import APIRouter, Depends, Path, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from api.auth import caller_owner
@@ -13,8 +13,10 @@ from api.batch_files import BATCH_ENDPOINTS
 from api.batch_store import BatchStatus
 from api.context import AppContext, get_context
 from api.errors import OPENAI_TAG, ConflictError, InvalidRequestError, NotFoundError
+from api.fields import WebhookUrl
 from api.openai_schemas import OpenAIError
 from api.owner_pages import list_object
+from api.webhook_urls import checked_webhook_url, webhook_url_of
 
 router = APIRouter(prefix="/v1", tags=[OPENAI_TAG], dependencies=[Depends(caller_owner)])
 
@@ -40,6 +42,7 @@ class BatchCreateRequest(BaseModel):
         description="The route every line of the input file calls.")
     completion_window: Literal["24h"] = Field(description="Only '24h', as OpenAI.")
     metadata: dict[str, str] | None = Field(None, description="Up to 16 key-value pairs.")
+    webhook_url: WebhookUrl = None  # Carpool's extension (or the X-Carpool-Webhook-Url header)
     output_expires_after: dict[str, Any] | None = Field(
         None, description="Accepted for compatibility; output files follow CARPOOL_FILE_RETENTION_S.")
 
@@ -57,7 +60,8 @@ class BatchCreateRequest(BaseModel):
 
 
 @router.post("/batches", summary="Create a batch from an uploaded input file", responses=_ERRORS)
-async def create_batch(body: BatchCreateRequest, owner: Owner, ctx: Context) -> dict[str, Any]:
+async def create_batch(body: BatchCreateRequest, owner: Owner, ctx: Context,
+                       request: Request) -> dict[str, Any]:
     try:
         file = await ctx.files.get(body.input_file_id, owner)
     except NotFoundError as exc:
@@ -66,8 +70,17 @@ async def create_batch(body: BatchCreateRequest, owner: Owner, ctx: Context) -> 
         raise InvalidRequestError(f"File '{file.id}' has purpose '{file.purpose}'; a batch's input "
                                   f"file needs purpose 'batch'", param="input_file_id")
     assert body.endpoint in BATCH_ENDPOINTS
+    # Where the batch's final status is POSTed: checked against the allow-list as a job's is.
+    hook = webhook_url_of(body.webhook_url, request.headers)
+    webhook_url = ""
+    if hook:
+        webhook_url = await checked_webhook_url(
+            hook["webhook_url"], ctx.settings.webhook_allow_list,
+            hook.get("webhook_param", "webhook_url"),
+            "header" if "webhook_param" in hook else "body")
     batch = await ctx.batches.create(owner, body.endpoint, file.id, body.completion_window,
-                                     COMPLETION_WINDOWS[body.completion_window], body.metadata)
+                                     COMPLETION_WINDOWS[body.completion_window], body.metadata,
+                                     webhook_url)
     return batch.to_openai()
 
 

@@ -28,6 +28,11 @@ class WebhookEventType(str, Enum):
     JOB_FAILED = "job.failed"
     JOB_CANCELED = "job.canceled"
     JOB_EXPIRED = "job.expired"  # its deadline or queue timeout passed (finish reason expired)
+    # A batch's final status, named as OpenAI's own webhooks name them; data: the batch object.
+    BATCH_COMPLETED = "batch.completed"
+    BATCH_FAILED = "batch.failed"
+    BATCH_EXPIRED = "batch.expired"
+    BATCH_CANCELLED = "batch.cancelled"
 
 
 def _text(value: Any) -> str:

@@ -16,6 +16,7 @@ from api.batch_store import BatchStatus
 from api.errors import InvalidRequestError
 from protocol import FinishReason, JobStatus, Priority
 from protocol.rq_keys import RQKeys
+from protocol.webhook_events import WebhookEvent
 
 pytestmark = pytest.mark.anyio
 
@@ -363,3 +364,52 @@ async def test_a_cancelled_batch_stays_cancelling_until_its_running_jobs_end(
         f"/v1/files/{done['error_file_id']}/content")).text.splitlines()]
     assert [(x["custom_id"], x["error"]["code"]) for x in errors] == [
         ("a", "batch_cancelled"), ("b", "batch_cancelled")]
+
+
+async def test_a_batch_webhook_gets_one_event_with_its_final_status() -> None:
+    h = make_harness(webhook_allowed_hosts=["127.0.0.1"])
+    h.register_model()
+    async with h.client() as client:
+        refused = await client.post("/v1/batches", json={
+            "input_file_id": (await _upload(client, _jsonl(_line("a")))).json()["id"],
+            "endpoint": "/v1/completions", "completion_window": "24h",
+            "webhook_url": "http://10.1.2.3/hook"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "webhook_url"
+        assert "CARPOOL_WEBHOOK_ALLOWED_HOSTS" in refused.json()["error"]["message"]
+        batch = await _create(client, _jsonl(_line("a"), _line("b")),
+                              webhook_url="http://127.0.0.1:9/hook")
+        runner = BatchRunner(h.context)
+        await runner.tick()
+        await runner.tick()
+        await h.serve_next_job(["one"])
+        await h.serve_next_job(["two"])
+        await runner.tick()
+        await runner.tick()  # a final batch: no second event
+        done = (await client.get(f"/v1/batches/{batch['id']}")).json()
+    assert done["status"] == "completed"
+    batch_events = [fields for _, fields in h.sync.xrange(h.keys.webhook_events())
+                    if fields["type"].startswith("batch.")]
+    assert len(batch_events) == 1
+    event = WebhookEvent.from_entry("1-0", batch_events[0])
+    assert (event.type, event.url, event.owner) == ("batch.completed", "http://127.0.0.1:9/hook", "")
+    data = json.loads(event.data)
+    assert (data["id"], data["object"], data["status"]) == (batch["id"], "batch", "completed")
+    assert data["output_file_id"] == done["output_file_id"]
+    assert data["request_counts"]["total"] == 2
+
+
+async def test_a_cancelled_batch_sends_batch_cancelled() -> None:
+    h = make_harness(webhook_allowed_hosts=["127.0.0.1"])
+    h.register_model()
+    async with h.client() as client:
+        batch = await _create(client, _jsonl(_line("a")), webhook_url="http://127.0.0.1:9/hook")
+        runner = BatchRunner(h.context)
+        await runner.tick()
+        await runner.tick()
+        assert (await client.post(f"/v1/batches/{batch['id']}/cancel")).status_code == 200
+        for _ in range(3):
+            await runner.tick()
+        assert (await client.get(f"/v1/batches/{batch['id']}")).json()["status"] == "cancelled"
+    types = [fields["type"] for _, fields in h.sync.xrange(h.keys.webhook_events())
+             if fields["type"].startswith("batch.")]
+    assert types == ["batch.cancelled"]
