@@ -141,6 +141,12 @@ def _up(args: argparse.Namespace) -> int:
                 args.redis_url, "--mode", args.mode, "--name", f"local-{os.getpid()}-{index}",
                 "--log-level", args.log_level,
             ]))
+        if os.environ.get("CARPOOL_WEBHOOK_SECRET"):
+            # Webhooks are on (a signing secret is set): their dispatcher runs beside the API.
+            children.append(subprocess.Popen(
+                [sys.executable, "-m", "webhooks"],
+                env={**os.environ, "CARPOOL_REDIS_URL": args.redis_url,
+                     "CARPOOL_LOG_LEVEL": args.log_level}))
         api_url = f"http://{args.host}:{args.port}"
         if _wait_until_ready(api_url, children, lambda: stopping):
             _print_examples(api_url, args.model)

@@ -65,3 +65,46 @@ def test_an_unreachable_api_is_one_clear_line(capsys: pytest.CaptureFixture[str]
     assert cli.main(["submit", "hi", "--api-url", "http://127.0.0.1:9"]) == 1
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("error: cannot reach the API at http://127.0.0.1:9 (")
+
+
+class _ExitedChild:
+    """A child process that has already exited cleanly: `carpool up` stops at once."""
+
+    def __init__(self, command: list[str], **kwargs: object) -> None:
+        self.command = command
+        self.env = kwargs.get("env")
+
+    def poll(self) -> int:
+        return 0
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("secret", ["", "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"])
+def test_up_starts_the_webhook_dispatcher_only_when_a_secret_is_set(
+        monkeypatch: pytest.MonkeyPatch, secret: str) -> None:
+    started: list[_ExitedChild] = []
+
+    class _Redis:
+        def describe(self) -> str:
+            return "test"
+
+        def stop(self) -> None:
+            pass
+
+    def spawn(command: list[str], **kwargs: object) -> _ExitedChild:
+        started.append(_ExitedChild(command, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(cli.LocalRedis, "ensure", lambda url, data_dir: _Redis())
+    monkeypatch.setattr(cli, "_prepare_model", lambda model: 0)
+    monkeypatch.setattr(cli, "_wait_until_ready", lambda url, children, is_stopping: False)
+    monkeypatch.setattr(cli.subprocess, "Popen", spawn)
+    monkeypatch.setattr(cli.signal, "signal", lambda signum, handler: None)  # pytest keeps its own
+    monkeypatch.setenv("CARPOOL_WEBHOOK_SECRET", secret)
+    assert cli.main(["up", "--redis-url", "redis://127.0.0.1:6399/0"]) == 0
+    modules = [child.command[2] for child in started]
+    assert modules == (["api", "worker", "webhooks"] if secret else ["api", "worker"])
+    if secret:
+        assert started[-1].env["CARPOOL_REDIS_URL"] == "redis://127.0.0.1:6399/0"
