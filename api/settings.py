@@ -8,6 +8,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from api.fields import MAX_RETENTION_S
+from protocol.stream_shards import parse_shard_urls
 from protocol.webhook_urls import WebhookAllowList
 
 
@@ -167,9 +168,7 @@ class ApiSettings(BaseSettings):
     @field_validator("stream_redis_urls", mode="before")
     @classmethod
     def _split_urls(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [url.strip() for url in value.split(",") if url.strip()]
-        return value
+        return parse_shard_urls(value)
 
     @field_validator("key_weights", "key_max_queued_jobs", "key_tokens_per_minute", mode="before")
     @classmethod

@@ -23,6 +23,15 @@ def stream_shard(job_id: str, num_shards: int) -> int:
     return zlib.crc32(job_id.encode()) % num_shards
 
 
+def parse_shard_urls(value: object) -> object:
+    """CARPOOL_STREAM_REDIS_URLS as both the API's and the worker's settings read it: a
+    comma-separated string becomes its list of URLs (blanks dropped); anything else is left to
+    the settings' own validation."""
+    if isinstance(value, str):
+        return [url.strip() for url in value.split(",") if url.strip()]
+    return value
+
+
 def shard_urls(main_url: str, stream_urls: list[str]) -> list[str]:
     """The stream shards' URLs: the main Redis alone when none are listed."""
     return list(stream_urls) or [main_url]

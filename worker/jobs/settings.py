@@ -15,6 +15,7 @@ from typing import Annotated, Literal, TypedDict
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from protocol.stream_shards import parse_shard_urls
 from worker.engine.config import BatchingMode, EngineConfig
 
 
@@ -89,9 +90,7 @@ class WorkerSettings(BaseSettings):
     @field_validator("stream_redis_urls", mode="before")
     @classmethod
     def _split_urls(cls, value: object) -> object:
-        if isinstance(value, str):
-            return [url.strip() for url in value.split(",") if url.strip()]
-        return value
+        return parse_shard_urls(value)
 
     @model_validator(mode="after")
     def _check(self) -> WorkerSettings:
