@@ -11,7 +11,7 @@ import asyncio
 import json
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import httpx
 import pytest
@@ -33,6 +33,14 @@ KEYS = Keys()
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+@pytest.fixture
+def sync(redis_url: str) -> Iterator[redis.Redis]:
+    """A plain client on the test's Redis: the tests write through it as a worker would."""
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
 
 
 def _token(index: int) -> dict[str, str | int | float]:
@@ -137,9 +145,8 @@ def _num_clients(sync: redis.Redis) -> int:
 
 @pytest.mark.parametrize("stream_hub", [True, False])
 async def test_many_subscribers_share_a_bounded_number_of_connections(
-        redis_url: str, stream_hub: bool) -> None:
+        redis_url: str, sync: redis.Redis, stream_hub: bool) -> None:
     num_jobs, readers_per_job = 12, 3
-    sync = redis.Redis.from_url(redis_url)
     _register_model(sync)
     settings = ApiSettings(redis_url=redis_url, port=_free_port(), stream_hub=stream_hub,
                            stream_block_ms=5000, sse_keepalive_s=60)
@@ -176,8 +183,8 @@ async def test_many_subscribers_share_a_bounded_number_of_connections(
         assert api_connections >= num_jobs * readers_per_job - readers_per_job
 
 
-async def test_resume_joins_a_watched_stream_without_gap_or_duplicate(redis_url: str) -> None:
-    sync = redis.Redis.from_url(redis_url)
+async def test_resume_joins_a_watched_stream_without_gap_or_duplicate(
+        redis_url: str, sync: redis.Redis) -> None:
     _register_model(sync)
     settings = ApiSettings(redis_url=redis_url, port=_free_port(), stream_block_ms=5000)
     async for base_url in _serve(settings):
@@ -203,13 +210,33 @@ def _hub(url: str, block_ms: int, max_pending: int = 4096,
                      min_interval_ms=min_interval_ms), control
 
 
+OpenHub = Callable[..., StreamHub]
+
+
+@pytest.fixture
+async def open_hub(redis_url: str) -> AsyncIterator[OpenHub]:
+    """Opens hubs as _hub does (its arguments but the URL) and closes each, and its control
+    client, after the test, whether the test passed or not."""
+    opened: list[tuple[StreamHub, aioredis.Redis]] = []
+
+    def open_(block_ms: int, max_pending: int = 4096, min_interval_ms: float = 0.0) -> StreamHub:
+        hub, control = _hub(redis_url, block_ms, max_pending, min_interval_ms)
+        opened.append((hub, control))
+        return hub
+
+    yield open_
+    for hub, control in opened:
+        await hub.close()
+        await control.aclose()
+
+
 async def _ids(subscription: Subscription) -> list[str]:
     return [entry_id for entry_id, _ in await subscription.next(5.0)]
 
 
-async def test_a_new_stream_is_read_without_waiting_for_the_block_to_end(redis_url: str) -> None:
-    hub, control = _hub(redis_url, block_ms=10_000)
-    sync = redis.Redis.from_url(redis_url)
+async def test_a_new_stream_is_read_without_waiting_for_the_block_to_end(
+        open_hub: OpenHub, sync: redis.Redis) -> None:
+    hub = open_hub(block_ms=10_000)
     first = await hub.subscribe(KEYS.stream("a"), "0-0")
     await asyncio.sleep(0.1)  # the hub is blocked on stream a alone
     second = await hub.subscribe(KEYS.stream("b"), "0-0")
@@ -221,13 +248,11 @@ async def test_a_new_stream_is_read_without_waiting_for_the_block_to_end(redis_u
     hub.unsubscribe(first)
     hub.unsubscribe(second)
     assert hub.num_streams == 0
-    await hub.close()
-    await control.aclose()
 
 
-async def test_a_subscriber_behind_the_hub_catches_up_then_follows(redis_url: str) -> None:
-    hub, control = _hub(redis_url, block_ms=100)
-    sync = redis.Redis.from_url(redis_url)
+async def test_a_subscriber_behind_the_hub_catches_up_then_follows(
+        open_hub: OpenHub, sync: redis.Redis) -> None:
+    hub = open_hub(block_ms=100)
     key = KEYS.stream("a")
     leader = await hub.subscribe(key, "0-0")
     _publish(sync, "a", 0, 3)
@@ -237,13 +262,11 @@ async def test_a_subscriber_behind_the_hub_catches_up_then_follows(redis_url: st
     _publish(sync, "a", 3, 4)
     assert await _ids(late) == ["0-4"]
     assert await _ids(leader) == ["0-4"]
-    await hub.close()
-    await control.aclose()
 
 
-async def test_a_subscriber_too_far_behind_drops_its_backlog_and_rereads(redis_url: str) -> None:
-    hub, control = _hub(redis_url, block_ms=100, max_pending=2)
-    sync = redis.Redis.from_url(redis_url)
+async def test_a_subscriber_too_far_behind_drops_its_backlog_and_rereads(
+        open_hub: OpenHub, sync: redis.Redis) -> None:
+    hub = open_hub(block_ms=100, max_pending=2)
     subscription = await hub.subscribe(KEYS.stream("a"), "0-0")
     await asyncio.sleep(0.05)
     _publish(sync, "a", 0, 5)
@@ -253,8 +276,6 @@ async def test_a_subscriber_too_far_behind_drops_its_backlog_and_rereads(redis_u
     # 0-3 overflowed two pending entries: all three went (Redis holds them), the rest came after.
     assert subscription.take_catch_up() == "0-3"
     assert await _ids(subscription) == ["0-4", "0-5"]
-    await hub.close()
-    await control.aclose()
 
 
 async def test_redis_lost_fails_every_subscriber(redis_url: str) -> None:
@@ -274,9 +295,8 @@ async def test_redis_lost_fails_every_subscriber(redis_url: str) -> None:
 
 @pytest.mark.parametrize(("min_interval_ms", "num_xreads"), [(0, 5), (1000, 1)])
 async def test_a_least_interval_gathers_several_steps_in_one_xread(
-        redis_url: str, min_interval_ms: float, num_xreads: int) -> None:
-    hub, control = _hub(redis_url, block_ms=5000, min_interval_ms=min_interval_ms)
-    sync = redis.Redis.from_url(redis_url)
+        open_hub: OpenHub, sync: redis.Redis, min_interval_ms: float, num_xreads: int) -> None:
+    hub = open_hub(block_ms=5000, min_interval_ms=min_interval_ms)
     subscription = await hub.subscribe(KEYS.stream("a"), "0-0")
     await asyncio.sleep(0.1)
     sync.config_resetstat()
@@ -292,8 +312,6 @@ async def test_a_least_interval_gathers_several_steps_in_one_xread(
     # Without an interval: one read of the notifications for each later step, and the one
     # blocked now. With it: one read for the other four steps (the hub waits out the interval).
     assert sync.info("commandstats")["cmdstat_xread"]["calls"] == num_xreads
-    await hub.close()
-    await control.aclose()
 
 
 async def test_a_closed_hub_refuses_new_subscribers(redis_url: str) -> None:
@@ -318,9 +336,9 @@ def _record_reads(hub: StreamHub) -> list[list[str]]:
     return read
 
 
-async def test_a_step_reads_only_the_streams_its_notification_names(redis_url: str) -> None:
-    hub, control = _hub(redis_url, block_ms=10_000)
-    sync = redis.Redis.from_url(redis_url)
+async def test_a_step_reads_only_the_streams_its_notification_names(
+        open_hub: OpenHub, sync: redis.Redis) -> None:
+    hub = open_hub(block_ms=10_000)
     subscriptions = {job_id: await hub.subscribe(KEYS.stream(job_id), "0-0")
                      for job_id in ("a", "b", "c", "d")}
     await asyncio.sleep(0.1)  # the first (full) read is done: the hub waits for notifications
@@ -336,14 +354,11 @@ async def test_a_step_reads_only_the_streams_its_notification_names(redis_url: s
     assert read == [[KEYS.stream("b")], [steps], [KEYS.stream("d")], [steps]] or read == [
         [KEYS.stream("b")], [steps], [steps], [KEYS.stream("d")], [steps]]
     assert not subscriptions["a"]._pending and not subscriptions["c"]._pending
-    await hub.close()
-    await control.aclose()
 
 
 async def test_an_entry_no_notification_announced_comes_with_the_next_full_read(
-        redis_url: str) -> None:
-    hub, control = _hub(redis_url, block_ms=300)
-    sync = redis.Redis.from_url(redis_url)
+        open_hub: OpenHub, sync: redis.Redis) -> None:
+    hub = open_hub(block_ms=300)
     subscription = await hub.subscribe(KEYS.stream("a"), "0-0")
     await asyncio.sleep(0.1)
     started = time.monotonic()
@@ -352,14 +367,11 @@ async def test_an_entry_no_notification_announced_comes_with_the_next_full_read(
     assert time.monotonic() - started < 1.0  # within a block interval, not at a timeout of 5 s
     _publish(sync, "a", 2, 3)
     assert await _ids(subscription) == ["0-3"]
-    await hub.close()
-    await control.aclose()
 
 
 async def test_tokens_a_notification_carries_are_handed_out_without_reading_the_stream(
-        redis_url: str) -> None:
-    hub, control = _hub(redis_url, block_ms=10_000)
-    sync = redis.Redis.from_url(redis_url)
+        open_hub: OpenHub, sync: redis.Redis) -> None:
+    hub = open_hub(block_ms=10_000)
     subscription = await hub.subscribe(KEYS.stream("a"), "0-0")
     await asyncio.sleep(0.1)
     read = _record_reads(hub)
@@ -374,5 +386,3 @@ async def test_tokens_a_notification_carries_are_handed_out_without_reading_the_
     _publish_step(sync, "a", 3, 4)
     assert await _ids(subscription) == ["0-3", "0-4"]
     assert [KEYS.stream("a")] in read
-    await hub.close()
-    await control.aclose()

@@ -51,6 +51,15 @@ def running(claim: ClaimedJob, num_prompt_tokens: int = 3) -> RunningJob:
                       texts=[t.text for t in claim.tokens], claimed_at=claim.claimed_at)
 
 
+
+def claim_one(redis: Redis, job_id: str = "job-1", *, lease_ms: int = 10_000,
+              num_prompt_tokens: int = 3, **overrides) -> tuple[RunningJob, StreamPublisher]:
+    """Submit one job (spec overrides as for make_spec) and have worker w1 claim it: the
+    running job and w1's publisher, as most single-job tests begin."""
+    submit(redis, job_id, **overrides)
+    queue = make_queue(redis, lease_ms=lease_ms)
+    return running(queue.claim(1)[0], num_prompt_tokens), make_publisher(queue)
+
 def generate(job: RunningJob, *token_ids: int) -> None:
     """Pretend the engine produced these tokens (text: the id in brackets)."""
     start = job.num_tokens

@@ -29,6 +29,7 @@ from protocol import (
 from protocol.rq_keys import RQKeys
 from tests.worker.jobs.job_support import (
     KEYS,
+    claim_one,
     expire_lease,
     fake_redis,
     generate,
@@ -47,10 +48,7 @@ def _stream(redis, job_id: str) -> list[tuple[str, StreamEntry]]:
 
 def test_append_writes_explicit_ids_and_renews_the_lease() -> None:
     redis = fake_redis()
-    submit(redis, "job-1")
-    queue = make_queue(redis, lease_ms=5000)
-    job = running(queue.claim(1)[0])
-    pub = make_publisher(queue)
+    job, pub = claim_one(redis, lease_ms=5000)
     redis.pexpire(KEYS.lease("job-1"), 100)
     generate(job, 11, 12)
     pub.append(job)
@@ -67,10 +65,7 @@ def test_a_resent_append_skips_tokens_already_there_and_a_gap_is_refused() -> No
     # (A gap in a first send is stopped before Redis: RunningJob.add_tokens insists on
     # consecutive indices from the engine.)
     redis = fake_redis()
-    submit(redis, "job-1")
-    queue = make_queue(redis)
-    job = running(queue.claim(1)[0])
-    pub = make_publisher(queue)
+    job, pub = claim_one(redis)
     generate(job, 11, 12)
     pub.append(job)
     pub.flush()
@@ -168,11 +163,8 @@ def test_finish_records_the_result_everywhere_rq_looks() -> None:
 
 def test_the_finish_guard_turns_a_late_finish_of_a_canceled_job_into_canceled() -> None:
     redis = fake_redis()
-    submit(redis, "job-1")
-    queue = make_queue(redis)
-    job = running(queue.claim(1)[0])
+    job, pub = claim_one(redis)
     assert cancel_job(redis, "job-1") is JobStatus.RUNNING
-    pub = make_publisher(queue)
     generate(job, 11)
     pub.append(job)
     pub.finish(job, JobEnd(JobStatus.FINISHED, FinishReason.STOP))
@@ -190,10 +182,7 @@ def test_the_finish_guard_turns_a_late_finish_of_a_canceled_job_into_canceled() 
 
 def test_a_failed_job_carries_its_message_to_rq_jobstate_and_stream() -> None:
     redis = fake_redis()
-    submit(redis, "job-1")
-    queue = make_queue(redis)
-    job = running(queue.claim(1)[0], num_prompt_tokens=0)
-    pub = make_publisher(queue)
+    job, pub = claim_one(redis, num_prompt_tokens=0)
     pub.finish(job, JobEnd(JobStatus.FAILED, FinishReason.ERROR, "prompt too long"))
     assert pub.flush().ended == {"job-1": JobStatus.FAILED}
     assert _stream(redis, "job-1") == [("0-1", StreamEntry(
@@ -243,10 +232,7 @@ def test_running_job_insists_on_consecutive_token_indices() -> None:
 
 def test_leases_are_renewed_an_eighth_of_a_lease_apart(monkeypatch: pytest.MonkeyPatch) -> None:
     redis = fake_redis()
-    submit(redis, "job-1")
-    queue = make_queue(redis, lease_ms=8000)  # renewed at the first flush 1 s after the last
-    job = running(queue.claim(1)[0])
-    pub = make_publisher(queue)
+    job, pub = claim_one(redis, lease_ms=8000)  # renewed at the first flush 1 s after the last
     leases = []
     for offset_s in (0.0, 0.5, 1.1):
         now = time.monotonic() + offset_s

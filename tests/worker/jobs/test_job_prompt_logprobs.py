@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from protocol.generation import PromptLogprobs, TokenEntry, TokenLogprobs
 from protocol.job_reader import PROMPT_LOGPROBS_FIELD, JobReader
-from tests.worker.jobs.job_support import KEYS, fake_redis, generate, make_publisher, make_queue, running, submit
+from tests.worker.jobs.job_support import KEYS, claim_one, fake_redis, generate, submit
 from tests.worker.jobs.test_job_stream_shards import _claim, _worker
 
 PROMPT_LOGPROBS = PromptLogprobs((5, 8, 9), (
@@ -14,10 +14,7 @@ PROMPT_LOGPROBS = PromptLogprobs((5, 8, 9), (
 
 def test_they_go_with_token_0_and_a_resent_first_append_does_not_write_them_again() -> None:
     redis = fake_redis()
-    submit(redis, "job-1")
-    queue = make_queue(redis)
-    job = running(queue.claim(1)[0])
-    pub = make_publisher(queue)
+    job, pub = claim_one(redis)
     assert JobReader(redis).prompt_logprobs("job-1") is None
     job.prompt_logprobs = PROMPT_LOGPROBS.encode()
     generate(job, 11)
@@ -37,10 +34,7 @@ def test_they_go_with_token_0_and_a_resent_first_append_does_not_write_them_agai
 
 def test_a_job_that_asked_for_none_has_no_field() -> None:
     redis = fake_redis()
-    submit(redis, "job-1")
-    queue = make_queue(redis)
-    job = running(queue.claim(1)[0])
-    pub = make_publisher(queue)
+    job, pub = claim_one(redis)
     generate(job, 11)
     pub.append(job)
     pub.flush()

@@ -12,6 +12,7 @@ from protocol import FinishReason, JobStatus, WorkerStats
 from protocol.messages import HISTOGRAM_BUCKETS
 from tests.worker.jobs.job_support import (
     KEYS,
+    claim_one,
     fake_redis,
     generate,
     make_publisher,
@@ -103,10 +104,7 @@ def test_stats_expire_and_the_rq_heartbeat_keeps_the_worker_listed() -> None:
 
 def test_scripts_flushed_from_redis_are_loaded_again() -> None:
     redis = fake_redis()
-    submit(redis, "a")
-    queue = make_queue(redis)
-    job = running(queue.claim(1)[0])
-    pub = make_publisher(queue)
+    job, pub = claim_one(redis, "a")
     redis.script_flush()
     generate(job, 5)
     pub.append(job)
@@ -125,10 +123,7 @@ def test_an_iteration_is_kept_when_redis_drops_while_its_scripts_are_reloaded(
     from worker.jobs.job_scripts import JobScripts
 
     redis = fake_redis()
-    submit(redis, "a")
-    queue = make_queue(redis)
-    job = running(queue.claim(1)[0])
-    pub = make_publisher(queue)
+    job, pub = claim_one(redis, "a")
     redis.script_flush()
     generate(job, 5, 6)
     pub.append(job)

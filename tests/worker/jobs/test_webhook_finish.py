@@ -11,6 +11,7 @@ from protocol import FinishReason, JobStatus, cancel_job
 from protocol.webhook_events import WebhookEvent
 from tests.worker.jobs.job_support import (
     KEYS,
+    claim_one,
     expire_lease,
     fake_redis,
     generate,
@@ -41,10 +42,7 @@ def events(redis) -> list[tuple[str, dict]]:
 ])
 def test_each_end_emits_its_event_once(end: JobEnd, event_type: str, status: str) -> None:
     redis = fake_redis()
-    submit(redis, "job-1", webhook_url=URL)
-    queue = make_queue(redis)
-    job = running(queue.claim(1)[0], num_prompt_tokens=4)
-    pub = make_publisher(queue)
+    job, pub = claim_one(redis, webhook_url=URL, num_prompt_tokens=4)
     generate(job, 11, 12)
     pub.append(job)
     pub.finish(job, end)
@@ -59,10 +57,7 @@ def test_each_end_emits_its_event_once(end: JobEnd, event_type: str, status: str
 
 def test_a_failed_job_carries_its_error() -> None:
     redis = fake_redis()
-    submit(redis, "job-1", webhook_url=URL)
-    queue = make_queue(redis)
-    job = running(queue.claim(1)[0], num_prompt_tokens=0)
-    pub = make_publisher(queue)
+    job, pub = claim_one(redis, webhook_url=URL, num_prompt_tokens=0)
     pub.finish(job, JobEnd(JobStatus.FAILED, FinishReason.ERROR, "prompt too long"))
     pub.flush()
     assert events(redis) == [("job.failed", {
@@ -73,12 +68,9 @@ def test_a_failed_job_carries_its_error() -> None:
 
 def test_a_job_canceled_while_running_reports_canceled_not_completed() -> None:
     redis = fake_redis()
-    submit(redis, "job-1", webhook_url=URL)
-    queue = make_queue(redis)
-    job = running(queue.claim(1)[0])
+    job, pub = claim_one(redis, webhook_url=URL)
     assert cancel_job(redis, "job-1") is JobStatus.RUNNING  # flagged: no event yet
     assert redis.xlen(KEYS.webhook_events()) == 0
-    pub = make_publisher(queue)
     generate(job, 11)
     pub.append(job)
     pub.finish(job, JobEnd(JobStatus.FINISHED, FinishReason.STOP))
@@ -109,10 +101,7 @@ def test_a_zombie_worker_cannot_emit_after_a_takeover() -> None:
 
 def test_no_url_no_event() -> None:
     redis = fake_redis()
-    submit(redis, "job-1")
-    queue = make_queue(redis)
-    job = running(queue.claim(1)[0])
-    pub = make_publisher(queue)
+    job, pub = claim_one(redis)
     pub.finish(job, JobEnd(JobStatus.FINISHED, FinishReason.STOP))
     assert pub.flush().ended == {"job-1": JobStatus.FINISHED}
     assert redis.xlen(KEYS.webhook_events()) == 0
