@@ -110,7 +110,8 @@ def _start_workers(url: str, args: argparse.Namespace,
     for number in range(args.workers):
         settings = WorkerSettings(model=MODEL, redis_url=url, name=f"synthetic-{number}",
                                   max_num_seqs=args.seats, drain_seconds=0,
-                                  stream_redis_urls=shard_urls)
+                                  stream_redis_urls=shard_urls,
+                                  stream_interval_ms=args.stream_interval_ms)
         worker = BatchingWorker(settings, SyntheticEngine(args.seats, args.step_ms / 1000),  # type: ignore[arg-type]
                                 Redis.from_url(url), register_presence=False)
         thread = threading.Thread(target=worker.run, name=settings.name, daemon=True)
@@ -275,6 +276,8 @@ def main() -> int:
                         help="how the API follows streams: its StreamHub, or an XREAD each")
     parser.add_argument("--hub-interval-ms", type=float, default=0.0,
                         help="the hub's least time between XREADs (stream_hub_interval_ms)")
+    parser.add_argument("--stream-interval-ms", type=float, default=0.0,
+                        help="the workers' CARPOOL_STREAM_INTERVAL_MS (0: publish every step)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seats", type=int, default=32, help="max_num_seqs of each worker")
     parser.add_argument("--step-ms", type=float, default=25.0, help="synthetic step time")
@@ -323,7 +326,8 @@ def main() -> int:
         for process, _ in servers:
             process.terminate()
             process.wait(timeout=10)
-    config = {k: getattr(args, k) for k in ("hub_interval_ms", "workers", "seats", "step_ms", "tokens", "concurrency",
+    config = {k: getattr(args, k) for k in ("hub_interval_ms", "stream_interval_ms",
+                                             "workers", "seats", "step_ms", "tokens", "concurrency",
                                             "subscribers", "seconds", "shards")}
     print(json.dumps({"config": config}))
     print(f"{'run':<20}{'tok/s':>9}{'us/gen tok':>12}{'us/deliv tok':>14}{'tok/s/core':>12}"

@@ -45,7 +45,7 @@ def main() -> int:
         for number in range(args.jobs):
             submit_job(redis, JobSpec(job_id=f"job-{number}", model="synthetic", prompt="hello",
                                       sampling=SamplingParams(max_tokens=args.steps + 1)), keys)
-        queue = JobQueue(redis, scripts, keys, "bench", lease_ms=30_000, execution_ttl_s=120,
+        queue = JobQueue(redis, scripts, keys, "bench", "synthetic", lease_ms=30_000, execution_ttl_s=120,
                          block_size=16)
         jobs = [RunningJob(lease=c.lease, spec=c.spec, state=c.state, result_ttl=c.result_ttl,
                            failure_ttl=c.failure_ttl, num_prompt_tokens=3, token_ids=[], texts=[],

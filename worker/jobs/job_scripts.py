@@ -85,7 +85,8 @@ local claimed = {}
 -- KV blocks a job needs to be scheduled now: its prompt (once known) plus what it generated.
 local function blocks_needed(job_id)
   local prompt = tonumber(redis.call('HGET', key(13, job_id), 'prompt_tokens') or '0') or 0
-  local generated = redis.call('XLEN', key(15, job_id))
+  -- Its tokens: the last id's sequence (an entry may hold several: protocol/token_runs.py).
+  local generated = next_index(key(15, job_id))
   return math.ceil((prompt + generated + 1) / block_size)
 end
 

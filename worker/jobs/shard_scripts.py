@@ -26,8 +26,9 @@ from protocol.stream_steps import STREAM_STEPS_MAXLEN
 
 # One token entry at ARGV[a..a+3] (index, token_id, text, logprobs: '' for none, then no `lp`
 # field), at its explicit id 0-(index+1); pcall, so that an id already there is an error reply the
-# caller reads (a resent round trip) rather than the script's end; and the run of them one append
-# writes. Shared with the main append (job_scripts.APPEND).
+# caller reads (a resent round trip) rather than the script's end; the tokens one append gets for
+# a job, written as one entry (a run of several, protocol/token_runs.py). Shared with the main
+# append (job_scripts.APPEND).
 # [redis-cost] The step notification (protocol/stream_steps.py), one XADD per script run: the
 # caller's `tokens` (every token it sent, encoded by the worker) when each of them was written
 # (the usual step), else the keys of the streams that got some (a refused job or a resent round
@@ -55,26 +56,60 @@ local function xadd(stream, a)
   return redis.pcall('XADD', stream, id, 'kind', 'token', 'index', ARGV[a],
                      'token_id', ARGV[a + 1], 'text', ARGV[a + 2], 'lp', ARGV[a + 3])
 end
+-- [redis-cost] The tokens at ARGV[a..last] (4 values each) as ONE entry: a run
+-- (protocol/token_runs.py) at the last token's id when there are several, since Redis' cost
+-- goes by entries (the XADD and its call from Lua), not by the tokens they hold.
+local function xadd_run(stream, a, last)
+  if a == last then return xadd(stream, a) end
+  local token_ids, texts, logprobs, has_logprobs = {}, {}, {}, false
+  for i = a, last, 4 do
+    token_ids[#token_ids + 1] = ARGV[i + 1]
+    texts[#texts + 1] = ARGV[i + 2]
+    logprobs[#logprobs + 1] = ARGV[i + 3]
+    if ARGV[i + 3] ~= '' then has_logprobs = true end
+  end
+  local id = '0-' .. (tonumber(ARGV[last]) + 1)
+  if not has_logprobs then
+    return redis.pcall('XADD', stream, id, 'kind', 'tokens', 'index', ARGV[a],
+                       'token_ids', table.concat(token_ids, ' '), 'text', cjson.encode(texts))
+  end
+  return redis.pcall('XADD', stream, id, 'kind', 'tokens', 'index', ARGV[a],
+                     'token_ids', table.concat(token_ids, ' '), 'text', cjson.encode(texts),
+                     'lp', cjson.encode(logprobs))
+end
 -- The num_tokens tokens at ARGV[a..] (4 values each) onto stream, skipping those a resent round
 -- trip already wrote. Returns the ARGV index of the first token written, nil when every one was
 -- there already, or -1 for a gap (the stream's next index is not among them; nothing written).
 -- Needs next_index (each script defines its own) before it.
+local function append_from(stream, a, last)
+  local expected = next_index(stream)
+  local first = nil
+  for i = a, last, 4 do
+    if tonumber(ARGV[i]) >= expected then first = i; break end
+  end
+  if first == nil then return nil end
+  if tonumber(ARGV[first]) ~= expected then return -1 end
+  xadd_run(stream, first, last)
+  return first
+end
 local function append_tokens(stream, a, num_tokens)
   local last = a + 4 * (num_tokens - 1)
   local first = a
-  local added = xadd(stream, a)
-  if type(added) == 'table' and added.err then
-    is_whole = false
-    local expected = next_index(stream)
-    first = nil
-    for i = a, last, 4 do
-      if tonumber(ARGV[i]) >= expected then first = i; break end
+  if num_tokens == 1 then
+    -- One token: its XADD at its own id is refused when the stream has it already (a resent
+    -- round trip), and only then is the stream's end read.
+    local added = xadd(stream, a)
+    if type(added) == 'table' and added.err then
+      is_whole = false
+      first = append_from(stream, a, last)
     end
-    if first == nil then return nil end
-    if tonumber(ARGV[first]) ~= expected then return -1 end
-    xadd(stream, first)
+  else
+    -- A run is at its LAST token's id, which Redis would take after an earlier token of it, so
+    -- where the stream ends is read first: a resent run skips what it finds, a gap is refused.
+    first = append_from(stream, a, last)
+    if first ~= a then is_whole = false end
   end
-  for i = first + 4, last, 4 do xadd(stream, i) end
+  if first == nil or first == -1 then return first end
   written[#written + 1] = stream
   return first
 end

@@ -151,6 +151,8 @@ class StreamPublisher:
 
     def _reset(self) -> None:
         self._calls: list[_ScriptCall] = []
+        self._appended: set[str] = set()  # jobs whose tokens this flush carries
+        self._carried: list[RunningJob] = []  # the same jobs, whose tokens it sent once it lands
         self._append_ids: list[str] = []
         # Jobs whose main-Redis stream gets a final entry this flush (the append script notifies
         # its tokens itself).
@@ -184,6 +186,8 @@ class StreamPublisher:
         """New tokens (maybe none), the lease renewal and the cancel check, fenced by the job's
         token. All the batch's appends go to Redis as one script call."""
         lease = job.lease
+        self._appended.add(lease.job_id)
+        self._carried.append(job)
         tokens: list[str] = []
         for token in job.unpublished:
             logprobs = token.logprobs.encode() if token.logprobs is not None else ""
@@ -218,6 +222,7 @@ class StreamPublisher:
     def finish(self, job: RunningJob, end: JobEnd, now: float | None = None) -> None:
         """The final entry, JobState and RQ status/result; refused if the lease is not ours, and
         turned into `canceled` if a cancel was requested meanwhile (the finish guard)."""
+        self._append_unpublished(job)
         now = time.time() if now is None else now
         lease = job.lease
         state = job.state
@@ -278,6 +283,7 @@ class StreamPublisher:
 
     def requeue(self, job: RunningJob, count_as_preemption: bool) -> None:
         """Back to the FRONT of its queue (preempted, or unfinished at the end of a drain)."""
+        self._append_unpublished(job)
         lease = job.lease
         keys = [self.keys.lease(lease.job_id), self.keys.leases(), self.keys.state(lease.job_id),
                 RQKeys.job(lease.job_id), RQKeys.queue(lease.queue_name),
@@ -291,6 +297,20 @@ class StreamPublisher:
                                   job.num_tokens]
         self._calls.append(_ScriptCall("requeue", lease.job_id, "requeue", keys, args))
         self._counters["jobs_preempted_total"] += 1
+
+    def _append_unpublished(self, job: RunningJob) -> None:
+        """A job leaving the batch takes its tokens not yet sent along (a worker with a stream
+        interval holds them for a few steps), ahead of its end or requeue in the same
+        transaction: its stream must hold every token its end counts, and a resumer continues
+        after them."""
+        if job.unpublished and job.job_id not in self._appended:
+            self.append(job)
+
+    @property
+    def has_job_changes(self) -> bool:
+        """Whether a job's status changes in the next flush (a finish, requeue or recovery is
+        queued, or a final entry is owed to a shard): such a flush is not put off."""
+        return bool(self._calls or self._pending_ends)
 
     # For the batch.
     def stats(self, stats: WorkerStats, ttl_seconds: float) -> None:
@@ -418,6 +438,8 @@ class StreamPublisher:
         replies = self._retry_missing_scripts(self.redis, calls, replies)
         if renew and append_ids:
             self._renewed_at = started
+        for job in self._carried:
+            job.unpublished.clear()  # in their streams now (or refused: the job leaves)
         self._reset()
         if watched:
             first = len(calls) + (1 if flag_only else 0)

@@ -27,6 +27,7 @@ from protocol import (
     cancel_job,
 )
 from protocol.rq_keys import RQKeys
+from protocol.token_runs import expand_runs
 from tests.worker.jobs.job_support import (
     KEYS,
     expire_lease,
@@ -42,7 +43,9 @@ from worker.jobs.stream_publisher import JobEnd
 
 
 def _stream(redis, job_id: str) -> list[tuple[str, StreamEntry]]:
-    return [(i.decode(), StreamEntry.from_fields(f)) for i, f in redis.xrange(KEYS.stream(job_id))]
+    """The stream as readers see it: one entry per token (runs expanded)."""
+    return [(i.decode() if isinstance(i, bytes) else i, StreamEntry.from_fields(f))
+            for i, f in expand_runs(redis.xrange(KEYS.stream(job_id)))]
 
 
 def test_append_writes_explicit_ids_and_renews_the_lease() -> None:
