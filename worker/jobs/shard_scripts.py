@@ -47,71 +47,35 @@ local function send_notes(steps, tokens)
                table.concat(written, ' '))
   end
 end
-local function xadd(stream, a)
-  local id = '0-' .. (tonumber(ARGV[a]) + 1)
+-- The one entry for a job's num_tokens tokens at ARGV[a..a+3]: (index, token_id, text,
+-- logprobs) for one, at its id; a run (protocol/token_runs.py, encoded by the worker: first index,
+-- token ids, texts, logprobs) for several, at its last token's id.
+local function xadd(stream, a, num_tokens)
+  local id = '0-' .. (tonumber(ARGV[a]) + num_tokens)
+  local kind, ids_field = 'token', 'token_id'
+  if num_tokens > 1 then kind, ids_field = 'tokens', 'token_ids' end
   if ARGV[a + 3] == '' then
-    return redis.pcall('XADD', stream, id, 'kind', 'token', 'index', ARGV[a],
-                       'token_id', ARGV[a + 1], 'text', ARGV[a + 2])
+    return redis.pcall('XADD', stream, id, 'kind', kind, 'index', ARGV[a],
+                       ids_field, ARGV[a + 1], 'text', ARGV[a + 2])
   end
-  return redis.pcall('XADD', stream, id, 'kind', 'token', 'index', ARGV[a],
-                     'token_id', ARGV[a + 1], 'text', ARGV[a + 2], 'lp', ARGV[a + 3])
+  return redis.pcall('XADD', stream, id, 'kind', kind, 'index', ARGV[a],
+                     ids_field, ARGV[a + 1], 'text', ARGV[a + 2], 'lp', ARGV[a + 3])
 end
--- [redis-cost] The tokens at ARGV[a..last] (4 values each) as ONE entry: a run
--- (protocol/token_runs.py) at the last token's id when there are several, since Redis' cost
--- goes by entries (the XADD and its call from Lua), not by the tokens they hold.
-local function xadd_run(stream, a, last)
-  if a == last then return xadd(stream, a) end
-  local token_ids, texts, logprobs, has_logprobs = {}, {}, {}, false
-  for i = a, last, 4 do
-    token_ids[#token_ids + 1] = ARGV[i + 1]
-    texts[#texts + 1] = ARGV[i + 2]
-    logprobs[#logprobs + 1] = ARGV[i + 3]
-    if ARGV[i + 3] ~= '' then has_logprobs = true end
-  end
-  local id = '0-' .. (tonumber(ARGV[last]) + 1)
-  if not has_logprobs then
-    return redis.pcall('XADD', stream, id, 'kind', 'tokens', 'index', ARGV[a],
-                       'token_ids', table.concat(token_ids, ' '), 'text', cjson.encode(texts))
-  end
-  return redis.pcall('XADD', stream, id, 'kind', 'tokens', 'index', ARGV[a],
-                     'token_ids', table.concat(token_ids, ' '), 'text', cjson.encode(texts),
-                     'lp', cjson.encode(logprobs))
-end
--- The num_tokens tokens at ARGV[a..] (4 values each) onto stream, skipping those a resent round
--- trip already wrote. Returns the ARGV index of the first token written, nil when every one was
--- there already, or -1 for a gap (the stream's next index is not among them; nothing written).
--- Needs next_index (each script defines its own) before it.
-local function append_from(stream, a, last)
-  local expected = next_index(stream)
-  local first = nil
-  for i = a, last, 4 do
-    if tonumber(ARGV[i]) >= expected then first = i; break end
-  end
-  if first == nil then return nil end
-  if tonumber(ARGV[first]) ~= expected then return -1 end
-  xadd_run(stream, first, last)
-  return first
-end
+-- The job's entry onto stream. Returns 1 (written), nil (there already: its id is not after the
+-- stream's last, as when a round trip is resent, which sends the same entry again) or -1 (Redis
+-- refused it for another reason, e.g. out of memory: the job must not go on as if it were there).
+-- [redis-cost] One XADD, no read. A worker's entries are consecutive by construction (its tokens
+-- follow its claim's reading of the stream, fencing keeps other writers out, and a retry resends
+-- the same entries), so the stream is not read to check where it ends.
 local function append_tokens(stream, a, num_tokens)
-  local last = a + 4 * (num_tokens - 1)
-  local first = a
-  if num_tokens == 1 then
-    -- One token: its XADD at its own id is refused when the stream has it already (a resent
-    -- round trip), and only then is the stream's end read.
-    local added = xadd(stream, a)
-    if type(added) == 'table' and added.err then
-      is_whole = false
-      first = append_from(stream, a, last)
-    end
-  else
-    -- A run is at its LAST token's id, which Redis would take after an earlier token of it, so
-    -- where the stream ends is read first: a resent run skips what it finds, a gap is refused.
-    first = append_from(stream, a, last)
-    if first ~= a then is_whole = false end
+  local added = xadd(stream, a, num_tokens)
+  if type(added) == 'table' and added.err then
+    is_whole = false
+    if string.find(tostring(added.err), 'equal or smaller', 1, true) then return nil end
+    return -1
   end
-  if first == nil or first == -1 then return first end
   written[#written + 1] = stream
-  return first
+  return 1
 end
 """
 
@@ -146,10 +110,12 @@ return replies
 
 # KEYS: (stream fence, stream) per job, then the step notifications (Keys.stream_steps).
 # ARGV: the step's tokens as a notification carries them (protocol/stream_steps.py), then per
-#       job: token, num_tokens, then (index, token_id, text, logprobs) per token (logprobs ''
-#       when the job asked for none: no `lp` field is written), as the main append takes them.
-# Returns per job 1 (appended), 0 (refused: another claim adopted the stream), -1 (gap: refused).
-# A resent round trip finds its first tokens there: it skips them, as the main append does.
+#       job: token, num_tokens, then its entry when num_tokens > 0: (index, token_id, text,
+#       logprobs) for one token (logprobs '' when the job asked for none: no `lp` field is
+#       written), a run's (first index, token ids, texts, logprobs) for several, as the main
+#       append takes them.
+# Returns per job 1 (appended, or there already: a resent round trip), 0 (refused: another claim
+# adopted the stream), -1 (the stream ends elsewhere: refused).
 SHARD_APPEND = _NEXT_INDEX + XADD_TOKEN + """
 local function append(fence, stream, token, a, num_tokens)
   if redis.call('GET', fence) ~= token then
@@ -157,11 +123,11 @@ local function append(fence, stream, token, a, num_tokens)
     return 0
   end
   if num_tokens == 0 then return 1 end
-  local first = append_tokens(stream, a, num_tokens)
-  if first == nil then return 1 end
-  if first == -1 then return -1 end
+  local written_now = append_tokens(stream, a, num_tokens)
+  if written_now == nil then return 1 end
+  if written_now == -1 then return -1 end
   -- A new stream expires with its fence copy until the job's end sets its TTL.
-  if ARGV[first] == '0' then redis.call('PEXPIRE', stream, redis.call('PTTL', fence)) end
+  if ARGV[a] == '0' then redis.call('PEXPIRE', stream, redis.call('PTTL', fence)) end
   return 1
 end
 local results = {}
@@ -169,7 +135,7 @@ local a, k = 2, 1
 while a <= #ARGV do
   local num_tokens = tonumber(ARGV[a + 1])
   results[#results + 1] = append(KEYS[k], KEYS[k + 1], ARGV[a], a + 2, num_tokens)
-  a = a + 2 + 4 * num_tokens
+  a = a + 2 + (num_tokens > 0 and 4 or 0)
   k = k + 2
 end
 send_notes(KEYS[#KEYS], ARGV[1])

@@ -38,7 +38,7 @@ from rq.utils import now as rq_now
 from rq.utils import utcformat
 from rq.worker import WorkerStatus
 
-from protocol.generation import FinishReason
+from protocol.generation import FinishReason, TokenEntry
 from protocol.keys import Keys
 from protocol.messages import (
     HISTOGRAM_BUCKETS,
@@ -49,6 +49,7 @@ from protocol.messages import (
 )
 from protocol.rq_keys import KeyTemplate, RQKeys
 from protocol.stream_steps import encode_tokens, notify_steps
+from protocol.token_runs import run_fields
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.lease import Lease
 from worker.jobs.rq_presence import RQPresence
@@ -116,6 +117,21 @@ class _ScriptCall:
     keys: list[str]
     args: list[EncodableT]
     end: _EndMarker | None = None  # finish of a sharded job: its final entry, reason as asked
+
+
+def _entry_args(unpublished: list[TokenEntry], tokens: list[str]) -> list[str]:
+    """The one stream entry a publish writes for a job, as the append scripts take it: nothing
+    for no token; (index, token_id, text, logprobs) for one; for several, a run
+    (protocol/token_runs.py) encoded here, where it costs Redis nothing: (first index, token ids,
+    texts, logprobs or '')."""
+    if len(unpublished) <= 1:
+        return tokens
+    asked = any(token.logprobs is not None for token in unpublished)
+    fields = run_fields(unpublished[0].index, [t.token_id for t in unpublished],
+                        [t.text for t in unpublished],
+                        [t.logprobs.encode() if t.logprobs is not None else ""
+                         for t in unpublished] if asked else None)
+    return [fields["index"], fields["token_ids"], fields["text"], fields.get("lp", "")]
 
 
 class StreamPublisher:
@@ -188,10 +204,11 @@ class StreamPublisher:
         lease = job.lease
         self._appended.add(lease.job_id)
         self._carried.append(job)
-        tokens: list[str] = []
+        tokens: list[str] = []  # every token's (index, token_id, text, logprobs): the notification's
         for token in job.unpublished:
             logprobs = token.logprobs.encode() if token.logprobs is not None else ""
             tokens += [str(token.index), str(token.token_id), token.text, logprobs]
+        entry = _entry_args(job.unpublished, tokens)
         is_first = bool(job.unpublished) and job.unpublished[0].index == 0
         prompt_logprobs = job.prompt_logprobs if is_first else ""
         shard = self.shards.remote(lease.job_id)
@@ -201,7 +218,7 @@ class StreamPublisher:
             self._append_keys += append_keys
             self._append_args += [lease.job_id, lease.token, job.num_prompt_tokens,
                                   repr(job.first_token_at), prompt_logprobs, len(job.unpublished),
-                                  *tokens]
+                                  *entry]
             self._append_ids.append(lease.job_id)
             if tokens:
                 self._notified.append((self.keys.stream(lease.job_id), tokens))
@@ -214,7 +231,7 @@ class StreamPublisher:
             self._shard_ids[shard].append(lease.job_id)
             self._shard_keys[shard] += [self.keys.stream_fence(lease.job_id),
                                         self.keys.stream(lease.job_id)]
-            self._shard_args[shard] += [lease.token, len(job.unpublished), *tokens]
+            self._shard_args[shard] += [lease.token, len(job.unpublished), *entry]
             if tokens:
                 self._shard_notified[shard].append((self.keys.stream(lease.job_id), tokens))
         self._counters["generated_tokens_total"] += len(job.unpublished)

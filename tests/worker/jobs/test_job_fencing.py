@@ -66,24 +66,28 @@ def test_append_writes_explicit_ids_and_renews_the_lease() -> None:
     assert (state.prompt_tokens, state.first_token_at) == (3, 2000.0)
 
 
-def test_a_resent_append_skips_tokens_already_there_and_a_gap_is_refused() -> None:
-    # (A gap in a first send is stopped before Redis: RunningJob.add_tokens insists on
-    # consecutive indices from the engine.)
+def test_a_resent_append_is_written_once() -> None:
+    # A round trip whose reply was lost is resent as it was: its entries are there already.
     redis = fake_redis()
     submit(redis, "job-1")
     queue = make_queue(redis)
     job = running(queue.claim(1)[0])
     pub = make_publisher(queue)
     generate(job, 11, 12)
+    sent = list(job.unpublished)
     pub.append(job)
     pub.flush()
-    job.unpublished = [TokenEntry(1, 12, "<12>"), TokenEntry(2, 13, "<13>")]  # a retry overlapping the last write
+    job.unpublished = sent  # the run of two, again
     pub.append(job)
     assert pub.flush().refused == set()
-    assert [e.token_id for _, e in _stream(redis, "job-1")] == [11, 12, 13]
-    job.unpublished = [TokenEntry(2, 13, "<13>"), TokenEntry(5, 99, "x")]
+    generate(job, 13)
+    sent = list(job.unpublished)
     pub.append(job)
-    assert pub.flush().refused == {"job-1"}
+    pub.flush()
+    job.unpublished = sent  # one token, again
+    pub.append(job)
+    assert pub.flush().refused == set()
+    assert [i for i, _ in redis.xrange(KEYS.stream("job-1"))] == [b"0-2", b"0-3"]
     assert [e.token_id for _, e in _stream(redis, "job-1")] == [11, 12, 13]
 
 

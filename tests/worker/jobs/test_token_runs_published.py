@@ -60,27 +60,6 @@ def test_the_append_script_writes_a_run_as_its_python_twin_does() -> None:
     assert JobReader(redis).token_ids("job-1") == [7, 8, 9, 10]
 
 
-def test_a_resent_run_is_written_once_and_a_run_after_a_gap_is_refused() -> None:
-    redis = fake_redis()
-    submit(redis, "job-1")
-    queue = make_queue(redis)
-    job = running(queue.claim(1)[0])
-    pub = make_publisher(queue)
-    generate(job, 11, 12, 13)
-    pub.append(job)
-    pub.flush()
-    job.unpublished = [TokenEntry(1, 12, "<12>"), TokenEntry(2, 13, "<13>"),
-                       TokenEntry(3, 14, "<14>"), TokenEntry(4, 15, "<15>")]  # overlaps 1 and 2
-    pub.append(job)
-    assert pub.flush().refused == set()
-    assert [i for i, _ in _raw(redis, "job-1")] == ["0-3", "0-5"]  # the rest, as a run of 3, 4
-    assert JobReader(redis).token_ids("job-1") == [11, 12, 13, 14, 15]
-    job.unpublished = [TokenEntry(7, 17, "<17>"), TokenEntry(8, 18, "<18>")]
-    pub.append(job)
-    assert pub.flush().refused == {"job-1"}
-    assert JobReader(redis).token_ids("job-1") == [11, 12, 13, 14, 15]
-
-
 def test_a_job_ended_or_requeued_with_tokens_unsent_takes_them_along() -> None:
     redis = fake_redis()
     submit(redis, "done", "preempted")
