@@ -10,7 +10,7 @@ before and after a measurement window, on a private redis-server.
     python scripts/bench_fleet.py                       # both readers, side by side
     python scripts/bench_fleet.py --reader hub --workers 2 --seats 32 --step-ms 20 --seconds 20
     python scripts/bench_fleet.py --reader hub --shards 1,2   # streams on 1, then 2 shards
-    python scripts/bench_fleet.py --reader hub --stream-interval-ms 0,200   # publish every step, then every 200 ms
+    python scripts/bench_fleet.py --reader hub --stream-interval-ms 0,200   # publish each step, then 200 ms
 
 With `--shards N` the token streams live on N private redis-servers of their own (stream
 shards, CARPOOL_STREAM_REDIS_URLS) and the queue on another; each server's CPU is read apart.
