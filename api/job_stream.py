@@ -16,8 +16,9 @@ import redis.asyncio as aioredis
 from api.state_reads import SharedStateReads
 from api.stream_hub import StreamHub, Subscription
 from protocol import FinishReason, JobState, JobStatus, Keys, StreamEntry
-from protocol.job_reader import RawEntry, XReadReply
+from protocol.job_reader import XReadReply
 from protocol.stream_ids import STREAM_START, entry_id_key, next_entry_id
+from protocol.token_runs import RawEntry, expand_runs
 
 _COUNT = 256  # entries per read
 
@@ -58,12 +59,13 @@ class JobStream:
         self._hub = hub  # None: this reader blocks on an XREAD (and a connection) of its own
 
     async def last_event(self) -> StreamEvent | None:
-        entries = cast("list[RawEntry]", await self._streams.xrevrange(self._keys.stream(self.job_id), count=1))
-        return _event(*entries[0]) if entries else None
+        entries = expand_runs(cast("list[RawEntry]", await self._streams.xrevrange(
+            self._keys.stream(self.job_id), count=1)))
+        return _event(*entries[-1]) if entries else None
 
     async def read_all(self) -> list[StreamEvent]:
         entries = cast("list[RawEntry]", await self._streams.xrange(self._keys.stream(self.job_id)))
-        return [_event(entry_id, fields) for entry_id, fields in entries]
+        return [_event(entry_id, fields) for entry_id, fields in expand_runs(entries)]
 
     async def follow(self, after_id: str = STREAM_START) -> AsyncIterator[StreamEvent | None]:
         """Yield each entry after `after_id`, and None whenever a wait of `block_ms` brought nothing.
@@ -84,7 +86,9 @@ class JobStream:
                 else:
                     entries = await self._next_from_hub(subscription, key, last_id)
                 if entries:
-                    for entry_id, fields in entries:
+                    # A run (several tokens in one entry) is taken apart here, whichever read
+                    # brought it; its tokens up to last_id were sent already.
+                    for entry_id, fields in expand_runs(entries, after=last_id):
                         event = _event(entry_id, fields)
                         if entry_id_key(event.entry_id) <= entry_id_key(last_id):
                             continue  # read both by a catch-up and by the hub

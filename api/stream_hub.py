@@ -39,10 +39,11 @@ from typing import cast
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from protocol.job_reader import RawEntry, XReadReply
+from protocol.job_reader import XReadReply
 from protocol.keys import Keys
 from protocol.stream_ids import entry_id_key
 from protocol.stream_steps import notified_streams, notified_tokens
+from protocol.token_runs import RawEntry
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,11 @@ from protocol.generation import PromptLogprobs
 from protocol.keys import Keys
 from protocol.messages import JobResult, JobState, StreamEntry
 from protocol.stream_ids import STREAM_START
+from protocol.token_runs import RawEntry, expand_runs
 
-# One stream entry as XRANGE/XREAD return it on Carpool's (RESP2) connections: (entry id, fields).
-# redis-py's own reply types also cover RESP3 and pipelined replies, which these calls never get.
 # The state hash field the worker sets with the first token (worker/jobs/job_scripts.APPEND).
 PROMPT_LOGPROBS_FIELD = "prompt_logprobs"
 
-RawEntry = tuple[Any, dict[Any, Any]]
 XReadReply = list[tuple[Any, list[RawEntry]]]  # [(stream key, entries)] per stream read
 
 
@@ -51,9 +49,11 @@ def _text(value: Any) -> str:
 
 
 def parse_entries(raw: Sequence[RawEntry], last_id: str = STREAM_START) -> StreamRead:
-    """Turn XRANGE's reply (or one stream's part of XREAD's) into StreamEntry objects."""
-    entries = [StreamEntry.from_fields(fields) for _, fields in raw]
-    return StreamRead(entries, _text(raw[-1][0]) if raw else last_id)
+    """Turn XRANGE's reply (or one stream's part of XREAD's) after entry id `last_id` into
+    StreamEntry objects, one per token (runs expanded: protocol.token_runs)."""
+    expanded = expand_runs(raw, after=last_id)
+    entries = [StreamEntry.from_fields(fields) for _, fields in expanded]
+    return StreamRead(entries, _text(expanded[-1][0]) if expanded else last_id)
 
 
 class JobReader:

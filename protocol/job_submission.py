@@ -230,15 +230,19 @@ local text = {}
 local token_ids = {}
 for _, entry in ipairs(entries) do
   local fields = entry[2]
-  local kind, piece, token_id = nil, '', nil
+  local kind, piece, token_id, run_ids = nil, '', nil, ''
   for j = 1, #fields, 2 do
     if fields[j] == 'kind' then kind = fields[j + 1]
     elseif fields[j] == 'text' then piece = fields[j + 1]
-    elseif fields[j] == 'token_id' then token_id = tonumber(fields[j + 1]) end
+    elseif fields[j] == 'token_id' then token_id = tonumber(fields[j + 1])
+    elseif fields[j] == 'token_ids' then run_ids = fields[j + 1] end
   end
   if kind == 'token' then
     text[#text + 1] = piece
     token_ids[#token_ids + 1] = token_id
+  elseif kind == 'tokens' then  -- a run: several tokens in one entry (protocol/token_runs.py)
+    for _, run_text in ipairs(cjson.decode(piece)) do text[#text + 1] = run_text end
+    for run_id in string.gmatch(run_ids, '%d+') do token_ids[#token_ids + 1] = tonumber(run_id) end
   end
 end
 local num_tokens = #token_ids

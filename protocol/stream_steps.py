@@ -28,10 +28,10 @@ from redis import Redis
 from redis.asyncio.client import Pipeline as AsyncPipeline
 from redis.client import Pipeline
 
-from protocol.job_reader import RawEntry
 from protocol.keys import Keys
 from protocol.messages import StreamEntry
 from protocol.stream_ids import token_entry_id
+from protocol.token_runs import RawEntry
 
 # About this many steps are kept: at 100 worker steps/s, over a minute and a half, far more than
 # a hub falls behind before its periodic full read catches it up anyway.

@@ -10,6 +10,7 @@ before and after a measurement window, on a private redis-server.
     python scripts/bench_fleet.py                       # both readers, side by side
     python scripts/bench_fleet.py --reader hub --workers 2 --seats 32 --step-ms 20 --seconds 20
     python scripts/bench_fleet.py --reader hub --shards 1,2   # streams on 1, then 2 shards
+    python scripts/bench_fleet.py --reader hub --stream-interval-ms 0,200   # publish each step, then 200 ms
 
 With `--shards N` the token streams live on N private redis-servers of their own (stream
 shards, CARPOOL_STREAM_REDIS_URLS) and the queue on another; each server's CPU is read apart.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -101,8 +103,8 @@ def _start_api(url: str, port: int, reader: str, interval_ms: float,
     sys.exit("the API did not start")
 
 
-def _start_workers(url: str, args: argparse.Namespace,
-                   shard_urls: list[str]) -> list[tuple[Any, threading.Thread]]:
+def _start_workers(url: str, args: argparse.Namespace, shard_urls: list[str],
+                   stream_interval_ms: float) -> list[tuple[Any, threading.Thread]]:
     from worker.jobs.batching_worker import BatchingWorker
     from worker.jobs.settings import WorkerSettings
 
@@ -110,7 +112,8 @@ def _start_workers(url: str, args: argparse.Namespace,
     for number in range(args.workers):
         settings = WorkerSettings(model=MODEL, redis_url=url, name=f"synthetic-{number}",
                                   max_num_seqs=args.seats, drain_seconds=0,
-                                  stream_redis_urls=shard_urls)
+                                  stream_redis_urls=shard_urls,
+                                  stream_interval_ms=stream_interval_ms)
         worker = BatchingWorker(settings, SyntheticEngine(args.seats, args.step_ms / 1000),  # type: ignore[arg-type]
                                 Redis.from_url(url), register_presence=False)
         thread = threading.Thread(target=worker.run, name=settings.name, daemon=True)
@@ -275,6 +278,9 @@ def main() -> int:
                         help="how the API follows streams: its StreamHub, or an XREAD each")
     parser.add_argument("--hub-interval-ms", type=float, default=0.0,
                         help="the hub's least time between XREADs (stream_hub_interval_ms)")
+    parser.add_argument("--stream-interval-ms", default="0",
+                        help="the workers' CARPOOL_STREAM_INTERVAL_MS (0: publish every step); "
+                             "several, comma-separated, run one after the other")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seats", type=int, default=32, help="max_num_seqs of each worker")
     parser.add_argument("--step-ms", type=float, default=25.0, help="synthetic step time")
@@ -293,6 +299,7 @@ def main() -> int:
     args.concurrency = args.concurrency or args.workers * args.seats
     readers = ["per-subscriber", "hub"] if args.reader == "both" else [args.reader]
     shard_counts = [int(n) for n in args.shards.split(",")]
+    intervals = [float(ms) for ms in args.stream_interval_ms.split(",")]
 
     servers = [_start_redis() for _ in range(1 + max(shard_counts))]
     url = servers[0][1]
@@ -302,13 +309,15 @@ def main() -> int:
             shard_urls = [shard_url for _, shard_url in servers[1:1 + num_shards]]
             clients = {"main": Redis.from_url(url),
                        **{f"shard-{i}": Redis.from_url(u) for i, u in enumerate(shard_urls)}}
-            for reader in readers:
+            for reader, interval_ms in itertools.product(readers, intervals):
                 for client in clients.values():
                     client.flushdb()
-                workers = _start_workers(url, args, shard_urls)
+                workers = _start_workers(url, args, shard_urls, interval_ms)
                 port = _free_port()
                 api = _start_api(url, port, reader, args.hub_interval_ms, shard_urls)
                 label = f"{reader}, {num_shards} shards" if num_shards else reader
+                if len(intervals) > 1 or interval_ms:
+                    label += f", {interval_ms:g} ms"
                 try:
                     results[label] = asyncio.run(_measure(f"http://127.0.0.1:{port}", clients, args))
                 finally:
@@ -323,13 +332,14 @@ def main() -> int:
         for process, _ in servers:
             process.terminate()
             process.wait(timeout=10)
-    config = {k: getattr(args, k) for k in ("hub_interval_ms", "workers", "seats", "step_ms", "tokens", "concurrency",
+    config = {k: getattr(args, k) for k in ("hub_interval_ms", "stream_interval_ms",
+                                             "workers", "seats", "step_ms", "tokens", "concurrency",
                                             "subscribers", "seconds", "shards")}
     print(json.dumps({"config": config}))
-    print(f"{'run':<20}{'tok/s':>9}{'us/gen tok':>12}{'us/deliv tok':>14}{'tok/s/core':>12}"
+    print(f"{'run':<28}{'tok/s':>9}{'us/gen tok':>12}{'us/deliv tok':>14}{'tok/s/core':>12}"
           f"{'ceiling tok/s':>15}")
     for label, r in results.items():
-        print(f"{label:<20}{r['generated_tokens_per_s']:>9}"
+        print(f"{label:<28}{r['generated_tokens_per_s']:>9}"
               f"{r['redis_cpu_us_per_generated_token']:>12}"
               f"{r['redis_cpu_us_per_delivered_token']:>14}"
               f"{r['generated_tokens_per_s_per_redis_core']!s:>12}"

@@ -36,6 +36,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--jobs", type=int, default=64)
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--tokens-per-publish", type=int, default=1,
+                        help="tokens of each job per publish (a worker with a stream interval "
+                             "sends several steps' tokens at once, as one entry per job)")
     args = parser.parse_args()
     server, url = _start_redis()
     try:
@@ -44,8 +47,10 @@ def main() -> int:
         scripts.load(redis)
         for number in range(args.jobs):
             submit_job(redis, JobSpec(job_id=f"job-{number}", model="synthetic", prompt="hello",
-                                      sampling=SamplingParams(max_tokens=args.steps + 1)), keys)
-        queue = JobQueue(redis, scripts, keys, "bench", lease_ms=30_000, execution_ttl_s=120,
+                                      sampling=SamplingParams(
+                                          max_tokens=args.steps * args.tokens_per_publish + 1)),
+                       keys)
+        queue = JobQueue(redis, scripts, keys, "bench", "synthetic", lease_ms=30_000, execution_ttl_s=120,
                          block_size=16)
         jobs = [RunningJob(lease=c.lease, spec=c.spec, state=c.state, result_ttl=c.result_ttl,
                            failure_ttl=c.failure_ttl, num_prompt_tokens=3, token_ids=[], texts=[],
@@ -56,17 +61,18 @@ def main() -> int:
         for step in range(args.steps):
             now = time.time()
             for job in jobs:
-                job.add_tokens([TokenEntry(step, 1000 + step, " tok")], now)
+                first = step * args.tokens_per_publish
+                job.add_tokens([TokenEntry(first + i, 1000 + (first + i) % 500, " tok")
+                                for i in range(args.tokens_per_publish)], now)
                 publisher.append(job)
             publisher.stats(WorkerStats(name="bench", model="synthetic", mode="continuous",
                                         updated_at=now, num_running=len(jobs)), 30)
             report = publisher.flush()
             assert not report.refused
-            for job in jobs:
-                job.unpublished.clear()
         cpu_us = (_cpu_s(redis) - cpu0) * 1e6
-        tokens = args.jobs * args.steps
-        print(json.dumps({"jobs": args.jobs, "steps": args.steps, "tokens": tokens,
+        tokens = args.jobs * args.steps * args.tokens_per_publish
+        print(json.dumps({"jobs": args.jobs, "steps": args.steps,
+                          "tokens_per_publish": args.tokens_per_publish, "tokens": tokens,
                           "wall_s": round(time.monotonic() - started, 2),
                           "redis_cpu_us_per_token": round(cpu_us / tokens, 2),
                           "tokens_per_s_per_redis_core": round(tokens / (cpu_us / 1e6))}))

@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--lease-seconds", type=float)
     add("--drain-seconds", type=float)
     add("--idle-block-seconds", type=float)
+    add("--stream-interval-ms", type=float,
+        help="least time between two publishes of the batch's tokens (default 0: every step)")
     add("--keys-prefix")
     add("--log-level")
     add("--openmp", choices=["intel", "gnu"], help="OpenMP runtime of the model's CPU threads")

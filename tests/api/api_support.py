@@ -28,6 +28,7 @@ from protocol import (
     stream_ids,
 )
 from protocol.rq_keys import RQKeys
+from protocol.token_runs import run_entry_id, run_fields
 
 MODEL = "tiny"
 CONTEXT = 32
@@ -97,6 +98,12 @@ class Harness:
         if self.state(job_id).status is JobStatus.QUEUED:
             self.sync.hset(self.keys.state(job_id), mapping={"status": "running",
                                                               "started_at": time.time()})
+
+    def publish_run(self, job_id: str, texts: list[str], start: int = 0) -> None:
+        """The tokens as ONE entry, a run, as a worker with a stream interval appends them."""
+        self.sync.xadd(self.keys.stream(job_id),
+                       run_fields(start, [100 + start + i for i in range(len(texts))], texts),
+                       id=run_entry_id(start, len(texts)))
 
     def publish_done(self, job_id: str, num_tokens: int, reason: FinishReason = FinishReason.STOP,
                      prompt_tokens: int = 3, error: str = "", text: str = "") -> None:

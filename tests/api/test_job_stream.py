@@ -69,6 +69,42 @@ async def test_resume_after_last_event_id_gets_exactly_the_rest(
     assert [json.loads(e["data"]).get("text") for e in events] == ["c", "d", None]
 
 
+@pytest.mark.parametrize("after", [None, "0-3"])
+async def test_a_run_streams_as_one_event_per_token_and_resumes_inside_it(
+        harness: Harness, client: httpx.AsyncClient, after: str | None) -> None:
+    job_id = await _job(client)
+    harness.publish_tokens(job_id, ["a"])
+    harness.publish_run(job_id, ["b", "c", "d", "e"], start=1)  # tokens 1-4, entry id 0-5
+    harness.publish_done(job_id, 5)
+    headers = {"Last-Event-ID": after} if after else {}
+    events = _events(await client.get(f"/v1/jobs/{job_id}/stream", headers=headers))
+    ids = ["0-1", "0-2", "0-3", "0-4", "0-5", "0-6"]
+    data = [{"index": i, "token_id": 100 + i, "text": t} for i, t in enumerate("abcde")]
+    skip = ids.index(after) + 1 if after else 0
+    assert [e["id"] for e in events] == ids[skip:]
+    assert [json.loads(e["data"]) for e in events[:-1]] == data[skip:]
+
+
+async def test_a_run_published_while_a_client_watches_arrives_token_by_token(
+        harness: Harness, client: httpx.AsyncClient) -> None:
+    job_id = await _job(client)
+
+    async def worker() -> None:
+        await asyncio.sleep(0.05)
+        harness.publish_tokens(job_id, ["one"])
+        await asyncio.sleep(0.05)
+        harness.publish_run(job_id, [" two", " three"], start=1)
+        await asyncio.sleep(0.05)
+        harness.publish_done(job_id, 3, FinishReason.LENGTH)
+
+    task = asyncio.create_task(worker())
+    response = await client.get(f"/v1/jobs/{job_id}/stream")
+    await task
+    events = _events(response)
+    assert [(e["id"], json.loads(e["data"]).get("text")) for e in events] == [
+        ("0-1", "one"), ("0-2", " two"), ("0-3", " three"), ("0-4", None)]
+
+
 async def test_resume_after_the_final_event_answers_204(harness: Harness,
                                                         client: httpx.AsyncClient) -> None:
     job_id = await _job(client)

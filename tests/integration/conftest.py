@@ -23,6 +23,7 @@ import pytest
 from redis import Redis
 
 from protocol import FinishReason, JobReader, JobSpec, JobState, Keys, StreamEntry
+from protocol.token_runs import expand_runs
 
 KEYS = Keys()
 REPO = Path(__file__).resolve().parents[2]
@@ -226,10 +227,15 @@ def wait_final(fleet: Fleet, job_ids: list[str], timeout: float = 120.0) -> dict
 
 def assert_stream_exact(redis: Redis, job_id: str, tokens: list[int],
                         reason: FinishReason | None = None) -> list[StreamEntry]:
-    """Entry ids 0-1..0-n for tokens 0..n-1, each exactly once, then one final entry."""
+    """Entry ids 0-1..0-n for tokens 0..n-1, each exactly once, then one final entry (as readers
+    see the stream: a run of several tokens in one entry counts as its tokens, each written once)."""
     raw = redis.xrange(KEYS.stream(job_id))
-    ids = [entry_id.decode() for entry_id, _ in raw]
-    entries = [StreamEntry.from_fields(fields) for _, fields in raw]
+    expanded = expand_runs(raw)
+    assert len(expanded) == sum(len(f[b"token_ids"].split()) if f[b"kind"] == b"tokens" else 1
+                                for _, f in raw), f"{job_id}: a token written twice"
+    ids = [entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+           for entry_id, _ in expanded]
+    entries = [StreamEntry.from_fields(fields) for _, fields in expanded]
     assert ids == [f"0-{i + 1}" for i in range(len(tokens) + 1)], job_id
     assert [e.kind for e in entries] == ["token"] * len(tokens) + ["done"]
     assert [e.index for e in entries[:-1]] == list(range(len(tokens)))

@@ -24,6 +24,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from protocol import FinishReason, JobSpec, JobState, JobStatus, WorkerStats
 from protocol.rq_keys import RQKeys
+from protocol.stream_ids import entry_index
 from tests.conftest import RedisServer, _free_port
 from tests.integration import conftest as integration
 from tests.integration.conftest import (
@@ -84,11 +85,13 @@ def read_states(redis: Redis, job_ids: list[str]) -> dict[str, JobState | None]:
 
 
 def num_stream_entries(redis: Redis, job_ids: list[str]) -> int:
-    """Entries in all the jobs' streams together: the progress a fault is timed against."""
+    """Entries in all the jobs' streams together, one per token however the worker wrote them
+    (a run of several tokens is one stream entry: protocol/token_runs.py), plus the final ones:
+    the progress a fault is timed against. An entry id's sequence counts the entries up to it."""
     with redis.pipeline(transaction=False) as pipe:
         for job_id in job_ids:
-            pipe.xlen(KEYS.stream(job_id))
-        return sum(pipe.execute())
+            pipe.xrevrange(KEYS.stream(job_id), count=1)
+        return sum(entry_index(last[0][0]) + 1 for last in pipe.execute() if last)
 
 
 def describe(fleet: Fleet, job_ids: list[str]) -> str:

@@ -36,12 +36,14 @@ SEATS = 8
 STEP_S = 0.02
 
 
-def _start_workers(main_url: str, shard_urls: list[str]) -> list[tuple[BatchingWorker, threading.Thread]]:
+def _start_workers(main_url: str, shard_urls: list[str], stream_interval_ms: float
+                   ) -> list[tuple[BatchingWorker, threading.Thread]]:
     workers = []
     for number in range(2):
         settings = WorkerSettings(model="synthetic", redis_url=main_url, name=f"synthetic-{number}",
                                   stream_redis_urls=shard_urls, max_num_seqs=SEATS,
-                                  drain_seconds=0, lease_seconds=6, redis_timeout_seconds=2)
+                                  drain_seconds=0, lease_seconds=6, redis_timeout_seconds=2,
+                                  stream_interval_ms=stream_interval_ms)
         worker = BatchingWorker(settings, SyntheticEngine(SEATS, STEP_S),  # type: ignore[arg-type]
                                 Redis.from_url(main_url), register_presence=False)
         thread = threading.Thread(target=worker.run, name=settings.name, daemon=True)
@@ -106,14 +108,17 @@ async def _run(api: ApiProcess, shards: list[RedisServer]) -> tuple[dict[str, li
     return results, reconnects, victim
 
 
-def test_streams_on_two_shards_survive_a_shard_restart(tmp_path: Path) -> None:
+# Publishing every step, and every 60 ms (runs of about three tokens: protocol/token_runs.py).
+@pytest.mark.parametrize("stream_interval_ms", [0, 60])
+def test_streams_on_two_shards_survive_a_shard_restart(tmp_path: Path,
+                                                       stream_interval_ms: float) -> None:
     main = start_redis(tmp_path / "main", appendonly=True)
     shards = [start_redis(tmp_path / f"shard-{i}", appendonly=True) for i in range(2)]
     workers: list[tuple[BatchingWorker, threading.Thread]] = []
     api = None
     try:
         shard_urls = [shard.url for shard in shards]
-        workers = _start_workers(main.url, shard_urls)
+        workers = _start_workers(main.url, shard_urls, stream_interval_ms)
         api = ApiProcess.start(main.url, tmp_path / "api.log", stream_redis_urls=",".join(shard_urls),
                                max_queue_depth="1000")
         api.wait_healthy()
@@ -136,13 +141,16 @@ def test_streams_on_two_shards_survive_a_shard_restart(tmp_path: Path) -> None:
                 "done", f"0-{NUM_TOKENS + 1}", "length", NUM_TOKENS)
             assert reader.state(job_id).status == JobStatus.FINISHED
             home = stream_shard(job_id, 2)
-            assert shard_redis[home].xlen(KEYS.stream(job_id)) == NUM_TOKENS + 1
+            home_read = JobReader(shard_redis[home]).read(job_id)
+            assert [t.index for t in home_read.tokens] == list(range(NUM_TOKENS))
+            assert (home_read.is_done, home_read.last_id) == (True, f"0-{NUM_TOKENS + 1}")
             assert shard_redis[1 - home].exists(KEYS.stream(job_id)) == 0
             assert main_redis.exists(KEYS.stream(job_id)) == 0
         victims = [job_id for job_id in results if stream_shard(job_id, 2) == victim]
         # The restart hit live subscribers: they were cut off and resumed.
         assert any(reconnects.get(job_id, 0) for job_id in victims), reconnects
-        print(f"RELIABILITY stream shards: {NUM_JOBS} jobs x {NUM_TOKENS} tokens on 2 shards, "
+        print(f"RELIABILITY stream shards ({stream_interval_ms} ms stream interval): "
+              f"{NUM_JOBS} jobs x {NUM_TOKENS} tokens on 2 shards, "
               f"shard {victim} killed and restarted; {sum(reconnects.values())} reconnects, "
               f"every token once, 0 lost")
     finally:

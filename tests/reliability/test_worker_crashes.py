@@ -48,7 +48,7 @@ NUM_JOBS = 50
 MAX_TOKENS = 96
 
 
-def _workers(fleet: Fleet, *names: str) -> list[WorkerProcess]:
+def _workers(fleet: Fleet, *names: str, extra_args: tuple[str, ...] = ()) -> list[WorkerProcess]:
     """Exactly the workers `names` alive (started if missing, others stopped), in that order:
     each test states the fleet it needs, whatever ran before it."""
     for worker in fleet.workers:
@@ -58,7 +58,7 @@ def _workers(fleet: Fleet, *names: str) -> list[WorkerProcess]:
     missing = [name for name in names if name not in alive]
     for worker in [w for w in fleet.workers if w.name in missing]:
         fleet.workers.remove(worker)  # a dead one is started afresh below
-    fleet.start(*[(name, WORKER_ARGS) for name in missing])
+    fleet.start(*[(name, [*WORKER_ARGS, *extra_args]) for name in missing])
     by_name = {w.name: w for w in fleet.workers}
     return [by_name[name] for name in names]
 
@@ -229,3 +229,13 @@ def test_sigkill_of_the_only_worker_restarted_under_its_name_loses_nothing(
     workers = _workers(fleet, survivor)
     _sigkill_run(fleet, reference_engine, workers, "worker-sigkill-restart", seed=9,
                  num_faults=3, restart_victims=True)
+
+
+def test_sigkill_of_workers_that_publish_every_few_steps_loses_nothing(
+        fleet: Fleet, reference_engine: object) -> None:
+    # A stream interval: a killed worker takes the tokens it had not published yet with it; the
+    # job resumes after what its stream holds and generates them again, the same ones.
+    workers = _workers(fleet, "iv-alpha", "iv-beta", "iv-gamma",
+                       extra_args=("--stream-interval-ms", "100"))
+    _sigkill_run(fleet, reference_engine, workers, "worker-sigkill-stream-interval", seed=10,
+                 num_faults=2, restart_victims=False)

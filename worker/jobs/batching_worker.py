@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -100,6 +101,7 @@ class BatchingWorker:
             if not priority.is_background]
         self._stop_requested = False
         self._last_heartbeat = 0.0
+        self._last_publish = -math.inf  # monotonic time of the last flush
         self._last_stats: StepStats | None = None
         self._num_kv_blocks_total = 0
         self.model_names = {settings.served_model_name, settings.model}
@@ -226,8 +228,10 @@ class BatchingWorker:
         self._redis_reachable()
         # A higher tier waits and a seat was free, yet nothing of it fit in the KV blocks left
         # (the claim keeps queue order, so it took nothing below it either): batch jobs hold them.
-        self._is_kv_starved = waiting > 0 and budget is not None and not any(
-            claim.spec is not None and not claim.spec.priority.is_background for claim in claims)
+        num_foreground = sum(1 for claim in claims
+                             if claim.spec is not None and not claim.spec.priority.is_background)
+        self._is_kv_starved = waiting > 0 and budget is not None and not num_foreground
+        self._num_foreground_queued = max(0, waiting - num_foreground)
         return claims
 
     def _make_seats_for_foreground(self) -> int:
@@ -239,7 +243,9 @@ class BatchingWorker:
         step or two, never a lost or duplicated token.) A worker with seats but no KV blocks left
         for a waiting job (the last claim was starved) gives up one batch job a boundary until
         the job fits. Returns the higher-tier jobs seen waiting."""
-        waiting, self._num_foreground_queued = self._num_foreground_queued, 0
+        # The last publish's reading, less what claims took since: with a stream interval it
+        # serves several boundaries (a KV-starved claim must see it again at the next).
+        waiting = self._num_foreground_queued
         shortfall = waiting - self._free_slots()
         if self._is_kv_starved and waiting:
             shortfall = max(shortfall, 1)
@@ -397,6 +403,8 @@ class BatchingWorker:
                     finished.append((job, JobEnd(JobStatus.FINISHED, request.finish_reason)))
         elif not self.engine.has_unfinished():
             self._last_stats = None
+        if not (finished or self._is_publish_due(now)):
+            return  # the tokens wait in job.unpublished for the next publish
         for job in self.jobs.values():
             pub.append(job)
         if any(job.spec is not None and job.spec.priority.is_background
@@ -418,10 +426,23 @@ class BatchingWorker:
         elif not self.jobs:
             pub.recover()  # idle: look for lapsed leases at every wait
         report = self._flush()
+        self._last_publish = time.monotonic()
         for job in self.jobs.values():
-            job.unpublished.clear()
             job.prompt_logprobs = ""  # sent with token 0 (a flush retries until it lands)
         self._act_on(report, pending)
+
+    def _is_publish_due(self, now: float) -> bool:
+        """Whether this step publishes (always, without a stream interval). Put off only while
+        nothing but tokens would go: a job's first token (its time to first token), an end, a
+        requeue, an idle or draining worker and the heartbeat go at once."""
+        interval_s = self.settings.stream_interval_ms / 1000
+        if (interval_s <= 0 or not self.jobs or self._pending or self._stop_requested
+                or self.publisher.has_job_changes
+                or now - self._last_heartbeat >= self.settings.heartbeat_seconds
+                or time.monotonic() - self._last_publish >= interval_s):
+            return True
+        return any(job.unpublished and job.unpublished[0].index == 0
+                   for job in self.jobs.values())
 
     def _flush(self) -> PublishReport:
         """Send the iteration; while Redis is unreachable retry with backoff, for at most a lease

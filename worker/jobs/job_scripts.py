@@ -85,7 +85,8 @@ local claimed = {}
 -- KV blocks a job needs to be scheduled now: its prompt (once known) plus what it generated.
 local function blocks_needed(job_id)
   local prompt = tonumber(redis.call('HGET', key(13, job_id), 'prompt_tokens') or '0') or 0
-  local generated = redis.call('XLEN', key(15, job_id))
+  -- Its tokens: the last id's sequence (an entry may hold several: protocol/token_runs.py).
+  local generated = next_index(key(15, job_id))
   return math.ceil((prompt + generated + 1) / block_size)
 end
 
@@ -168,19 +169,22 @@ return claimed
 # ARGV: lease_ms, renew ('1': renew every lease of the batch, '0': not this step), the step's
 #       tokens as a notification carries them ([redis-cost] protocol/stream_steps.py), then per job:
 #       job_id, token, prompt_tokens, first_token_at, prompt_logprobs (the encoded list, only in
-#       the append that carries token 0 of a job that asked for them; else ''), num_tokens and
-#       (index, token_id, text, logprobs) per token (logprobs '' when the job asked for none: no
-#       `lp` field is written). prompt_logprobs goes into the state hash in the same HSET as
-#       first_token_at, so a resumed job has them exactly once.
+#       the append that carries token 0 of a job that asked for them; else ''), num_tokens and,
+#       when num_tokens > 0, the job's one entry: (index, token_id, text, logprobs) for one token
+#       (logprobs '' when the job asked for none: no `lp` field is written), a run's (first
+#       index, token ids, texts, logprobs) for several (protocol/token_runs.py).
+#       prompt_logprobs goes into the state hash in the same HSET as first_token_at, so a
+#       resumed job has them exactly once.
 #       A job whose stream is on a shard (protocol.stream_shards) comes with no tokens, for its
 #       lease check, renewal and cancel flag, and with first_token_at ('' or the time) when its
 #       shard got its first token this step.
-# Returns two lists in job order: the append results — 1 (appended, lease renewed if asked), 0
-# (refused: not the lease holder), -1 (gap: refused) — and the cancel flags (1: cancel requested).
-# Per job the hot path is GET (the fence) and XADD per token; PEXPIRE and ZADD only on renewing
+# Returns two lists in job order: the append results — 1 (appended or there already, lease
+# renewed if asked), 0 (refused: not the lease holder), -1 (the stream ends elsewhere: refused) —
+# and the cancel flags (1: cancel requested).
+# Per job the hot path is GET (the fence) and one XADD; PEXPIRE and ZADD only on renewing
 # steps, SISMEMBER only while some job is canceled. Redis itself refuses an id that is not after
 # the stream's last, and only then does the script read the stream, to tell a resent round trip
-# (skip what is there) from a gap.
+# (there already) from a stream that ends elsewhere.
 APPEND = _COMMON + XADD_TOKEN + """
 local lease_ms = tonumber(ARGV[1])
 local renew = ARGV[2] == '1'
@@ -203,9 +207,9 @@ local function append(lease, stream, state, job_id, token, prompt_tokens, first_
     return 0
   end
   if num_tokens > 0 then
-    local first = append_tokens(stream, a, num_tokens)
-    if first == -1 then return -1 end
-    if first ~= nil and ARGV[first] == '0' then
+    local written_now = append_tokens(stream, a, num_tokens)
+    if written_now == -1 then return -1 end
+    if written_now ~= nil and ARGV[a] == '0' then
       first_token(state, first_token_at, prompt_tokens, prompt_logprobs)
     end
   end
@@ -227,7 +231,7 @@ while a <= #ARGV do
   results[#results + 1] = append(KEYS[k], KEYS[k + 1], KEYS[k + 2], job_id, ARGV[a + 1],
                                  ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], a + 6, num_tokens)
   canceled[#canceled + 1] = any_canceled and redis.call('SISMEMBER', KEYS[2], job_id) or 0
-  a = a + 6 + 4 * num_tokens
+  a = a + 6 + (num_tokens > 0 and 4 or 0)
   k = k + 3
 end
 send_notes(KEYS[#KEYS], ARGV[3])  -- [redis-cost] the step notification (shard_scripts.XADD_TOKEN)

@@ -72,6 +72,12 @@ class WorkerSettings(BaseSettings):
         1.0, gt=0, le=30, description="Longest wait on the queues when idle (it also bounds how "
         "late an idle worker notices SIGTERM).")
     stats_ttl_seconds: float = Field(10.0, gt=0, description="TTL of the WorkerStats hash.")
+    stream_interval_ms: float = Field(
+        0.0, ge=0, le=1000, description="Least time between two publishes of the batch's tokens "
+        "(0: every step, as vLLM's stream_interval 1). The steps in between keep their tokens, "
+        "which then go to Redis as one stream entry per job: Redis' cost goes by entries and "
+        "round trips, not tokens (protocol/token_runs.py). A first token, an end, a requeue "
+        "and a preemption are published at once; cancel requests are seen at publishes.")
     redis_timeout_seconds: float = Field(10.0, gt=0)
     redis_backoff_base_seconds: float = Field(
         0.05, gt=0, description="First wait before retrying an unreachable Redis; it doubles "
@@ -97,6 +103,11 @@ class WorkerSettings(BaseSettings):
         if self.idle_block_seconds >= self.lease_seconds:
             # An idle wait longer than the lease would let recovery and heartbeats fall behind.
             self.idle_block_seconds = max(0.05, self.lease_seconds / 4)
+        if self.stream_interval_ms / 1000 > self.lease_seconds / 16:
+            # Leases are renewed at publishes: a few times a lease, with room to spare.
+            raise ValueError(f"stream_interval_ms ({self.stream_interval_ms:g}) must be at most "
+                             f"a sixteenth of the lease ({self.lease_seconds:g} s): lower "
+                             "CARPOOL_STREAM_INTERVAL_MS or raise CARPOOL_LEASE_SECONDS")
         if not self.served_model_name:
             path = Path(self.model).expanduser()
             self.served_model_name = path.name if path.is_dir() else self.model

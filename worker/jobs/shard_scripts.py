@@ -26,8 +26,9 @@ from protocol.stream_steps import STREAM_STEPS_MAXLEN
 
 # One token entry at ARGV[a..a+3] (index, token_id, text, logprobs: '' for none, then no `lp`
 # field), at its explicit id 0-(index+1); pcall, so that an id already there is an error reply the
-# caller reads (a resent round trip) rather than the script's end; and the run of them one append
-# writes. Shared with the main append (job_scripts.APPEND).
+# caller reads (a resent round trip) rather than the script's end; the tokens one append gets for
+# a job, written as one entry (a run of several, protocol/token_runs.py). Shared with the main
+# append (job_scripts.APPEND).
 # [redis-cost] The step notification (protocol/stream_steps.py), one XADD per script run: the
 # caller's `tokens` (every token it sent, encoded by the worker) when each of them was written
 # (the usual step), else the keys of the streams that got some (a refused job or a resent round
@@ -46,37 +47,35 @@ local function send_notes(steps, tokens)
                table.concat(written, ' '))
   end
 end
-local function xadd(stream, a)
-  local id = '0-' .. (tonumber(ARGV[a]) + 1)
+-- The one entry for a job's num_tokens tokens at ARGV[a..a+3]: (index, token_id, text,
+-- logprobs) for one, at its id; a run (protocol/token_runs.py, encoded by the worker: first index,
+-- token ids, texts, logprobs) for several, at its last token's id.
+local function xadd(stream, a, num_tokens)
+  local id = '0-' .. (tonumber(ARGV[a]) + num_tokens)
+  local kind, ids_field = 'token', 'token_id'
+  if num_tokens > 1 then kind, ids_field = 'tokens', 'token_ids' end
   if ARGV[a + 3] == '' then
-    return redis.pcall('XADD', stream, id, 'kind', 'token', 'index', ARGV[a],
-                       'token_id', ARGV[a + 1], 'text', ARGV[a + 2])
+    return redis.pcall('XADD', stream, id, 'kind', kind, 'index', ARGV[a],
+                       ids_field, ARGV[a + 1], 'text', ARGV[a + 2])
   end
-  return redis.pcall('XADD', stream, id, 'kind', 'token', 'index', ARGV[a],
-                     'token_id', ARGV[a + 1], 'text', ARGV[a + 2], 'lp', ARGV[a + 3])
+  return redis.pcall('XADD', stream, id, 'kind', kind, 'index', ARGV[a],
+                     ids_field, ARGV[a + 1], 'text', ARGV[a + 2], 'lp', ARGV[a + 3])
 end
--- The num_tokens tokens at ARGV[a..] (4 values each) onto stream, skipping those a resent round
--- trip already wrote. Returns the ARGV index of the first token written, nil when every one was
--- there already, or -1 for a gap (the stream's next index is not among them; nothing written).
--- Needs next_index (each script defines its own) before it.
+-- The job's entry onto stream. Returns 1 (written), nil (there already: its id is not after the
+-- stream's last, as when a round trip is resent, which sends the same entry again) or -1 (Redis
+-- refused it for another reason, e.g. out of memory: the job must not go on as if it were there).
+-- [redis-cost] One XADD, no read. A worker's entries are consecutive by construction (its tokens
+-- follow its claim's reading of the stream, fencing keeps other writers out, and a retry resends
+-- the same entries), so the stream is not read to check where it ends.
 local function append_tokens(stream, a, num_tokens)
-  local last = a + 4 * (num_tokens - 1)
-  local first = a
-  local added = xadd(stream, a)
+  local added = xadd(stream, a, num_tokens)
   if type(added) == 'table' and added.err then
     is_whole = false
-    local expected = next_index(stream)
-    first = nil
-    for i = a, last, 4 do
-      if tonumber(ARGV[i]) >= expected then first = i; break end
-    end
-    if first == nil then return nil end
-    if tonumber(ARGV[first]) ~= expected then return -1 end
-    xadd(stream, first)
+    if string.find(tostring(added.err), 'equal or smaller', 1, true) then return nil end
+    return -1
   end
-  for i = first + 4, last, 4 do xadd(stream, i) end
   written[#written + 1] = stream
-  return first
+  return 1
 end
 """
 
@@ -111,10 +110,12 @@ return replies
 
 # KEYS: (stream fence, stream) per job, then the step notifications (Keys.stream_steps).
 # ARGV: the step's tokens as a notification carries them (protocol/stream_steps.py), then per
-#       job: token, num_tokens, then (index, token_id, text, logprobs) per token (logprobs ''
-#       when the job asked for none: no `lp` field is written), as the main append takes them.
-# Returns per job 1 (appended), 0 (refused: another claim adopted the stream), -1 (gap: refused).
-# A resent round trip finds its first tokens there: it skips them, as the main append does.
+#       job: token, num_tokens, then its entry when num_tokens > 0: (index, token_id, text,
+#       logprobs) for one token (logprobs '' when the job asked for none: no `lp` field is
+#       written), a run's (first index, token ids, texts, logprobs) for several, as the main
+#       append takes them.
+# Returns per job 1 (appended, or there already: a resent round trip), 0 (refused: another claim
+# adopted the stream), -1 (the stream ends elsewhere: refused).
 SHARD_APPEND = _NEXT_INDEX + XADD_TOKEN + """
 local function append(fence, stream, token, a, num_tokens)
   if redis.call('GET', fence) ~= token then
@@ -122,11 +123,11 @@ local function append(fence, stream, token, a, num_tokens)
     return 0
   end
   if num_tokens == 0 then return 1 end
-  local first = append_tokens(stream, a, num_tokens)
-  if first == nil then return 1 end
-  if first == -1 then return -1 end
+  local written_now = append_tokens(stream, a, num_tokens)
+  if written_now == nil then return 1 end
+  if written_now == -1 then return -1 end
   -- A new stream expires with its fence copy until the job's end sets its TTL.
-  if ARGV[first] == '0' then redis.call('PEXPIRE', stream, redis.call('PTTL', fence)) end
+  if ARGV[a] == '0' then redis.call('PEXPIRE', stream, redis.call('PTTL', fence)) end
   return 1
 end
 local results = {}
@@ -134,7 +135,7 @@ local a, k = 2, 1
 while a <= #ARGV do
   local num_tokens = tonumber(ARGV[a + 1])
   results[#results + 1] = append(KEYS[k], KEYS[k + 1], ARGV[a], a + 2, num_tokens)
-  a = a + 2 + 4 * num_tokens
+  a = a + 2 + (num_tokens > 0 and 4 or 0)
   k = k + 2
 end
 send_notes(KEYS[#KEYS], ARGV[1])

@@ -38,7 +38,7 @@ from rq.utils import now as rq_now
 from rq.utils import utcformat
 from rq.worker import WorkerStatus
 
-from protocol.generation import FinishReason
+from protocol.generation import FinishReason, TokenEntry
 from protocol.keys import Keys
 from protocol.messages import (
     HISTOGRAM_BUCKETS,
@@ -49,6 +49,7 @@ from protocol.messages import (
 )
 from protocol.rq_keys import KeyTemplate, RQKeys
 from protocol.stream_steps import encode_tokens, notify_steps
+from protocol.token_runs import run_fields
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.lease import Lease
 from worker.jobs.rq_presence import RQPresence
@@ -118,6 +119,21 @@ class _ScriptCall:
     end: _EndMarker | None = None  # finish of a sharded job: its final entry, reason as asked
 
 
+def _entry_args(unpublished: list[TokenEntry], tokens: list[str]) -> list[str]:
+    """The one stream entry a publish writes for a job, as the append scripts take it: nothing
+    for no token; (index, token_id, text, logprobs) for one; for several, a run
+    (protocol/token_runs.py) encoded here, where it costs Redis nothing: (first index, token ids,
+    texts, logprobs or '')."""
+    if len(unpublished) <= 1:
+        return tokens
+    asked = any(token.logprobs is not None for token in unpublished)
+    fields = run_fields(unpublished[0].index, [t.token_id for t in unpublished],
+                        [t.text for t in unpublished],
+                        [t.logprobs.encode() if t.logprobs is not None else ""
+                         for t in unpublished] if asked else None)
+    return [fields["index"], fields["token_ids"], fields["text"], fields.get("lp", "")]
+
+
 class StreamPublisher:
     def __init__(self, redis: Redis, scripts: JobScripts, keys: Keys, worker_name: str,
                  lease_ms: int, presence: RQPresence | None = None,
@@ -151,6 +167,8 @@ class StreamPublisher:
 
     def _reset(self) -> None:
         self._calls: list[_ScriptCall] = []
+        self._appended: set[str] = set()  # jobs whose tokens this flush carries
+        self._carried: list[RunningJob] = []  # the same jobs, whose tokens it sent once it lands
         self._append_ids: list[str] = []
         # Jobs whose main-Redis stream gets a final entry this flush (the append script notifies
         # its tokens itself).
@@ -184,10 +202,13 @@ class StreamPublisher:
         """New tokens (maybe none), the lease renewal and the cancel check, fenced by the job's
         token. All the batch's appends go to Redis as one script call."""
         lease = job.lease
-        tokens: list[str] = []
+        self._appended.add(lease.job_id)
+        self._carried.append(job)
+        tokens: list[str] = []  # every token's (index, token_id, text, logprobs): the notification's
         for token in job.unpublished:
             logprobs = token.logprobs.encode() if token.logprobs is not None else ""
             tokens += [str(token.index), str(token.token_id), token.text, logprobs]
+        entry = _entry_args(job.unpublished, tokens)
         is_first = bool(job.unpublished) and job.unpublished[0].index == 0
         prompt_logprobs = job.prompt_logprobs if is_first else ""
         shard = self.shards.remote(lease.job_id)
@@ -197,7 +218,7 @@ class StreamPublisher:
             self._append_keys += append_keys
             self._append_args += [lease.job_id, lease.token, job.num_prompt_tokens,
                                   repr(job.first_token_at), prompt_logprobs, len(job.unpublished),
-                                  *tokens]
+                                  *entry]
             self._append_ids.append(lease.job_id)
             if tokens:
                 self._notified.append((self.keys.stream(lease.job_id), tokens))
@@ -210,7 +231,7 @@ class StreamPublisher:
             self._shard_ids[shard].append(lease.job_id)
             self._shard_keys[shard] += [self.keys.stream_fence(lease.job_id),
                                         self.keys.stream(lease.job_id)]
-            self._shard_args[shard] += [lease.token, len(job.unpublished), *tokens]
+            self._shard_args[shard] += [lease.token, len(job.unpublished), *entry]
             if tokens:
                 self._shard_notified[shard].append((self.keys.stream(lease.job_id), tokens))
         self._counters["generated_tokens_total"] += len(job.unpublished)
@@ -218,6 +239,7 @@ class StreamPublisher:
     def finish(self, job: RunningJob, end: JobEnd, now: float | None = None) -> None:
         """The final entry, JobState and RQ status/result; refused if the lease is not ours, and
         turned into `canceled` if a cancel was requested meanwhile (the finish guard)."""
+        self._append_unpublished(job)
         now = time.time() if now is None else now
         lease = job.lease
         state = job.state
@@ -278,6 +300,7 @@ class StreamPublisher:
 
     def requeue(self, job: RunningJob, count_as_preemption: bool) -> None:
         """Back to the FRONT of its queue (preempted, or unfinished at the end of a drain)."""
+        self._append_unpublished(job)
         lease = job.lease
         keys = [self.keys.lease(lease.job_id), self.keys.leases(), self.keys.state(lease.job_id),
                 RQKeys.job(lease.job_id), RQKeys.queue(lease.queue_name),
@@ -291,6 +314,20 @@ class StreamPublisher:
                                   job.num_tokens]
         self._calls.append(_ScriptCall("requeue", lease.job_id, "requeue", keys, args))
         self._counters["jobs_preempted_total"] += 1
+
+    def _append_unpublished(self, job: RunningJob) -> None:
+        """A job leaving the batch takes its tokens not yet sent along (a worker with a stream
+        interval holds them for a few steps), ahead of its end or requeue in the same
+        transaction: its stream must hold every token its end counts, and a resumer continues
+        after them."""
+        if job.unpublished and job.job_id not in self._appended:
+            self.append(job)
+
+    @property
+    def has_job_changes(self) -> bool:
+        """Whether a job's status changes in the next flush (a finish, requeue or recovery is
+        queued, or a final entry is owed to a shard): such a flush is not put off."""
+        return bool(self._calls or self._pending_ends)
 
     # For the batch.
     def stats(self, stats: WorkerStats, ttl_seconds: float) -> None:
@@ -418,6 +455,8 @@ class StreamPublisher:
         replies = self._retry_missing_scripts(self.redis, calls, replies)
         if renew and append_ids:
             self._renewed_at = started
+        for job in self._carried:
+            job.unpublished.clear()  # in their streams now (or refused: the job leaves)
         self._reset()
         if watched:
             first = len(calls) + (1 if flag_only else 0)

@@ -27,6 +27,7 @@ from protocol import (
     cancel_job,
 )
 from protocol.rq_keys import RQKeys
+from protocol.token_runs import expand_runs
 from tests.worker.jobs.job_support import (
     KEYS,
     claim_one,
@@ -43,7 +44,9 @@ from worker.jobs.stream_publisher import JobEnd
 
 
 def _stream(redis, job_id: str) -> list[tuple[str, StreamEntry]]:
-    return [(i.decode(), StreamEntry.from_fields(f)) for i, f in redis.xrange(KEYS.stream(job_id))]
+    """The stream as readers see it: one entry per token (runs expanded)."""
+    return [(i.decode() if isinstance(i, bytes) else i, StreamEntry.from_fields(f))
+            for i, f in expand_runs(redis.xrange(KEYS.stream(job_id)))]
 
 
 def test_append_writes_explicit_ids_and_renews_the_lease() -> None:
@@ -61,21 +64,25 @@ def test_append_writes_explicit_ids_and_renews_the_lease() -> None:
     assert (state.prompt_tokens, state.first_token_at) == (3, 2000.0)
 
 
-def test_a_resent_append_skips_tokens_already_there_and_a_gap_is_refused() -> None:
-    # (A gap in a first send is stopped before Redis: RunningJob.add_tokens insists on
-    # consecutive indices from the engine.)
+def test_a_resent_append_is_written_once() -> None:
+    # A round trip whose reply was lost is resent as it was: its entries are there already.
     redis = fake_redis()
     job, pub = claim_one(redis)
     generate(job, 11, 12)
+    sent = list(job.unpublished)
     pub.append(job)
     pub.flush()
-    job.unpublished = [TokenEntry(1, 12, "<12>"), TokenEntry(2, 13, "<13>")]  # a retry overlapping the last write
+    job.unpublished = sent  # the run of two, again
     pub.append(job)
     assert pub.flush().refused == set()
-    assert [e.token_id for _, e in _stream(redis, "job-1")] == [11, 12, 13]
-    job.unpublished = [TokenEntry(2, 13, "<13>"), TokenEntry(5, 99, "x")]
+    generate(job, 13)
+    sent = list(job.unpublished)
     pub.append(job)
-    assert pub.flush().refused == {"job-1"}
+    pub.flush()
+    job.unpublished = sent  # one token, again
+    pub.append(job)
+    assert pub.flush().refused == set()
+    assert [i for i, _ in redis.xrange(KEYS.stream("job-1"))] == [b"0-2", b"0-3"]
     assert [e.token_id for _, e in _stream(redis, "job-1")] == [11, 12, 13]
 
 

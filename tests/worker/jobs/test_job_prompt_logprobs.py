@@ -22,7 +22,7 @@ def test_they_go_with_token_0_and_a_resent_first_append_does_not_write_them_agai
     assert pub.flush().refused == set()
     assert JobReader(redis).prompt_logprobs("job-1") == PROMPT_LOGPROBS
     redis.hset(KEYS.state("job-1"), PROMPT_LOGPROBS_FIELD, "marker")
-    job.unpublished = [TokenEntry(0, 11, "<11>"), TokenEntry(1, 12, "<12>")]  # a resent round trip
+    job.unpublished = [TokenEntry(0, 11, "<11>")]  # a resent round trip: the same entry again
     pub.append(job)
     assert pub.flush().refused == set()
     assert redis.hget(KEYS.state("job-1"), PROMPT_LOGPROBS_FIELD) == b"marker"  # token 0 was there

@@ -142,8 +142,9 @@ def test_an_iteration_is_kept_when_redis_drops_while_its_scripts_are_reloaded(
         pub.flush()
     report = pub.flush()
     assert (report.refused, report.ended) == (set(), {"a": JobStatus.FINISHED})
-    assert [e[1][b"kind"] for e in redis.xrange(KEYS.stream("a"))] == [b"token", b"token",
-                                                                        b"done"]
+    # The two tokens went in one publish: one entry, a run (protocol/token_runs.py).
+    assert [(i, f[b"kind"]) for i, f in redis.xrange(KEYS.stream("a"))] == [
+        (b"0-2", b"tokens"), (b"0-3", b"done")]
     assert pub.is_empty
 
 

@@ -10,6 +10,7 @@ import fakeredis
 
 from protocol import FinishReason, JobReader, JobStatus, StreamEntry, cancel_job
 from protocol.stream_shards import shard_urls, stream_shard
+from protocol.token_runs import expand_runs
 from tests.worker.jobs.job_support import (
     KEYS,
     expire_lease,
@@ -25,7 +26,9 @@ from worker.jobs.stream_shards import StreamShards
 
 
 def _stream(redis, job_id: str) -> list[tuple[str, StreamEntry]]:
-    return [(i.decode(), StreamEntry.from_fields(f)) for i, f in redis.xrange(KEYS.stream(job_id))]
+    """The stream as readers see it: one entry per token (runs expanded)."""
+    return [(i.decode() if isinstance(i, bytes) else i, StreamEntry.from_fields(f))
+            for i, f in expand_runs(redis.xrange(KEYS.stream(job_id)))]
 
 
 def _worker(main, shard, name: str = "w1", lease_ms: int = 10_000):
