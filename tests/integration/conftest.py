@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from redis import Redis
 
@@ -244,3 +245,19 @@ def assert_stream_exact(redis: Redis, job_id: str, tokens: list[int],
     if reason is not None:
         assert entries[-1].finish_reason is reason
     return entries
+
+
+def stream_then_resume(client: httpx.Client, job_id: str, cut_after: int
+                       ) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """A job's SSE stream read by a client that goes away after `cut_after` events and comes
+    back with `Last-Event-ID`: the events before the cut and those after it."""
+    first: list[dict[str, str]] = []
+    with client.stream("GET", f"/v1/jobs/{job_id}/stream") as response:
+        for event in sse_events(response.iter_lines()):
+            first.append(event)
+            if len(first) == cut_after:
+                break  # the client goes away mid-stream
+    with client.stream("GET", f"/v1/jobs/{job_id}/stream",
+                       headers={"Last-Event-ID": first[-1]["id"]}) as response:
+        rest = list(sse_events(response.iter_lines()))
+    return first, rest

@@ -19,7 +19,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.integration.conftest import REPO, Fleet, sse_events, wait_until
+from tests.integration.conftest import REPO, Fleet, stream_then_resume, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -134,15 +134,7 @@ def test_sse_resume_with_last_event_id(api: ApiServer) -> None:
     with api.client() as client:
         job = client.post("/v1/jobs", json={"prompt": "Once upon a time", "max_tokens": 30,
                                             "temperature": 0.0, "ignore_eos": True}).json()
-        first: list[dict[str, str]] = []
-        with client.stream("GET", f"/v1/jobs/{job['job_id']}/stream") as response:
-            for event in sse_events(response.iter_lines()):
-                first.append(event)
-                if len(first) == 5:
-                    break  # the client goes away mid-stream
-        with client.stream("GET", f"/v1/jobs/{job['job_id']}/stream",
-                           headers={"Last-Event-ID": first[-1]["id"]}) as response:
-            rest = list(sse_events(response.iter_lines()))
+        first, rest = stream_then_resume(client, job["job_id"], cut_after=5)
         status = client.get(f"/v1/jobs/{job['job_id']}").json()
     events = first + rest
     assert [e["id"] for e in events] == [f"0-{i}" for i in range(1, 32)]

@@ -12,7 +12,7 @@ import pytest
 from redis import Redis
 
 from protocol import Keys
-from tests.integration.conftest import Fleet, sse_events
+from tests.integration.conftest import Fleet, stream_then_resume
 from tests.integration.test_api_e2e import KEY_A, ApiServer, serve_api
 
 pytestmark = pytest.mark.slow
@@ -44,15 +44,7 @@ def test_events_are_per_token_and_exact_and_resume_inside_a_run(
         job_id = client.post("/v1/jobs", json={"prompt": prompt, "max_tokens": 40,
                                                "temperature": 0.0, "ignore_eos": True}
                              ).json()["job_id"]
-        first: list[dict[str, str]] = []
-        with client.stream("GET", f"/v1/jobs/{job_id}/stream") as response:
-            for event in sse_events(response.iter_lines()):
-                first.append(event)
-                if len(first) == 7:
-                    break
-        with client.stream("GET", f"/v1/jobs/{job_id}/stream",
-                           headers={"Last-Event-ID": first[-1]["id"]}) as response:
-            rest = list(sse_events(response.iter_lines()))
+        first, rest = stream_then_resume(client, job_id, cut_after=7)
         status = client.get(f"/v1/jobs/{job_id}").json()
     events = first + rest
     assert [e["id"] for e in events] == [f"0-{i}" for i in range(1, 42)]

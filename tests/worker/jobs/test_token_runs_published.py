@@ -12,6 +12,7 @@ from protocol import FinishReason, JobReader, JobStatus, TokenEntry, TokenLogpro
 from protocol.token_runs import run_fields
 from tests.worker.jobs.job_support import (
     KEYS,
+    claim_one,
     fake_redis,
     generate,
     make_publisher,
@@ -35,9 +36,7 @@ def _decoded(fields: dict[str, str]) -> dict[str, object]:
 
 def test_the_append_script_writes_a_run_as_its_python_twin_does() -> None:
     redis = fake_redis()
-    submit(redis, "job-1")
-    job = running(make_queue(redis).claim(1)[0])
-    pub = make_publisher(make_queue(redis))
+    job, pub = claim_one(redis)
     logprobs = [TokenLogprobs(-0.5, ((7, -0.5), (3, -1.25))), TokenLogprobs(-2.0, ((8, -2.0),)),
                 TokenLogprobs(-0.125, ((9, -0.125),))]
     job.add_tokens([TokenEntry(0, 7, "a/", logprobs[0]), TokenEntry(1, 8, " é", logprobs[1]),
