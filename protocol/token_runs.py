@@ -2,8 +2,9 @@
 
 A worker with a stream interval (`CARPOOL_STREAM_INTERVAL_MS`, worker/jobs/settings.py) sends a
 job's tokens of several steps in one publish. Redis' cost goes by entries, not by tokens (an XADD
-from Lua costs about the same for one token as for eight), so the append script writes them as
-one entry (worker/jobs/shard_scripts.XADD_TOKEN):
+from Lua costs about the same for one token as for eight), so they go as one entry, encoded by
+the worker (`run_fields`, through worker/jobs/stream_publisher) and written as it is by the
+append scripts (worker/jobs/shard_scripts.XADD_TOKEN):
 
     kind=tokens, index=<first token's index>, token_ids="<id> <id> ...",
     text=<JSON list of the tokens' texts>, lp=<JSON list of their encoded logprobs> (when asked)
@@ -15,8 +16,8 @@ one token for a job writes the one-token entry as before.
 Readers expand a run into one token entry per token, each with the id it would have had alone
 (`0-(index + 1)`): SSE event ids, `Last-Event-ID`, the hub's cursors and everything downstream
 see one entry per token whatever the interval was. A run is written whole or not at all (a resent
-round trip sends the same run), and expanding drops a token already seen, so a reader that gets
-a run after some of its tokens skips those.
+round trip sends the same run, which Redis then refuses by its id), and expanding drops a token
+already seen, so a reader that gets a run after some of its tokens skips those.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def _text(value: Any) -> str:
 
 def run_fields(first_index: int, token_ids: list[int], texts: list[str],
                logprobs: list[str] | None = None) -> dict[str, str]:
-    """A run's fields as the append script writes them (its Python twin, for tests and tools);
-    `logprobs`: each token's encoded TokenLogprobs, or None when the job asked for none."""
+    """A run's fields, as the worker sends them to the append script, which writes them as they
+    are; `logprobs`: each token's encoded TokenLogprobs, or None when the job asked for none."""
     fields = {"kind": RUN, "index": str(first_index),
               "token_ids": " ".join(str(token_id) for token_id in token_ids),
               "text": json.dumps(texts, ensure_ascii=False, separators=(",", ":"))}
