@@ -133,7 +133,18 @@ def start_carpool(model: str, workdir: Path) -> Server:
     return server
 
 
-def start_vllm(vllm_python: str, model_dir: Path, workdir: Path) -> Server:
+def carpool_dtype() -> str:
+    """The dtype Carpool's worker computes in here (its `auto`): bf16 where the CPU has bf16
+    instructions (AMX, AVX512-BF16), fp32 elsewhere. The peer gets the same, or the comparison
+    is one of dtypes: bf16 on an AVX2-only CPU runs through conversions, several times slower."""
+    import torch
+
+    from worker.model.routing import resolve_dtype
+
+    return str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+
+
+def start_vllm(vllm_python: str, model_dir: Path, workdir: Path, dtype: str) -> Server:
     port = _free_port()
     env = dict(os.environ)
     # What vLLM's CPU documentation asks of a user: tcmalloc and Intel's OpenMP preloaded, the
@@ -148,7 +159,7 @@ def start_vllm(vllm_python: str, model_dir: Path, workdir: Path) -> Server:
     log = workdir / "vllm.log"
     process = _spawn([vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
                       str(model_dir), "--served-model-name", "smollm2", "--host", "127.0.0.1",
-                      "--port", str(port), "--dtype", "bfloat16"], log, env)
+                      "--port", str(port), "--dtype", dtype], log, env)
     url = f"http://127.0.0.1:{port}"
     server = Server("vllm", url, "", [process], workdir)
     try:
@@ -245,6 +256,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR,
                         help="the complete HF directory vLLM loads (Carpool's converted model)")
     parser.add_argument("--vllm-python", default=os.environ.get("CARPOOL_VLLM_PYTHON"))
+    parser.add_argument("--vllm-dtype", default="",
+                        help="the peer's --dtype (default: the one Carpool's worker picks here)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
@@ -254,13 +267,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "vllm" in systems and not args.vllm_python:
         parser.error("--vllm-python (or CARPOOL_VLLM_PYTHON) is needed for the vllm system")
     print(f"# cpu: {cpu_name()}", flush=True)
+    if "vllm" in systems:
+        print(f"# dtype: Carpool's auto here {carpool_dtype()}, the peer's "
+              f"{args.vllm_dtype or carpool_dtype()}", flush=True)
     results: dict[str, dict[str, object]] = {}
     texts: dict[str, list[str]] = {}
     for system in systems:
         with tempfile.TemporaryDirectory(prefix=f"bench-serve-{system}-") as tmp:
             workdir = Path(tmp)
             server = (start_carpool(args.model, workdir) if system == "carpool"
-                      else start_vllm(args.vllm_python, args.model_dir, workdir))
+                      else start_vllm(args.vllm_python, args.model_dir, workdir,
+                                      args.vllm_dtype or carpool_dtype()))
             try:
                 texts[system] = greedy_texts(server)  # also warms both servers up
                 for load in loads:
