@@ -178,13 +178,12 @@ return claimed
 #       A job whose stream is on a shard (protocol.stream_shards) comes with no tokens, for its
 #       lease check, renewal and cancel flag, and with first_token_at ('' or the time) when its
 #       shard got its first token this step.
-# Returns two lists in job order: the append results — 1 (appended or there already, lease
-# renewed if asked), 0 (refused: not the lease holder), -1 (the stream ends elsewhere: refused) —
-# and the cancel flags (1: cancel requested).
-# Per job the hot path is GET (the fence) and one XADD; PEXPIRE and ZADD only on renewing
-# steps, SISMEMBER only while some job is canceled. Redis itself refuses an id that is not after
-# the stream's last, and only then does the script read the stream, to tell a resent round trip
-# (there already) from a stream that ends elsewhere.
+# Returns two lists in job order: the append results — 1 (appended, or there already: a resent
+# round trip, whose entry's id Redis refuses; lease renewed if asked), 0 (refused: not the lease
+# holder), -1 (Redis refused the entry for another reason) — and the cancel flags (1: cancel
+# requested).
+# Per job the hot path is GET (the fence) and one XADD, whatever the entry holds; PEXPIRE and ZADD
+# only on renewing steps, SISMEMBER only while some job is canceled.
 APPEND = _COMMON + XADD_TOKEN + """
 local lease_ms = tonumber(ARGV[1])
 local renew = ARGV[2] == '1'

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from protocol.stream_steps import STREAM_STEPS_MAXLEN
 
-# One token entry at ARGV[a..a+3] (index, token_id, text, logprobs: '' for none, then no `lp`
-# field), at its explicit id 0-(index+1); pcall, so that an id already there is an error reply the
-# caller reads (a resent round trip) rather than the script's end; the tokens one append gets for
-# a job, written as one entry (a run of several, protocol/token_runs.py). Shared with the main
-# append (job_scripts.APPEND).
+# A job's tokens of one append as one entry at ARGV[a..a+3]: a single token's (index, token_id,
+# text, logprobs: '' for none, then no `lp` field) at its explicit id 0-(index+1), or a run's
+# (protocol/token_runs.py, encoded by the worker) at its last token's id; pcall, so that an id
+# already there is an error reply the caller reads (a resent round trip) rather than the script's
+# end. Shared with the main append (job_scripts.APPEND).
 # [redis-cost] The step notification (protocol/stream_steps.py), one XADD per script run: the
 # caller's `tokens` (every token it sent, encoded by the worker) when each of them was written
 # (the usual step), else the keys of the streams that got some (a refused job or a resent round
@@ -37,7 +37,7 @@ from protocol.stream_steps import STREAM_STEPS_MAXLEN
 # costs Redis one argument, where building it in Lua cost about as much as the XADDs.
 XADD_TOKEN = """
 local written = {}  -- streams that got tokens in this run
-local is_whole = true  -- every token sent was written: none refused, skipped or after a gap
+local is_whole = true  -- every token sent was written: none refused or there already
 local function send_notes(steps, tokens)
   if is_whole and tokens ~= '' then
     redis.call('XADD', steps, 'MAXLEN', '~', """ + str(STREAM_STEPS_MAXLEN) + """, '*', 'e',
@@ -115,8 +115,8 @@ return replies
 #       written), a run's (first index, token ids, texts, logprobs) for several, as the main
 #       append takes them.
 # Returns per job 1 (appended, or there already: a resent round trip), 0 (refused: another claim
-# adopted the stream), -1 (the stream ends elsewhere: refused).
-SHARD_APPEND = _NEXT_INDEX + XADD_TOKEN + """
+# adopted the stream), -1 (Redis refused the entry for another reason: the job is dropped).
+SHARD_APPEND = XADD_TOKEN + """
 local function append(fence, stream, token, a, num_tokens)
   if redis.call('GET', fence) ~= token then
     if num_tokens > 0 then is_whole = false end

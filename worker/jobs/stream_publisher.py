@@ -533,7 +533,8 @@ class StreamPublisher:
             if result != 1:
                 report.refused.add(job_id)
                 if result == -1:
-                    log.error("job %s: token gap refused by the stream shard", job_id)
+                    log.error("job %s: its tokens refused by the stream shard (not as a "
+                              "duplicate): dropped", job_id)
 
     def _read_appends(self, job_ids: list[str], reply: object, report: PublishReport) -> None:
         if isinstance(reply, ResponseError):
@@ -545,7 +546,8 @@ class StreamPublisher:
             if result != 1:
                 report.refused.add(job_id)
                 if result == -1:
-                    log.error("job %s: token gap refused by the stream", job_id)
+                    log.error("job %s: its tokens refused by the stream (not as a duplicate): "
+                              "dropped", job_id)
             elif flag:
                 report.canceled.add(job_id)
 
