@@ -23,6 +23,7 @@ import redis.asyncio as aioredis
 from api.errors import NotFoundError
 from api.owner_pages import newest_first
 from protocol import Keys
+from protocol.webhook_events import EMIT_EVENT_LUA
 
 
 class BatchStatus(str, Enum):
@@ -135,7 +136,7 @@ class LineJobs:
 # webhook event to emit with the move ('' for none; else JSON [type, url, owner, data]), then
 # field/value pairs.
 # Returns 1 (moved), or the status the batch has (refused), or false (no such batch).
-_TRANSITION = """
+_TRANSITION = EMIT_EVENT_LUA + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return false end
 local n = tonumber(ARGV[1])
@@ -144,11 +145,9 @@ for i = 2, n + 1 do
     for j = n + 3, #ARGV, 2 do redis.call('HSET', KEYS[1], ARGV[j], ARGV[j + 1]) end
     if ARGV[n + 2] ~= '' then
       -- The batch's webhook event, in the same script as the status it reports: written once,
-      -- by the one call that made the move (protocol.webhook_events' entry layout).
+      -- by the one call that made the move.
       local event = cjson.decode(ARGV[n + 2])
-      local t = redis.call('TIME')
-      redis.call('XADD', KEYS[2], '*', 'type', event[1], 'url', event[2],
-                 'at', string.format('%d.%06d', t[1], t[2]), 'owner', event[3], 'data', event[4])
+      emit_event(KEYS[2], event[1], event[2], event[3], event[4])
     end
     return 1
   end

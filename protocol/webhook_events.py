@@ -85,11 +85,22 @@ def emit_event(target: Redis | Pipeline, type: str, data: dict[str, Any], url: s
         "data": json.dumps(data, separators=(",", ":"))})
 
 
+# Lua: one event onto `events` (Keys.webhook_events()), the entry `emit_event` writes and
+# WebhookEvent.from_entry reads, stamped with Redis' own clock; for scripts that make the change
+# an event reports, so both land or neither. `data`: the JSON text of its object.
+EMIT_EVENT_LUA = """
+local function emit_event(events, type, url, owner, data)
+  local t = redis.call('TIME')
+  redis.call('XADD', events, '*', 'type', type, 'url', url, 'owner', owner,
+             'at', string.format('%d.%06d', t[1], t[2]), 'data', data)
+end
+"""
+
 # Lua: the job's final event, called by every script that moves a job to a final status (worker
 # FINISH, the cancel of a queued job) right where it writes that status. `state` is the JobState
 # hash (webhook_url and owner are read there), `events` Keys.webhook_events().
 # Numbers arrive as strings (ARGV or HGET); error '' becomes null.
-EMIT_JOB_EVENT_LUA = """
+EMIT_JOB_EVENT_LUA = EMIT_EVENT_LUA + """
 local function emit_job_event(events, state, job_id, status, reason, prompt_tokens,
                               completion_tokens, err)
   local hook = redis.call('HMGET', state, 'webhook_url', 'owner')
@@ -105,9 +116,7 @@ local function emit_job_event(events, state, job_id, status, reason, prompt_toke
   local data = cjson.encode({id = job_id, object = 'job', status = status, finish_reason = reason,
                              usage = {prompt_tokens = p, completion_tokens = c,
                                       total_tokens = p + c}, error = e})
-  local t = redis.call('TIME')
-  redis.call('XADD', events, '*', 'type', kind, 'url', hook[1], 'owner', hook[2] or '',
-             'at', string.format('%d.%06d', t[1], t[2]), 'data', data)
+  emit_event(events, kind, hook[1], hook[2] or '', data)
 end
 """
 
