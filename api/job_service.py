@@ -150,8 +150,7 @@ class JobService:
         card = await self._models.resolve(requests[0].model)
         hook = requests[0]
         if hook.webhook_url is not None:  # one request's jobs share it: checked once
-            await checked_webhook_url(hook.webhook_url, self._webhook_allow_list, hook.webhook_param,
-                                      "header" if hook.webhook_param != "webhook_url" else "body")
+            await checked_webhook_url(hook.webhook_url, self._webhook_allow_list, hook.webhook_param)
         checked = []
         for request in requests:
             request = await self._with_template_tools(card, request)

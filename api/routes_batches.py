@@ -76,8 +76,7 @@ async def create_batch(body: BatchCreateRequest, owner: Owner, ctx: Context,
     if hook:
         webhook_url = await checked_webhook_url(
             hook["webhook_url"], ctx.settings.webhook_allow_list,
-            hook.get("webhook_param", "webhook_url"),
-            "header" if "webhook_param" in hook else "body")
+            hook.get("webhook_param", "webhook_url"))
     batch = await ctx.batches.create(owner, body.endpoint, file.id, body.completion_window,
                                      COMPLETION_WINDOWS[body.completion_window], body.metadata,
                                      webhook_url)

@@ -29,9 +29,11 @@ async def _resolve(host: str, port: int) -> list[IPAddress]:
                               for info in infos))
 
 
-async def checked_webhook_url(url: str, allow_list: WebhookAllowList, param: str,
-                              location: str = "body") -> str:
-    """`url` when the allow-list lets it through, else WebhookUrlError naming why and the setting."""
+async def checked_webhook_url(url: str, allow_list: WebhookAllowList,
+                              param: str = "webhook_url") -> str:
+    """`url` when the allow-list lets it through, else WebhookUrlError naming why and the setting.
+    `param`: where it came from, as `webhook_url_of` says: the body's field or the header."""
+    location = "header" if param == WEBHOOK_URL_HEADER else "body"
     try:
         target = parse_webhook_url(url)
     except WebhookUrlRefused as exc:
