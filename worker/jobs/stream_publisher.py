@@ -167,8 +167,8 @@ class StreamPublisher:
 
     def _reset(self) -> None:
         self._calls: list[_ScriptCall] = []
-        self._appended: set[str] = set()  # jobs whose tokens this flush carries
-        self._carried: list[RunningJob] = []  # the same jobs, whose tokens it sent once it lands
+        # The jobs whose tokens this flush carries (by id): sent once it lands.
+        self._carried: dict[str, RunningJob] = {}
         self._append_ids: list[str] = []
         # Jobs whose main-Redis stream gets a final entry this flush (the append script notifies
         # its tokens itself).
@@ -202,8 +202,7 @@ class StreamPublisher:
         """New tokens (maybe none), the lease renewal and the cancel check, fenced by the job's
         token. All the batch's appends go to Redis as one script call."""
         lease = job.lease
-        self._appended.add(lease.job_id)
-        self._carried.append(job)
+        self._carried[lease.job_id] = job
         tokens: list[str] = []  # every token's (index, token_id, text, logprobs): the notification's
         for token in job.unpublished:
             logprobs = token.logprobs.encode() if token.logprobs is not None else ""
@@ -320,7 +319,7 @@ class StreamPublisher:
         interval holds them for a few steps), ahead of its end or requeue in the same
         transaction: its stream must hold every token its end counts, and a resumer continues
         after them."""
-        if job.unpublished and job.job_id not in self._appended:
+        if job.unpublished and job.job_id not in self._carried:
             self.append(job)
 
     @property
@@ -455,7 +454,7 @@ class StreamPublisher:
         replies = self._retry_missing_scripts(self.redis, calls, replies)
         if renew and append_ids:
             self._renewed_at = started
-        for job in self._carried:
+        for job in self._carried.values():
             job.unpublished.clear()  # in their streams now (or refused: the job leaves)
         self._reset()
         if watched:
