@@ -23,6 +23,7 @@ from protocol import (
 )
 from protocol.rq_keys import RQKeys
 from tests.worker.jobs.job_support import KEYS
+from tests.worker.jobs.synthetic_worker import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -63,15 +64,6 @@ def running(request: pytest.FixtureRequest, engines) -> Iterator[Running]:
     run.stop()
 
 
-def _wait(condition, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(0.02)
-    raise AssertionError("timed out")
-
-
 def _specs(model: str, count: int, max_tokens: int = 6) -> list[JobSpec]:
     return [JobSpec(job_id=f"job-{i}", model=model, prompt=f"Say {i}",
                     sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0)) for i in range(count)]
@@ -93,7 +85,7 @@ def test_every_mode_runs_jobs_to_the_engines_own_output(running: Running, refere
     specs = _specs(running.worker.settings.served_model_name, 5)
     submit_jobs(running.redis, specs)
     reader = JobReader(running.redis)
-    states = _wait(lambda: (s := [reader.state(x.job_id) for x in specs]) and
+    states = wait_for(lambda: (s := [reader.state(x.job_id) for x in specs]) and
                    all(st.status.is_final for st in s) and s)
     expected = reference.generate([s.prompt for s in specs],
                                   SamplingParams(max_tokens=6, temperature=0.0))
@@ -106,11 +98,11 @@ def test_cancel_a_running_job_frees_its_blocks(running: Running) -> None:
     (spec,) = _specs(running.worker.settings.served_model_name, 1, max_tokens=900)
     spec = dataclasses.replace(spec, sampling=dataclasses.replace(spec.sampling, ignore_eos=True))
     submit_jobs(running.redis, [spec])
-    _wait(lambda: running.redis.xlen(KEYS.stream(spec.job_id)) >= 3)
+    wait_for(lambda: running.redis.xlen(KEYS.stream(spec.job_id)) >= 3)
     assert cancel_job(running.redis, spec.job_id) is JobStatus.RUNNING
     reader = JobReader(running.redis)
-    _wait(lambda: reader.state(spec.job_id).status is JobStatus.CANCELED)
-    stats = _wait(lambda: (s := WorkerStats.from_fields(
+    wait_for(lambda: reader.state(spec.job_id).status is JobStatus.CANCELED)
+    stats = wait_for(lambda: (s := WorkerStats.from_fields(
         running.redis.hgetall(KEYS.worker_stats(running.worker.name)))).num_running == 0
         and s.num_kv_blocks_used == 0 and s)
     assert stats.num_kv_blocks_total > 0
@@ -139,7 +131,7 @@ def test_a_claim_lost_to_redis_dropping_after_a_wakeup_loses_no_job(running: Run
     (spec,) = _specs(running.worker.settings.served_model_name, 1)
     submit_jobs(running.redis, [spec])
     reader = JobReader(running.redis)
-    state = _wait(lambda: (s := reader.state(spec.job_id)) and s.status.is_final and s)
+    state = wait_for(lambda: (s := reader.state(spec.job_id)) and s.status.is_final and s)
     assert len(failed) == 1
     assert state.status is JobStatus.FINISHED and len(state.token_ids) == 6
 
@@ -155,7 +147,7 @@ def test_a_job_past_its_queue_timeout_or_deadline_is_never_started(running: Runn
                                deadline_at=time.time() + 600)
     submit_jobs(running.redis, [late, overdue, fine])
     reader = JobReader(running.redis)
-    states = _wait(lambda: (s := [reader.state(x.job_id) for x in (late, overdue, fine)]) and
+    states = wait_for(lambda: (s := [reader.state(x.job_id) for x in (late, overdue, fine)]) and
                    all(st.status.is_final for st in s) and s)
     for state in states[:2]:
         assert (state.status, state.finish_reason, state.token_ids) == (
@@ -176,7 +168,7 @@ def test_a_running_job_past_its_deadline_ends_at_a_step_boundary_and_frees_its_b
                                queue_deadline_at=time.time() + 0.5)
     submit_jobs(running.redis, [spec])
     reader = JobReader(running.redis)
-    state = _wait(lambda: (s := reader.state(spec.job_id)) and s.status.is_final and s)
+    state = wait_for(lambda: (s := reader.state(spec.job_id)) and s.status.is_final and s)
     # The queue timeout no longer applies once it started; the deadline ended it mid-generation.
     assert (state.status, state.finish_reason) == (JobStatus.FINISHED, FinishReason.EXPIRED)
     assert 0 < len(state.token_ids) < 900
@@ -185,7 +177,7 @@ def test_a_running_job_past_its_deadline_ends_at_a_step_boundary_and_frees_its_b
     assert [e.token_id for e in read.tokens] == list(state.token_ids)
     assert read.done.finish_reason is FinishReason.EXPIRED
     assert read.done.completion_tokens == len(state.token_ids)
-    stats = _wait(lambda: (s := WorkerStats.from_fields(
+    stats = wait_for(lambda: (s := WorkerStats.from_fields(
         running.redis.hgetall(KEYS.worker_stats(running.worker.name)))).num_running == 0
         and s.num_kv_blocks_used == 0 and s)
     assert running.worker.engine.num_free_kv_blocks() == stats.num_kv_blocks_total
@@ -214,13 +206,13 @@ def test_batch_tier_jobs_give_their_seats_to_a_higher_tier_and_resume_exactly(
     batch = [dataclasses.replace(spec, job_id=f"batch-{i}", priority=Priority.BATCH, sampling=long)
              for i, spec in enumerate(_specs(model, 3))]  # three seats: the worker is full
     submit_jobs(running.redis, batch)
-    _wait(lambda: all(running.redis.xlen(KEYS.stream(s.job_id)) >= 2 for s in batch))
+    wait_for(lambda: all(running.redis.xlen(KEYS.stream(s.job_id)) >= 2 for s in batch))
     (urgent,) = [dataclasses.replace(spec, job_id="urgent", priority=Priority.HIGH)
                  for spec in _specs(model, 1)]
     submit_jobs(running.redis, [urgent])
     reader = JobReader(running.redis)
-    urgent_state = _wait(lambda: (s := reader.state("urgent")).status.is_final and s)
-    states = _wait(lambda: (s := [reader.state(x.job_id) for x in batch]) and
+    urgent_state = wait_for(lambda: (s := reader.state("urgent")).status.is_final and s)
+    states = wait_for(lambda: (s := [reader.state(x.job_id) for x in batch]) and
                    all(st.status.is_final for st in s) and s)
     # The urgent job ran while batch jobs were still unfinished: one of them gave way.
     assert urgent_state.finished_at < max(s.finished_at for s in states)

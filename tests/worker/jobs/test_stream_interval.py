@@ -5,7 +5,6 @@ the job finishes, expires or gives its seat to a higher tier."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import fakeredis
@@ -15,41 +14,21 @@ from pydantic import ValidationError
 from protocol import JobReader, JobSpec, JobStatus, Priority, SamplingParams, submit_jobs
 from protocol.generation import FinishReason
 from tests.worker.jobs.job_support import KEYS
-from tests.worker.jobs.test_job_batch_tier import BLOCK_SIZE, _PooledEngine, _wait
+from tests.worker.jobs.synthetic_worker import PooledEngine, running_worker, wait_for
 from worker.engine.synthetic_engine import SYNTHETIC_TEXT, SyntheticEngine, synthetic_token_id
-from worker.jobs.batching_worker import BatchingWorker
 from worker.jobs.settings import WorkerSettings
-
-
-def _start(redis: fakeredis.FakeRedis, engine: SyntheticEngine, interval_ms: float,
-           seats: int) -> tuple[BatchingWorker, threading.Thread]:
-    settings = WorkerSettings(model="synthetic", redis_url="redis://unused", name="w-interval",
-                              max_num_seqs=seats, block_size=BLOCK_SIZE, drain_seconds=0,
-                              lease_seconds=10, idle_block_seconds=0.05,
-                              stream_interval_ms=interval_ms)
-    worker = BatchingWorker(settings, engine, redis, register_presence=False)  # type: ignore[arg-type]
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    return worker, thread
-
-
-def _stop(worker: BatchingWorker, thread: threading.Thread) -> None:
-    worker.request_stop(15, None)
-    thread.join(30)
 
 
 def test_steps_between_publishes_go_as_one_entry_per_job_and_read_back_token_by_token() -> None:
     redis = fakeredis.FakeRedis(server=fakeredis.FakeServer())
-    worker, thread = _start(redis, SyntheticEngine(2, 0.002), interval_ms=200, seats=2)
-    try:
+    with running_worker(redis, SyntheticEngine(2, 0.002), "w-interval", max_num_seqs=2,
+                        stream_interval_ms=200):
         specs = [JobSpec(job_id=f"j{i}", model="synthetic", prompt="Hi",
                          sampling=SamplingParams(max_tokens=60)) for i in range(2)]
         submit_jobs(redis, specs)
         reader = JobReader(redis)
-        states = _wait(lambda: (s := [reader.state(x.job_id) for x in specs])
-                       and all(st.status.is_final for st in s) and s)
-    finally:
-        _stop(worker, thread)
+        states = wait_for(lambda: (s := [reader.state(x.job_id) for x in specs])
+                          and all(st.status.is_final for st in s) and s)
     for spec, state in zip(specs, states):
         assert state.status is JobStatus.FINISHED
         raw = redis.xrange(KEYS.stream(spec.job_id))
@@ -68,15 +47,13 @@ def test_steps_between_publishes_go_as_one_entry_per_job_and_read_back_token_by_
 
 def test_a_job_past_its_deadline_ends_with_every_token_it_generated_in_its_stream() -> None:
     redis = fakeredis.FakeRedis(server=fakeredis.FakeServer())
-    worker, thread = _start(redis, SyntheticEngine(1, 0.005), interval_ms=400, seats=1)
-    try:
+    with running_worker(redis, SyntheticEngine(1, 0.005), "w-interval", max_num_seqs=1,
+                        stream_interval_ms=400):
         spec = JobSpec(job_id="late", model="synthetic", prompt="Hi",
                        sampling=SamplingParams(max_tokens=100_000), deadline_at=time.time() + 0.3)
         submit_jobs(redis, [spec])
         reader = JobReader(redis)
-        state = _wait(lambda: (s := reader.state("late")).status.is_final and s)
-    finally:
-        _stop(worker, thread)
+        state = wait_for(lambda: (s := reader.state("late")).status.is_final and s)
     assert state.finish_reason is FinishReason.EXPIRED
     tokens = reader.tokens("late")
     assert state.completion_tokens == len(tokens) > 1
@@ -87,22 +64,20 @@ def test_a_job_past_its_deadline_ends_with_every_token_it_generated_in_its_strea
 def test_batch_jobs_preempted_with_tokens_unpublished_resume_exactly() -> None:
     redis = fakeredis.FakeRedis(server=fakeredis.FakeServer())
     # As test_job_batch_tier, with publishes every 100 ms: the preempted jobs hold unsent tokens.
-    worker, thread = _start(redis, _PooledEngine(3, 0.01, num_blocks=4), interval_ms=100, seats=3)
-    try:
+    with running_worker(redis, PooledEngine(3, 0.01, num_blocks=4), "w-interval", max_num_seqs=3,
+                        stream_interval_ms=100):
         batch = [JobSpec(job_id=f"batch-{i}", model="synthetic", prompt="Say 0",
                          sampling=SamplingParams(max_tokens=150, temperature=0.0),
                          priority=Priority.BATCH) for i in range(2)]
         submit_jobs(redis, batch)
         reader = JobReader(redis)
-        _wait(lambda: all(len(reader.tokens(s.job_id)) >= 20 for s in batch))
+        wait_for(lambda: all(len(reader.tokens(s.job_id)) >= 20 for s in batch))
         submit_jobs(redis, [JobSpec(job_id="urgent", model="synthetic", prompt="Now",
                                     sampling=SamplingParams(max_tokens=5),
                                     priority=Priority.HIGH)])
-        states = _wait(lambda: (s := [reader.state(x.job_id) for x in batch])
-                       and all(st.status.is_final for st in s) and s, timeout=60)
+        states = wait_for(lambda: (s := [reader.state(x.job_id) for x in batch])
+                          and all(st.status.is_final for st in s) and s, timeout=60)
         assert reader.state("urgent").status is JobStatus.FINISHED
-    finally:
-        _stop(worker, thread)
     assert sum(s.num_preemptions for s in states) >= 1
     for state in states:
         assert state.status is JobStatus.FINISHED
