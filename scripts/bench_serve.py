@@ -267,17 +267,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "vllm" in systems and not args.vllm_python:
         parser.error("--vllm-python (or CARPOOL_VLLM_PYTHON) is needed for the vllm system")
     print(f"# cpu: {cpu_name()}", flush=True)
+    peer_dtype = ""
     if "vllm" in systems:
-        print(f"# dtype: Carpool's auto here {carpool_dtype()}, the peer's "
-              f"{args.vllm_dtype or carpool_dtype()}", flush=True)
+        auto = carpool_dtype()
+        peer_dtype = args.vllm_dtype or auto
+        print(f"# dtype: Carpool's auto here {auto}, the peer's {peer_dtype}", flush=True)
     results: dict[str, dict[str, object]] = {}
     texts: dict[str, list[str]] = {}
     for system in systems:
         with tempfile.TemporaryDirectory(prefix=f"bench-serve-{system}-") as tmp:
             workdir = Path(tmp)
             server = (start_carpool(args.model, workdir) if system == "carpool"
-                      else start_vllm(args.vllm_python, args.model_dir, workdir,
-                                      args.vllm_dtype or carpool_dtype()))
+                      else start_vllm(args.vllm_python, args.model_dir, workdir, peer_dtype))
             try:
                 texts[system] = greedy_texts(server)  # also warms both servers up
                 for load in loads:
