@@ -137,6 +137,22 @@ def test_wait_blocks_on_wakeups_and_takes_no_job_off_a_queue() -> None:
     assert queue.wait(0.05) is False
 
 
+def test_a_claim_of_empty_queues_clears_their_stale_wakeups() -> None:
+    redis = fake_redis()
+    queue = make_queue(redis)
+    submit(redis, "job-1")
+    submit(redis, "job-2", priority=Priority.HIGH)
+    cancel_job(redis, "job-1")
+    cancel_job(redis, "job-2")  # off their queues; their wake-ups stay behind
+    assert redis.llen(KEYS.wakeups("carpool-tiny-normal")) == 1
+    assert queue.claim(4) == []
+    assert not redis.exists(KEYS.wakeups("carpool-tiny-normal"))
+    assert not redis.exists(KEYS.wakeups("carpool-tiny-high"))
+    assert queue.wait(0.05) is False  # an idle worker is not woken for jobs that are gone
+    submit(redis, "job-3", priority=Priority.LOW)  # and the next job is claimed as before
+    assert [c.lease.job_id for c in queue.claim(4)] == ["job-3"]
+
+
 def test_a_worker_claims_only_its_own_models_jobs() -> None:
     redis = fake_redis()
     submit(redis, "other-1", model="other")
