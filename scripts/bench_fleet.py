@@ -181,10 +181,12 @@ def _script_names() -> dict[str, str]:
             for name, source in JobScripts.SOURCES.items()}
 
 
-def _by_script(servers: dict[str, Redis], generated: int) -> dict[str, float]:
-    """Us per generated token of each command in the servers' SLOWLOG, EVALSHA by script name."""
+def _by_script(servers: dict[str, Redis], generated: int) -> dict[str, str]:
+    """Each command in the servers' SLOWLOG (EVALSHA by script name): us per generated token, and
+    us per call (a script's cost per job needs both: how often it runs and what one run costs)."""
     names = _script_names()
     usec: Counter[str] = Counter()
+    calls: Counter[str] = Counter()
     for redis in servers.values():
         for entry in redis.slowlog_get(_SLOWLOG_LEN):
             words = [w.decode() if isinstance(w, bytes) else str(w)
@@ -194,7 +196,9 @@ def _by_script(servers: dict[str, Redis], generated: int) -> dict[str, float]:
             if name == "evalsha" and len(words) > 1:
                 name = f"evalsha:{names.get(words[1], words[1][:8])}"
             usec[name] += int(entry["duration"])
-    return {name: round(us / max(generated, 1), 2) for name, us in usec.most_common(12)}
+            calls[name] += 1
+    return {name: f"{us / max(generated, 1):.2f} us/token, {us / calls[name]:.1f} us/call"
+            for name, us in usec.most_common(12)}
 
 
 def _sum_stats(servers: dict[str, Redis]) -> dict[str, tuple[int, int]]:
