@@ -75,6 +75,9 @@ FROM ${BASE_IMAGE} AS runtime
 
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 \
     PATH=/opt/venv/bin:$PATH
+# tcmalloc, which the worker preloads (CARPOOL_ALLOCATOR; worker/model/process_preloads.py).
+RUN apt-get update && apt-get install -y --no-install-recommends libtcmalloc-minimal4 \
+ && rm -rf /var/lib/apt/lists/*
 RUN groupadd --system --gid 10001 carpool \
  && useradd --system --uid 10001 --gid carpool --create-home --home-dir /home/carpool carpool
 COPY --from=build /opt/venv /opt/venv

@@ -47,6 +47,7 @@ from worker.engine.batch_limits import BatchLimits
 from worker.engine.config import BatchingMode, EngineConfig
 from worker.engine.engine import Engine
 from worker.model import attention_backend as paged_attention_backend
+from worker.model import process_preloads
 from worker.model.loader import load_model, resolve_model_dir
 from worker.model.routing import resolve_device, resolve_dtype, route_cpu_kernels
 
@@ -357,13 +358,22 @@ def main(argv: list[str] | None = None) -> int:
                              "for a side-by-side ablation")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--allocator", choices=["tcmalloc", "system"], default="tcmalloc",
+                        help="this process's allocator, as a worker's CARPOOL_ALLOCATOR (tcmalloc: "
+                             "preloaded where installed, the process re-executes itself once)")
     args = parser.parse_args(argv)
+    # The engine runs here as in a worker: the same libraries preloaded (worker/__main__.py).
+    env = process_preloads.preload_environment(os.environ, process_preloads.wanted_libraries(
+        args.allocator, "gnu", process_preloads.tcmalloc_library(), None))
+    if env is not None and argv is None:
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = resolve_device(args.device)
     dtype = resolve_dtype(EngineConfig(dtype=args.dtype).dtype, device)
     print(f"# cpu: {cpu_description()}", flush=True)
+    print(f"# preloaded: {os.environ.get('LD_PRELOAD') or 'nothing (glibc malloc, GNU OpenMP)'}", flush=True)
     print(f"# model={args.model} device={device} dtype={dtype} threads={torch.get_num_threads()}", flush=True)
     engine_model = load_model(args.model, dtype=dtype, device=str(device))
     work = build_workload(engine_model.tokenizer, args.num_requests)

@@ -40,11 +40,14 @@ def _parser() -> argparse.ArgumentParser:
     add("--keys-prefix")
     add("--log-level")
     add("--openmp", choices=["intel", "gnu"], help="OpenMP runtime of the model's CPU threads")
+    add("--allocator", choices=["tcmalloc", "system"],
+        help="memory allocator (default tcmalloc, where installed)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None, reexec: bool = False) -> int:
-    """`reexec`: allowed to replace this process (the command line), to preload an OpenMP runtime."""
+    """`reexec`: allowed to replace this process (the command line), to preload its allocator
+    and OpenMP runtime."""
     args = _parser().parse_args(argv)
     overrides = {name: value for name, value in vars(args).items() if value is not None}
     from worker.jobs.settings import WorkerSettings
@@ -55,10 +58,13 @@ def main(argv: Sequence[str] | None = None, reexec: bool = False) -> int:
         print(f"invalid worker settings: {exc}", file=sys.stderr)
         return 2
     if reexec:
-        from worker.model.openmp_runtime import intel_openmp_library, preload_environment
+        from worker.model import process_preloads as preloads
 
-        env = preload_environment(os.environ, settings.openmp, intel_openmp_library())
-        if env is not None:  # before torch is imported: the runtime must be there at start
+        libraries = preloads.wanted_libraries(settings.allocator, settings.openmp,
+                                              preloads.tcmalloc_library(),
+                                              preloads.intel_openmp_library())
+        env = preloads.preload_environment(os.environ, libraries)
+        if env is not None:  # before torch is imported: the libraries must be there at start
             os.execve(sys.executable, [sys.executable, "-m", "worker", *sys.argv[1:]], env)
     logging.basicConfig(level=settings.log_level.upper(),
                         format=f"%(asctime)s {settings.name} %(name)s %(levelname)s %(message)s")

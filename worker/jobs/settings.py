@@ -91,7 +91,11 @@ class WorkerSettings(BaseSettings):
         "right after its idle wait returns, before it claims (the old job-loss window).")
     openmp: Literal["intel", "gnu"] = Field(
         "gnu", description="OpenMP runtime of the model's CPU threads: torch's GNU one, or Intel's "
-        "(preloaded from the intel-openmp package, as vLLM does; opt-in, see openmp_runtime).")
+        "(preloaded from the intel-openmp package, as vLLM does; opt-in, see process_preloads).")
+    allocator: Literal["tcmalloc", "system"] = Field(
+        "tcmalloc", description="Memory allocator of the worker process: tcmalloc (preloaded "
+        "where libtcmalloc-minimal4 is installed, as vLLM's CPU backend asks) or glibc's malloc "
+        "(worker.model.process_preloads).")
 
     @field_validator("stream_redis_urls", mode="before")
     @classmethod
