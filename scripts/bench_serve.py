@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import glob
 import json
 import os
 import platform
@@ -149,9 +148,12 @@ def start_vllm(vllm_python: str, model_dir: Path, workdir: Path, dtype: str) -> 
     env = dict(os.environ)
     # What vLLM's CPU documentation asks of a user: tcmalloc and Intel's OpenMP preloaded, the
     # OpenMP threads bound to the cores, a KV cache size.
-    preload = [p for p in ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-                           "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4") if os.path.exists(p)][:1]
-    preload += glob.glob(str(Path(vllm_python).parents[1] / "lib" / "libiomp5.so"))[:1]
+    # (Found where Carpool's worker finds its own: tcmalloc on the system, libiomp5 in the venv.)
+    from worker.model.process_preloads import intel_openmp_library, tcmalloc_library
+
+    preload = [str(path) for path in (tcmalloc_library(),
+                                      intel_openmp_library(str(Path(vllm_python).parents[1])))
+               if path is not None]
     env.update({"LD_PRELOAD": ":".join(preload), "VLLM_TARGET_DEVICE": "cpu",
                 "VLLM_CPU_KVCACHE_SPACE": "4",
                 "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",

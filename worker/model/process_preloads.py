@@ -30,11 +30,13 @@ from pathlib import Path
 
 _PRELOADED = "CARPOOL_PRELOADED"  # set on the re-executed process: never twice
 
-# Where Debian/Ubuntu (x86-64, arm64) and Fedora put tcmalloc's minimal build.
+# Where Debian/Ubuntu (x86-64, arm64) and Fedora put tcmalloc's minimal build, then the full one
+# (gperftools' libtcmalloc, the same allocator with its profilers) where only that is installed.
 TCMALLOC_PATHS = (
     Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
     Path("/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4"),
     Path("/usr/lib64/libtcmalloc_minimal.so.4"),
+    Path("/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4"),
 )
 
 
