@@ -10,8 +10,8 @@ pairs run alternately: 558.8/518.4/519.0 tok/s with tcmalloc against 478.2/488.0
 (`LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 python scripts/bench_engine.py
 --num-requests 128 --modes continuous --baselines none --no-profile --threads 2`). Setting
 glibc's own thresholds instead (GLIBC_TUNABLES mmap_threshold/trim_threshold) gave no steady
-gain (480.8/528.2/484.4). vLLM at its defaults is far more sensitive: 316 to 426 tok/s on the
-same workload with tcmalloc preloaded (README, engine throughput).
+gain (480.8/528.2/484.4). vLLM's own figure on the same workload moved from 316.5 to 426.0 tok/s
+with tcmalloc installed (two runs an hour apart; README, engine throughput).
 
 OpenMP: torch's CPU build links GNU OpenMP. Intel's runtime (libiomp5, the PyPI package
 `intel-openmp`) implements the same GOMP entry points and, loaded first, serves every parallel

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from worker.__main__ import main as worker_main
 from worker.model.process_preloads import (
     intel_openmp_library,
     preload_environment,
@@ -47,3 +50,15 @@ def test_the_libraries_are_found_where_their_packages_put_them(tmp_path: Path) -
     assert tcmalloc_library([installed]) is None
     installed.write_bytes(b"")
     assert tcmalloc_library([tmp_path / "absent.so", installed]) == installed
+
+
+def test_an_unknown_allocator_is_refused_by_name(monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("CARPOOL_ALLOCATOR", "jemalloc")
+    assert worker_main(["--model", "synthetic"]) == 2  # before any model or Redis is touched
+    assert "allocator" in capsys.readouterr().err
+    monkeypatch.delenv("CARPOOL_ALLOCATOR")
+    with pytest.raises(SystemExit) as refused:  # the flag: argparse names the choices
+        worker_main(["--model", "synthetic", "--allocator", "jemalloc"])
+    assert refused.value.code == 2
+    assert "'tcmalloc', 'system'" in capsys.readouterr().err
