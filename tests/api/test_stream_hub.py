@@ -103,6 +103,9 @@ async def _serve(settings: ApiSettings) -> AsyncIterator[str]:
         await task
 
 
+_STREAM_DEADLINE_S = 30
+
+
 class Reader:
     """One SSE subscriber: its events as (id, event, text) until the stream ends."""
 
@@ -132,6 +135,12 @@ class Reader:
         while len(self.events) < num_events:
             self.arrived.clear()
             await asyncio.wait_for(self.arrived.wait(), 5)
+
+
+async def _all_ended(readers: list[Reader]) -> None:
+    """Every reader's stream ended, within a deadline: a hub that stopped delivering (or a Redis
+    that went away) fails the test instead of hanging the suite on keep-alive comments."""
+    await asyncio.wait_for(asyncio.gather(*(reader.task for reader in readers)), _STREAM_DEADLINE_S)
 
 
 def _expected(num_tokens: int, after: int = 0) -> list[tuple[str, str, str | None]]:
@@ -171,7 +180,7 @@ async def test_many_subscribers_share_a_bounded_number_of_connections(
             for job_id in job_ids:
                 _publish(sync, job_id, 1, 5)
                 _publish_done(sync, job_id, 5)
-            await asyncio.gather(*(reader.task for _, reader in readers))
+            await _all_ended([reader for _, reader in readers])
     for _, reader in readers:
         assert reader.events == _expected(5)
     if stream_hub:
@@ -197,7 +206,7 @@ async def test_resume_joins_a_watched_stream_without_gap_or_duplicate(
             await resumed.wait_for(4)  # 0-3..0-6: behind the hub, read by the resumer itself
             _publish(sync, job_id, 6, 8)
             _publish_done(sync, job_id, 8)
-            await asyncio.gather(first.task, resumed.task)
+            await _all_ended([first, resumed])
     assert first.events == _expected(8)
     assert resumed.events == _expected(8, after=2)
 

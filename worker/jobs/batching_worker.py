@@ -93,8 +93,13 @@ class BatchingWorker:
         self.jobs: dict[str, RunningJob] = {}
         self._pending: list[_Pending] = []
         # Jobs of the tiers above batch waiting on this model's queues, as the last flush read
-        # them (only while this worker holds batch-tier jobs; 0 otherwise).
+        # them.
         self._num_foreground_queued = 0
+        # [redis-cost] The publish just before this boundary read every queue of this model
+        # empty: the claim would answer nothing, so it is not sent (on these VMs a request's
+        # wake-up of Redis costs more than its work; a worker with a free seat asks at every
+        # step). Used once, by the next claim; a wait that wakes claims regardless.
+        self._queues_seen_empty = False
         self._is_kv_starved = False  # the last claim found no KV room for a waiting higher tier
         self._foreground_queue_keys = [
             key for key, priority in zip(self.queue.queue_keys, Priority.ordered())
@@ -213,11 +218,13 @@ class BatchingWorker:
         return free_slots
 
     def _claim_now(self) -> list[ClaimedJob]:
+        queues_seen_empty, self._queues_seen_empty = self._queues_seen_empty, False
         waiting = self._make_seats_for_foreground()
         free_slots = self._free_slots()
         # Jobs still waiting inside the engine mean it is full already: leave the rest queued
         # for workers that can start them now.
-        if free_slots <= 0 or (self._last_stats is not None and self._last_stats.num_waiting):
+        if (free_slots <= 0 or queues_seen_empty
+                or (self._last_stats is not None and self._last_stats.num_waiting)):
             return []
         budget = self.engine.num_free_kv_blocks() if self.engine.has_unfinished() else None
         try:
@@ -262,6 +269,7 @@ class BatchingWorker:
         return waiting
 
     def _wait_for_jobs(self) -> list[ClaimedJob]:
+        self._queues_seen_empty = False  # the last publish's reading is older than the wait
         try:
             woken = self.queue.wait(self.settings.idle_block_seconds)
         except _REDIS_DOWN as exc:
@@ -407,9 +415,7 @@ class BatchingWorker:
             return  # the tokens wait in job.unpublished for the next publish
         for job in self.jobs.values():
             pub.append(job)
-        if any(job.spec is not None and job.spec.priority.is_background
-               for job in self.jobs.values()):
-            pub.watch_queues(self._foreground_queue_keys)
+        pub.watch_queues(self.queue.queue_keys)  # a few LLENs inside the same transaction
         for job, end in finished:
             pub.finish(job, end, now)
             del self.jobs[job.job_id]
@@ -469,7 +475,10 @@ class BatchingWorker:
             return report
 
     def _act_on(self, report: PublishReport, pending: list[_Pending]) -> None:
-        self._num_foreground_queued = report.num_queued_watched or 0
+        lengths = report.queue_lengths
+        self._num_foreground_queued = sum(lengths.get(key, 0) for key in self._foreground_queue_keys)
+        self._queues_seen_empty = (len(lengths) == len(self.queue.queue_keys)
+                                   and not any(lengths.values()))
         for job_id in report.refused:
             if self.jobs.pop(job_id, None) is not None:
                 # Another worker holds it now (our lease lapsed): stop, write nothing more.

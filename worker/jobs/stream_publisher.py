@@ -80,8 +80,8 @@ class PublishReport:
     ended: dict[str, JobStatus] = field(default_factory=dict)  # status each finish wrote
     requeued: set[str] = field(default_factory=set)
     recovered: list[str] = field(default_factory=list)
-    # Jobs waiting on the queues `watch_queues` named (None: none were watched this flush).
-    num_queued_watched: int | None = None
+    # How many jobs wait on each queue `watch_queues` named, by queue key (empty: none watched).
+    queue_lengths: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,9 +347,9 @@ class StreamPublisher:
                                          {lease.execution_id: deadline + 60}), {"xx": True}))
 
     def watch_queues(self, queue_keys: list[str]) -> None:
-        """Read how many jobs wait on these queues in this flush (PublishReport.num_queued_watched):
-        how a worker holding batch-tier jobs learns, at no extra round trip, that a higher tier
-        waits for its seats."""
+        """Read how many jobs wait on these queues in this flush (PublishReport.queue_lengths):
+        how a worker learns, at no extra round trip, that a higher tier waits for the seats its
+        batch-tier jobs hold, and that a claim at the next boundary would find nothing."""
         self._watched = list(queue_keys)
 
     def worker_state(self, state: WorkerStatus) -> None:
@@ -460,7 +460,8 @@ class StreamPublisher:
         if watched:
             first = len(calls) + (1 if flag_only else 0)
             lengths = replies[first:first + len(watched)]
-            report.num_queued_watched = sum(int(n) for n in lengths if isinstance(n, int))
+            report.queue_lengths = {key: int(n) for key, n in zip(watched, lengths)
+                                    if isinstance(n, int)}
         for call, reply in zip(calls, replies):
             if call.kind == "append":
                 self._read_appends(append_ids, reply, report)

@@ -221,3 +221,40 @@ def test_batch_tier_jobs_give_their_seats_to_a_higher_tier_and_resume_exactly(
     assert [list(s.token_ids) for s in states] == [list(c.token_ids) for c in expected]
     (urgent_expected,) = reference.generate([urgent.prompt], urgent.sampling)
     assert list(urgent_state.token_ids) == list(urgent_expected.token_ids)
+
+
+@pytest.mark.parametrize("running", ["continuous"], indirect=True)
+def test_a_free_seat_sends_no_claim_while_the_last_publish_read_every_queue_empty(
+        running: Running, reference) -> None:
+    """[redis-cost] Each publish reads the queues' lengths in its own transaction; at the next
+    boundary a worker with a free seat claims only if that reading found a job, so a busy worker
+    with nothing queued sends no claim a step, and a job queued meanwhile still starts."""
+    queue = running.worker.queue
+    real_claim = queue.claim
+    busy_claims: list[int] = []  # jobs each claim took, for claims made while holding jobs
+
+    def counting_claim(max_jobs: int, free_kv_blocks: int | None = None,
+                       adopt: tuple[str, int] | None = None) -> list:
+        held = bool(running.worker.jobs)
+        claims = real_claim(max_jobs, free_kv_blocks, adopt=adopt)
+        if held:
+            busy_claims.append(len(claims))
+        return claims
+
+    queue.claim = counting_claim  # type: ignore[method-assign]
+    model = running.worker.settings.served_model_name
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    first, second = [dataclasses.replace(spec, sampling=long) for spec in _specs(model, 2)]
+    submit_jobs(running.redis, [first])
+    wait_for(lambda: running.redis.xlen(KEYS.stream(first.job_id)) >= 10)
+    assert busy_claims == []  # ten steps with two free seats and nothing queued: no claim
+    submit_jobs(running.redis, [second])
+    reader = JobReader(running.redis)
+    states = wait_for(lambda: (s := [reader.state(x.job_id) for x in (first, second)]) and
+                   all(st.status.is_final for st in s) and s)
+    # The second job was claimed by a claim the publish's reading called for, and no claim
+    # came back empty.
+    assert busy_claims == [1]
+    assert states[0].started_at < states[1].started_at < states[0].finished_at
+    expected = reference.generate([first.prompt, second.prompt], long)
+    assert [list(s.token_ids) for s in states] == [list(c.token_ids) for c in expected]
