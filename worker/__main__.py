@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--idle-block-seconds", type=float)
     add("--stream-interval-ms", type=float,
         help="least time between two publishes of the batch's tokens (default 0: every step)")
+    add("--metrics-interval-ms", type=float,
+        help="least time between two writes of the metric counters and histograms (default 1000)")
     add("--keys-prefix")
     add("--log-level")
     add("--openmp", choices=["intel", "gnu"], help="OpenMP runtime of the model's CPU threads")

@@ -89,7 +89,8 @@ class BatchingWorker:
             for url in shard_urls(settings.redis_url, settings.stream_redis_urls)],
             self.scripts, self.keys)
         self.publisher = StreamPublisher(redis, self.scripts, self.keys, self.name,
-                                         settings.lease_ms, self.presence, self.shards)
+                                         settings.lease_ms, self.presence, self.shards,
+                                         settings.metrics_interval_ms / 1000)
         self.jobs: dict[str, RunningJob] = {}
         self._pending: list[_Pending] = []
         # Jobs of the tiers above batch waiting on this model's queues, as the last flush read
@@ -415,7 +416,9 @@ class BatchingWorker:
             return  # the tokens wait in job.unpublished for the next publish
         for job in self.jobs.values():
             pub.append(job)
-        pub.watch_queues(self.queue.queue_keys)  # a few LLENs inside the same transaction
+        if self._free_slots() > 0 or any(job.spec is not None and job.spec.priority.is_background
+                                         for job in self.jobs.values()):
+            pub.watch_queues(self.queue.queue_keys)  # a few LLENs inside the same transaction
         for job, end in finished:
             pub.finish(job, end, now)
             del self.jobs[job.job_id]
@@ -424,6 +427,8 @@ class BatchingWorker:
             pub.finish(item.job, item.end, now)
         pub.stats(self._stats(now), self.settings.stats_ttl_seconds)
         pub.worker_state(WorkerStatus.BUSY if self.jobs else WorkerStatus.IDLE)
+        if not self.jobs or self._stop_requested:
+            pub.write_metrics_now()  # idle or draining: no later step to carry them
         if now - self._last_heartbeat >= self.settings.heartbeat_seconds:
             pub.heartbeat([job.lease for job in self.jobs.values()],
                           self.settings.execution_ttl_seconds)
@@ -507,6 +512,7 @@ class BatchingWorker:
             self.publisher.finish(item.job, item.end)
         self.publisher.stats(self._stats(time.time(), drained=True),
                              self.settings.stats_ttl_seconds)
+        self.publisher.write_metrics_now()
         if self.jobs:
             log.info("drain over: requeued %d unfinished jobs", len(self.jobs))
         self.jobs.clear()

@@ -78,6 +78,11 @@ class WorkerSettings(BaseSettings):
         "which then go to Redis as one stream entry per job: Redis' cost goes by entries and "
         "round trips, not tokens (protocol/token_runs.py). A first token, an end, a requeue "
         "and a preemption are published at once; cancel requests are seen at publishes.")
+    metrics_interval_ms: float = Field(
+        1000.0, ge=0, le=60_000, description="Least time between two writes of the worker's "
+        "metric counters and latency histograms (0: every publish). They add up in the worker "
+        "meanwhile; a worker going idle or draining writes them at once. A step's histogram "
+        "buckets are some fifteen commands, paid once a second instead of at every step.")
     redis_timeout_seconds: float = Field(10.0, gt=0)
     redis_backoff_base_seconds: float = Field(
         0.05, gt=0, description="First wait before retrying an unreachable Redis; it doubles "

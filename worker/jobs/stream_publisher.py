@@ -137,7 +137,7 @@ def _entry_args(unpublished: list[TokenEntry], tokens: list[str]) -> list[str]:
 class StreamPublisher:
     def __init__(self, redis: Redis, scripts: JobScripts, keys: Keys, worker_name: str,
                  lease_ms: int, presence: RQPresence | None = None,
-                 shards: StreamShards | None = None) -> None:
+                 shards: StreamShards | None = None, metrics_interval_s: float = 0.0) -> None:
         self.redis = redis
         self.shards = shards or StreamShards(redis, [redis], scripts, keys)
         # Final entries owed to shards: kept across failed flushes (the end is already recorded
@@ -150,6 +150,13 @@ class StreamPublisher:
         self.lease_ms = lease_ms
         self._renewed_at = -math.inf  # monotonic time of the last flush that renewed the leases
         self._recover_templates = self._templates()
+        # [redis-cost] Counters and histograms add up here between writes (WorkerSettings.
+        # metrics_interval_ms): they are sums, so one write a second says what forty did.
+        self.metrics_interval_s = metrics_interval_s
+        self._metrics_written_at = -math.inf  # monotonic
+        self._metrics_now = False
+        self._counters: Counter[str] = Counter()
+        self._observations: dict[str, list[float]] = defaultdict(list)
         self._reset()
 
     def _templates(self) -> list[str]:
@@ -188,8 +195,6 @@ class StreamPublisher:
         self._watched: list[str] = []  # RQ queue keys whose lengths this flush reads
         self._heartbeat = False
         self._worker_state: WorkerStatus | None = None
-        self._counters: Counter[str] = Counter()
-        self._observations: dict[str, list[float]] = defaultdict(list)
 
     @property
     def is_empty(self) -> bool:
@@ -367,6 +372,15 @@ class StreamPublisher:
     def observe(self, histogram: str, value: float) -> None:
         self._observations[histogram].append(value)
 
+    def write_metrics_now(self) -> None:
+        """The next flush writes the metrics whatever the interval (an idle or draining worker:
+        nothing may wait for a later flush)."""
+        self._metrics_now = True
+
+    def _are_metrics_due(self, now: float) -> bool:
+        return bool(self._counters or self._observations) and (
+            self._metrics_now or now - self._metrics_written_at >= self.metrics_interval_s)
+
     def _queue_metrics(self, pipe: Pipeline) -> None:
         counters = {name: amount for name, amount in self._counters.items() if amount}
         for name, amount in counters.items():
@@ -446,7 +460,9 @@ class StreamPublisher:
                 self.presence.heartbeat(pipe)
             if self._worker_state is not None:
                 self.presence.set_state(self._worker_state, pipe)
-        self._queue_metrics(pipe)
+        write_metrics = self._are_metrics_due(started)
+        if write_metrics:
+            self._queue_metrics(pipe)
         replies = pipe.execute(raise_on_error=False)
         # Reset only once the scripts have run too: if Redis drops while they are reloaded, the
         # next flush resends the whole iteration (its appends are idempotent; its finishes and
@@ -457,6 +473,11 @@ class StreamPublisher:
         for job in self._carried.values():
             job.unpublished.clear()  # in their streams now (or refused: the job leaves)
         self._reset()
+        if write_metrics:
+            self._counters.clear()
+            self._observations.clear()
+            self._metrics_written_at = started
+        self._metrics_now = False
         if watched:
             first = len(calls) + (1 if flag_only else 0)
             lengths = replies[first:first + len(watched)]

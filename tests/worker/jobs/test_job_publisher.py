@@ -84,6 +84,39 @@ def test_histograms_are_cumulative_and_counters_add_up() -> None:
     assert redis.hget(KEYS.counters(), "generated_tokens_total") == b"3"
 
 
+def test_metrics_add_up_in_the_worker_between_writes_and_lose_nothing() -> None:
+    """[redis-cost] With an interval, the flushes in between carry no metric commands; the
+    write that comes (on time, or asked for at once) holds every observation and count since."""
+    redis = fake_redis()
+    submit(redis, "a")
+    queue = make_queue(redis)
+    pub = StreamPublisher(redis, queue.scripts, KEYS, queue.worker_name, queue.lease_ms,
+                          metrics_interval_s=3600)
+    job = running(queue.claim(1)[0])
+    latency = KEYS.histogram("inter_token_latency_seconds")
+
+    def step(*token_ids: int) -> None:
+        generate(job, *token_ids)
+        pub.append(job)
+        pub.observe("inter_token_latency_seconds", 0.02)
+        pub.flush()
+
+    step(1, 2)  # the first flush writes: nothing was written yet
+    assert redis.hget(KEYS.counters(), "generated_tokens_total") == b"2"
+    step(3)
+    step(4)
+    assert redis.hget(KEYS.counters(), "generated_tokens_total") == b"2"
+    assert redis.hget(latency, "count") == b"1"
+    assert not pub.is_empty  # the metrics wait for their write
+    pub.write_metrics_now()
+    step(5)
+    assert redis.hget(KEYS.counters(), "generated_tokens_total") == b"5"
+    assert (redis.hget(latency, "count"), redis.hget(latency, "0.025")) == (b"4", b"4")
+    assert pub.is_empty
+    # The tokens themselves went at every flush: four entries (tokens 1 and 2 as one run).
+    assert redis.xlen(KEYS.stream("a")) == 4
+
+
 def test_stats_expire_and_the_rq_heartbeat_keeps_the_worker_listed() -> None:
     redis = fake_redis()
     queue = make_queue(redis, worker="w1")
