@@ -1,8 +1,8 @@
 """Redis CPU per token of the worker's publish alone: the append script over a full batch.
 
 A private redis-server; `--jobs` jobs claimed by one JobQueue; each step gives every job one token
-and sends it with StreamPublisher (one MULTI/EXEC: the append script, stats, metrics), as the
-worker loop does. Redis' CPU (INFO cpu) over `--steps` steps, divided by the tokens appended.
+and sends it with StreamPublisher (one MULTI/EXEC: the append script, stats, and the metrics when
+their interval is due), as the worker loop does. Redis' CPU (INFO cpu) over `--steps` steps, divided by the tokens appended.
 
     python scripts/bench_publish.py --jobs 64 --steps 400
 """
@@ -39,6 +39,9 @@ def main() -> int:
     parser.add_argument("--tokens-per-publish", type=int, default=1,
                         help="tokens of each job per publish (a worker with a stream interval "
                              "sends several steps' tokens at once, as one entry per job)")
+    parser.add_argument("--metrics-interval-ms", type=float, default=1000.0,
+                        help="the worker's CARPOOL_METRICS_INTERVAL_MS (0: metrics at every "
+                             "publish)")
     args = parser.parse_args()
     server, url = _start_redis()
     try:
@@ -56,7 +59,8 @@ def main() -> int:
                            failure_ttl=c.failure_ttl, num_prompt_tokens=3, token_ids=[], texts=[],
                            claimed_at=c.claimed_at) for c in queue.claim(args.jobs)]
         assert len(jobs) == args.jobs
-        publisher = StreamPublisher(redis, scripts, keys, "bench", 30_000)
+        publisher = StreamPublisher(redis, scripts, keys, "bench", 30_000,
+                                    metrics_interval_s=args.metrics_interval_ms / 1000)
         cpu0, started = _cpu_s(redis), time.monotonic()
         for step in range(args.steps):
             now = time.time()
@@ -65,6 +69,8 @@ def main() -> int:
                 job.add_tokens([TokenEntry(first + i, 1000 + (first + i) % 500, " tok")
                                 for i in range(args.tokens_per_publish)], now)
                 publisher.append(job)
+            for job in jobs:
+                publisher.observe("inter_token_latency_seconds", 0.025)  # as the worker does
             publisher.stats(WorkerStats(name="bench", model="synthetic", mode="continuous",
                                         updated_at=now, num_running=len(jobs)), 30)
             report = publisher.flush()
