@@ -2,7 +2,8 @@
 
 A private redis-server; `--jobs` jobs claimed by one JobQueue; each step gives every job one token
 and sends it with StreamPublisher (one MULTI/EXEC: the append script, stats, and the metrics when
-their interval is due), as the worker loop does. Redis' CPU (INFO cpu) over `--steps` steps, divided by the tokens appended.
+their interval is due), as the worker loop does. Redis' CPU (INFO cpu) over `--steps` steps,
+divided by the tokens appended.
 
     python scripts/bench_publish.py --jobs 64 --steps 400
 """
@@ -69,7 +70,6 @@ def main() -> int:
                 job.add_tokens([TokenEntry(first + i, 1000 + (first + i) % 500, " tok")
                                 for i in range(args.tokens_per_publish)], now)
                 publisher.append(job)
-            for job in jobs:
                 publisher.observe("inter_token_latency_seconds", 0.025)  # as the worker does
             publisher.stats(WorkerStats(name="bench", model="synthetic", mode="continuous",
                                         updated_at=now, num_running=len(jobs)), 30)
