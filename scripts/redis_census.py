@@ -26,23 +26,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 from bench_fleet import _free_port, _start_api, _start_redis, _start_workers  # noqa: E402
+from redis import Redis  # noqa: E402
 
 # A MONITOR line: `1733291234.123456 [0 127.0.0.1:51234] "EVALSHA" "..."` (`[0 lua]` inside a
 # script).
 _LINE = re.compile(r'^(\d+\.\d+) \[\d+ ([^\]]+)\] "([^"]+)"')
 
 
-def _worker_addresses(worker: object) -> set[str]:
-    """The local addresses of a worker's Redis connections, as MONITOR names its clients."""
+def _client_addresses(client: Redis) -> set[str]:
+    """The local addresses of a client's connections, as MONITOR names its clients."""
+    pool = client.connection_pool
     addresses = set()
-    for client in (worker.redis, getattr(worker.publisher, "redis", None)):  # type: ignore[attr-defined]
-        pool = getattr(client, "connection_pool", None)
-        for connection in [*getattr(pool, "_available_connections", []),
-                           *getattr(pool, "_in_use_connections", [])]:
-            sock = getattr(connection, "_sock", None)
-            if sock is not None:
-                host, port = sock.getsockname()[:2]
-                addresses.add(f"{host}:{port}")
+    for connection in [*pool._available_connections, *pool._in_use_connections]:  # type: ignore[attr-defined]
+        sock = connection._sock
+        if sock is not None:
+            host, port = sock.getsockname()[:2]
+            addresses.add(f"{host}:{port}")
     return addresses
 
 
@@ -106,7 +105,8 @@ def main() -> int:
                     tokens += sum(1 for line in response.iter_lines() if line == "event: token")
             until = time.time()
             time.sleep(0.5)
-        census = _census(lines, since, until, _worker_addresses(worker))
+        # The worker's one client: its queue and its publisher share it (no presence, no shards).
+        census = _census(lines, since, until, _client_addresses(worker.redis))
         print(f"{args.jobs} jobs of {tokens // args.jobs} tokens, one at a time; per job:")
         for title, counts in census.items():
             total = sum(n for name, n in counts.items() if not name.startswith("  "))

@@ -260,8 +260,7 @@ class BatchingWorker:
         self._is_kv_starved = False
         if shortfall <= 0:
             return waiting
-        background = [job for job in self.jobs.values()
-                      if job.spec is not None and job.spec.priority.is_background]
+        background = [job for job in self.jobs.values() if job.is_background]
         for job in reversed(background[-shortfall:]):  # the youngest first: the least to redo
             del self.jobs[job.job_id]
             self.engine.abort(job.job_id)  # frees its seat and KV blocks at this boundary
@@ -416,8 +415,7 @@ class BatchingWorker:
             return  # the tokens wait in job.unpublished for the next publish
         for job in self.jobs.values():
             pub.append(job)
-        if self._free_slots() > 0 or any(job.spec is not None and job.spec.priority.is_background
-                                         for job in self.jobs.values()):
+        if self._free_slots() > 0 or any(job.is_background for job in self.jobs.values()):
             pub.watch_queues(self.queue.queue_keys)  # a few LLENs inside the same transaction
         for job, end in finished:
             pub.finish(job, end, now)

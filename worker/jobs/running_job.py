@@ -34,6 +34,11 @@ class RunningJob:
         return self.lease.job_id
 
     @property
+    def is_background(self) -> bool:
+        """A batch-tier job: it holds a seat only while no higher tier waits for it."""
+        return self.spec is not None and self.spec.priority.is_background
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
