@@ -117,6 +117,16 @@ def test_metrics_add_up_in_the_worker_between_writes_and_lose_nothing() -> None:
     assert redis.xlen(KEYS.stream("a")) == 4
 
 
+@pytest.mark.parametrize("value", ["-5", "abc", "120000"])
+def test_a_bad_metrics_interval_is_refused_by_name(value: str, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from worker.__main__ import main as worker_main
+
+    monkeypatch.setenv("CARPOOL_METRICS_INTERVAL_MS", value)
+    assert worker_main(["--model", "synthetic"]) == 2  # before any model or Redis is touched
+    assert "metrics_interval_ms" in capsys.readouterr().err
+
+
 def test_stats_expire_and_the_rq_heartbeat_keeps_the_worker_listed() -> None:
     redis = fake_redis()
     queue = make_queue(redis, worker="w1")
