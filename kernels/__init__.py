@@ -7,6 +7,7 @@ The engine calls only these dispatchers; the twins are exported by name
 for tests and benchmarks. Importing this package never imports triton or compiles anything.
 """
 
+from kernels.cpu_step_ops import StepOps
 from kernels.dispatch import (
     fused_add_rms_norm,
     linear,
@@ -21,6 +22,6 @@ from kernels.torch_paged_attention import paged_attention_torch
 
 __all__ = [
     "fused_add_rms_norm", "linear", "paged_attention", "paged_attention_torch", "rms_norm", "rotary_embedding",
-    "silu_and_mul", "write_kv_cache",
+    "silu_and_mul", "StepOps", "write_kv_cache",
     "write_kv_cache_torch",
 ]

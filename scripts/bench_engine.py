@@ -41,13 +41,14 @@ from typing import Any
 
 import torch
 
+from kernels import StepOps
 from loadgen.workload import build_workload as build_chat_workload
 from protocol.generation import SamplingParams
 from worker.engine.batch_limits import BatchLimits
 from worker.engine.config import BatchingMode, EngineConfig
 from worker.engine.engine import Engine
 from worker.model import attention_backend as paged_attention_backend
-from worker.model import process_preloads
+from worker.model import decoder_loop, process_preloads
 from worker.model.loader import load_model, resolve_model_dir
 from worker.model.routing import resolve_device, resolve_dtype, route_cpu_kernels
 
@@ -285,22 +286,33 @@ class SectionTimer:
             with self.section(name):
                 return original(*args, **kwargs)
 
-        setattr(owner, attribute, timed)
+        # A class's staticmethod stays one (else the instance would arrive as the first argument).
+        static = isinstance(vars(owner).get(attribute) if hasattr(owner, "__dict__") else None, staticmethod)
+        setattr(owner, attribute, staticmethod(timed) if static else timed)
 
 
 def profile_carpool(engine: Engine, work: Workload) -> tuple[dict[str, float], StepShape]:
     sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
     timer = SectionTimer(sync)
-    originals = {
-        name: getattr(paged_attention_backend, name) for name in ("write_kv_cache", "paged_attention")
+    # The kernels as the module tree's attention (paged_attention_backend) and the decoder loop
+    # (decoder_loop and its ops: StepOps, or the dispatchers) call them, by these names.
+    sections = {
+        "write_kv_cache": "attention: kv write", "paged_attention": "attention: paged",
+        "linear": "model forward: linear layers", "rms_norm": "model forward: norms, rotary, SiLU-and-mul",
+        "fused_add_rms_norm": "model forward: norms, rotary, SiLU-and-mul",
+        "rotary_embedding": "model forward: norms, rotary, SiLU-and-mul",
+        "silu_and_mul": "model forward: norms, rotary, SiLU-and-mul",
     }
+    owners = (paged_attention_backend, decoder_loop, decoder_loop._DispatchedOps, StepOps)
+    wrapped = [(owner, name) for owner in owners for name in sections if name in vars(owner)]
+    originals = [(owner, name, vars(owner)[name]) for owner, name in wrapped]
     timer.wrap(engine.scheduler, "schedule", "scheduler")
     timer.wrap(engine.scheduler, "update", "scheduler")
     timer.wrap(engine.runner, "prepare_inputs", "input metadata")
-    timer.wrap(engine.runner, "forward", "model forward (excl. attention)")
+    timer.wrap(engine.runner, "forward", "model forward: the rest (Python, embedding)")
     timer.wrap(engine.runner, "sample", "sampler (incl. host sync)")
-    timer.wrap(paged_attention_backend, "write_kv_cache", "attention: kv write")
-    timer.wrap(paged_attention_backend, "paged_attention", "attention: paged")
+    for module, name in wrapped:
+        timer.wrap(module, name, sections[name])
     step = engine.step
     steps = tokens = sampled = 0
 
@@ -317,8 +329,8 @@ def profile_carpool(engine: Engine, work: Workload) -> tuple[dict[str, float], S
     try:
         run_carpool(engine, work)
     finally:
-        for name, function in originals.items():
-            setattr(paged_attention_backend, name, function)
+        for module, name, function in originals:
+            setattr(module, name, function)
         for attribute in ("schedule", "update"):
             vars(engine.scheduler).pop(attribute, None)
         for attribute in ("prepare_inputs", "forward", "sample"):

@@ -17,6 +17,7 @@ from worker.engine.outputs import SchedulerOutput
 from worker.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from worker.engine.structured_output import GrammarBitmask
 from worker.model.attention_backend import AttentionMetadata, PagedAttentionBackend
+from worker.model.decoder_loop import DecoderLoop
 from worker.model.linear_layers import warm_up_packed_layers
 from worker.model.loader import LoadedModel, ModelLoadError
 from worker.model.routing import route_cpu_kernels
@@ -75,6 +76,8 @@ class ModelRunner:
                 "AttentionInterface, which Carpool's paged KV cache needs"
             )
         self.uses_cpu_kernels = route_cpu_kernels(model, cpu_kernels, device, dtype)
+        # The routed model's forward without its module tree, where that reproduces it exactly.
+        self.decoder_loop = DecoderLoop.of(model) if self.uses_cpu_kernels else None
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -210,6 +213,10 @@ class ModelRunner:
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """Logits of the kept rows only (`logits_indices`: the sampling rows, then any prompt
         logprob rows): [num_kept, vocab_size] float32."""
+        loop = self.decoder_loop
+        if loop is not None and inputs.attention.use_cpu_kernels and loop.is_current():
+            return loop.logits(inputs.input_ids[0], inputs.position_ids[0], inputs.attention,
+                               inputs.logits_indices).float()
         kwargs: dict[str, Any] = {PagedAttentionBackend.KWARG: inputs.attention}
         output = self.model(
             input_ids=inputs.input_ids,

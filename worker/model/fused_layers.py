@@ -171,10 +171,12 @@ def _is_plain_rotary_attention(module: nn.Module) -> bool:
 
 def _concatenate(module: nn.Module, names: tuple[str, ...], attribute: str) -> torch.Tensor:
     """One tensor holding the named parameters' rows in order; each parameter becomes a view of it.
-    Stored under `attribute` on module; done once."""
-    if attribute in vars(module):
-        return vars(module)[attribute]
+    Stored under `attribute` on module; made again only where the parameters are no longer its
+    views (`model.to(dtype)` gives them new storage and leaves a plain attribute behind)."""
     parameters = [module.get_parameter(name) for name in names]
+    cached = vars(module).get(attribute)
+    if cached is not None and parameters[0].dtype == cached.dtype and parameters[0].data_ptr() == cached.data_ptr():
+        return cached
     fused = torch.cat([p.detach() for p in parameters])
     start = 0
     for name, parameter in zip(names, parameters):
@@ -241,10 +243,13 @@ def route_fused_layers(model: nn.Module, fused: bool = True, packed: bool = Fals
         elif original is None and cls.__name__ in DECODER_LAYER_CLASSES and _is_plain_decoder_layer(module):
             module.__class__ = _fused_class(cls, _FusedDecoderLayer)
             count += 1
+        # Routed before: share again, in case the model changed dtype or device since (a no-op otherwise).
         if isinstance(module, _FusedGatedMLP):
+            _share_gate_up_weight(module)
             module.carpool_packed_gate_up_weight = packed_copy(module.carpool_gate_up_weight, packed)
             _drop_packed_copies(module.gate_proj, module.up_proj)
         elif isinstance(module, _FusedAttention):
+            _share_qkv_weight(module)
             module.carpool_packed_qkv_weight = packed_copy(module.carpool_qkv_weight, packed)
             _drop_packed_copies(module.q_proj, module.k_proj, module.v_proj)
     return count

@@ -186,3 +186,18 @@ def test_warm_up_visits_each_packed_shape_once(model: torch.nn.Module) -> None:
     attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert attention.q_proj.carpool_packed_weight is None and mlp.up_proj.carpool_packed_weight is None
     assert attention.o_proj.carpool_packed_weight is not None and mlp.down_proj.carpool_packed_weight is not None
+
+
+def test_routing_again_after_a_dtype_change_shares_the_new_weights(model: torch.nn.Module) -> None:
+    # Engines share one loaded model; one in bf16 after one in fp32 must not multiply by stale fp32 copies.
+    route_fused_layers(model)
+    model.to(torch.bfloat16)
+    route_fused_layers(model)
+    mlp, attention = model.model.layers[0].mlp, model.model.layers[0].self_attn
+    assert mlp.carpool_gate_up_weight.dtype == attention.carpool_qkv_weight.dtype == torch.bfloat16
+    assert mlp.gate_proj.weight.data_ptr() == mlp.carpool_gate_up_weight.data_ptr()
+    assert attention.q_proj.weight.data_ptr() == attention.carpool_qkv_weight.data_ptr()
+    ids = torch.tensor([[5, 9, 14]])
+    routed = _logits(model, ids)
+    route_fused_layers(model, fused=False)
+    assert torch.allclose(routed.float(), _logits(model, ids).float(), atol=0.05)

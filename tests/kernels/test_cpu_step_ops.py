@@ -1,0 +1,93 @@
+"""StepOps (kernels/cpu_step_ops.py): each op equals its checked dispatcher bit for bit, and the
+checks it makes once per step refuse what the dispatchers refuse."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from kernels import StepOps, cpu_extension
+from kernels.cpu_packed_linear import pack_weight, runs_fast_here
+
+pytestmark = pytest.mark.skipif(cpu_extension.load() is None, reason="the C++ CPU kernels are not built here")
+
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 16, 64
+BLOCK_SIZE, NUM_BLOCKS = 4, 32
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not runs_fast_here(), reason="packed bf16 weights need AVX512-BF16 or AMX"))]
+
+
+def _step(dtype: torch.dtype, query_lens: list[int], seq_lens: list[int]) -> dict:
+    """A paged step: sequence s has seq_lens[s] positions, the last query_lens[s] of them new."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = sum(query_lens)
+    blocks_per_seq = max(-(-n // BLOCK_SIZE) for n in seq_lens)
+    tables = torch.randperm(NUM_BLOCKS, generator=generator)[: len(seq_lens) * blocks_per_seq]
+    tables = tables.view(len(seq_lens), blocks_per_seq).to(torch.int32)
+    slots = [int(tables[s, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+             for s, (q, n) in enumerate(zip(query_lens, seq_lens)) for p in range(n - q, n)]
+    cache_shape = (NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    return {
+        "hidden": torch.randn(tokens, HIDDEN, generator=generator).to(dtype),
+        "key_cache": torch.randn(cache_shape, generator=generator).to(dtype),
+        "value_cache": torch.randn(cache_shape, generator=generator).to(dtype),
+        "block_tables": tables, "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "query_start_loc": torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
+        "slot_mapping": torch.tensor(slots, dtype=torch.int64), "max_query_len": max(query_lens),
+    }
+
+
+def _ops(step: dict) -> StepOps | None:
+    return StepOps.of(step["hidden"], HEADS, KV_HEADS, HEAD_DIM, step["key_cache"], step["value_cache"],
+                      step["block_tables"], step["seq_lens"], step["query_start_loc"], step["slot_mapping"],
+                      step["max_query_len"])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [3, 1, 20]], ids=["decodes", "with-a-long-chunk"])
+def test_every_op_equals_its_dispatcher(dtype: torch.dtype, query_lens: list[int]) -> None:
+    step = _step(dtype, query_lens, seq_lens=[9, 5, 30])
+    ops = _ops(step)
+    assert ops is not None
+    generator = torch.Generator().manual_seed(1)
+    hidden, weight = step["hidden"], torch.randn(HIDDEN, generator=generator).to(dtype)
+    assert torch.equal(ops.rms_norm(hidden, weight, 1e-5), kernels.rms_norm(hidden, weight, 1e-5))
+    residual_a, residual_b = hidden * 2, hidden * 2
+    assert torch.equal(ops.fused_add_rms_norm(hidden, residual_a, weight, 1e-5),
+                       kernels.fused_add_rms_norm(hidden, residual_b, weight, 1e-5))
+    assert torch.equal(residual_a, residual_b)
+    qkv_weight = torch.randn((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN, generator=generator).to(dtype)
+    packed = pack_weight(qkv_weight) if dtype == torch.bfloat16 else None
+    qkv = ops.linear(hidden, qkv_weight, None, packed)
+    assert torch.equal(qkv, kernels.linear(hidden, qkv_weight, None, packed))
+    cos, sin = torch.randn(2, hidden.shape[0], HEAD_DIM, generator=generator).to(dtype)
+    rotated = qkv.clone()
+    ops.rotary_embedding(qkv, cos, sin, HEADS + KV_HEADS)
+    kernels.rotary_embedding(rotated, cos, sin, HEADS + KV_HEADS)
+    assert torch.equal(qkv, rotated)
+    assert torch.equal(ops.silu_and_mul(qkv), kernels.silu_and_mul(qkv))
+    query, key, value = (part.unflatten(-1, (-1, HEAD_DIM)) for part in qkv.split(
+        [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1))
+    caches = [(step["key_cache"].clone(), step["value_cache"].clone()) for _ in range(2)]
+    ops.write_kv_cache(key, value, *caches[0])
+    kernels.write_kv_cache(key, value, *caches[1], step["slot_mapping"])
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    attended = ops.paged_attention(query, *caches[0], 0.25, step["max_query_len"], 30)
+    expected = kernels.paged_attention(query, *caches[1], step["block_tables"], step["seq_lens"],
+                                       step["query_start_loc"], 0.25, step["max_query_len"], 30)
+    assert torch.equal(attended, expected)
+
+
+def test_no_ops_for_what_the_kernels_do_not_run() -> None:
+    step = _step(torch.float32, [1, 1], [4, 6])
+    assert _ops({**step, "hidden": step["hidden"].half()}) is None  # fp16
+    assert _ops({**step, "hidden": step["hidden"].t()}) is None  # not contiguous
+
+
+def test_bad_attention_arguments_are_refused_once_per_step() -> None:
+    step = _step(torch.float32, [1, 1], [4, 6])
+    with pytest.raises(ValueError, match="key_cache dtype"):
+        _ops({**step, "key_cache": step["key_cache"].double(), "value_cache": step["value_cache"].double()})
+    with pytest.raises(ValueError, match="slot_mapping"):
+        _ops({**step, "slot_mapping": step["slot_mapping"].to(torch.int32)})
