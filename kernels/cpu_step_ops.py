@@ -15,6 +15,7 @@ What stays with the dispatchers: prefill chunks longer than the C++ attention's 
 from __future__ import annotations
 
 from types import ModuleType
+from typing import TypeAlias
 
 import torch
 
@@ -22,6 +23,9 @@ from kernels import cpu_extension, cpu_layer_ops, cpu_packed_linear, cpu_paged_a
 from kernels.arg_checks import check_paged_attention_args, check_write_kv_cache_args
 from kernels.cpu_packed_linear import padded_rows
 from kernels.dispatch import MAX_SKINNY_ROWS
+
+# A projection as linear takes it: weight, bias, oneDNN's packed copy of the weight.
+LinearArgs: TypeAlias = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 class StepOps:
@@ -99,6 +103,26 @@ class StepOps:
     def write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
                        value_cache: torch.Tensor) -> None:
         self._ext.write_kv_cache_cpu(key, value, key_cache, value_cache, self._slot_mapping)
+
+    @property
+    def runs_whole_layers(self) -> bool:
+        """decoder_layer runs this step: every sequence's query rows fit the C++ attention."""
+        return self._attention_in_kernel
+
+    def decoder_layer(self, hidden: torch.Tensor, input_norm: torch.Tensor, input_eps: float,
+                      qkv_proj: LinearArgs, o_proj: LinearArgs, post_norm: torch.Tensor, post_eps: float,
+                      gate_up_proj: LinearArgs, down_proj: LinearArgs, num_heads: int, num_kv_heads: int,
+                      scale: float, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor) -> torch.Tensor:
+        """A Llama decoder layer in one C++ call (csrc/decoder_layer_cpu.cpp), as these methods compute
+        it op by op: input norm, q/k/v projection, rotary, cache write, attention, output projection,
+        residual add and norm, gate/up projection, SiLU-and-mul, down projection, residual add.
+        Each *_proj is (weight, bias, packed) as linear takes them. Only where runs_whole_layers."""
+        return self._ext.decoder_layer_cpu(
+            hidden, input_norm, input_eps, qkv_proj, o_proj, post_norm, post_eps, gate_up_proj, down_proj,
+            num_heads, num_kv_heads, scale, cos, sin, key_cache, value_cache, self._slot_mapping,
+            self._block_tables, self._seq_lens, self._query_start_loc, cpu_paged_attention.MAX_QUERY_ROWS,
+            padded_rows(hidden.shape[0]), MAX_SKINNY_ROWS if self._skinny else 0)
 
     def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                         scale: float, max_query_len: int, max_seq_len: int) -> torch.Tensor:

@@ -302,6 +302,7 @@ def profile_carpool(engine: Engine, work: Workload) -> tuple[dict[str, float], S
         "fused_add_rms_norm": "model forward: norms, rotary, SiLU-and-mul",
         "rotary_embedding": "model forward: norms, rotary, SiLU-and-mul",
         "silu_and_mul": "model forward: norms, rotary, SiLU-and-mul",
+        "decoder_layer": "model forward: whole decoder layers in one C++ call (decode steps)",
     }
     owners = (paged_attention_backend, decoder_loop, decoder_loop._DispatchedOps, StepOps)
     wrapped = [(owner, name) for owner in owners for name in sections if name in vars(owner)]

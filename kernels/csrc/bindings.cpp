@@ -17,6 +17,15 @@ std::string active_isa_name();
 void set_active_isa(const std::string& name);
 void write_kv_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                         const at::Tensor& slot_mapping);
+using LinearArgs = std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>>;
+at::Tensor decoder_layer_cpu(const at::Tensor& hidden, const at::Tensor& input_norm, double input_eps,
+                             const LinearArgs& qkv_proj, const LinearArgs& o_proj, const at::Tensor& post_norm,
+                             double post_eps, const LinearArgs& gate_up_proj, const LinearArgs& down_proj,
+                             int64_t num_heads, int64_t num_kv_heads, double scale, const at::Tensor& cos,
+                             const at::Tensor& sin, at::Tensor& key_cache, at::Tensor& value_cache,
+                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t max_query_rows,
+                             int64_t packed_rows, int64_t max_skinny_rows);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("cpu_features", &cpu_features, "the CPU features the kernels probe at run time (CPUID), and whether AVX-512 paths were built");
@@ -29,5 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("silu_and_mul_cpu", &silu_and_mul_cpu, "out = silu(gate) * up from [M, 2I] gate_up, fp32 or bf16");
     m.def("rotary_embedding_cpu", &rotary_embedding_cpu, "x = x * cos + rotate_half(x) * sin on the first heads of qkv rows, in place");
     m.def("write_kv_cache_cpu", &write_kv_cache_cpu, "K/V rows into their cache slots (negative: skip)");
+    m.def("decoder_layer_cpu", &decoder_layer_cpu,
+          "a Llama-family decoder layer of a decode-like step: the per-op kernels and oneDNN GEMMs in one call");
     m.def("paged_attention_cpu", &paged_attention_cpu, "paged causal attention, fp32 or bf16, few query rows per sequence");
 }

@@ -13,7 +13,7 @@ from kernels.cpu_packed_linear import pack_weight, runs_fast_here
 pytestmark = pytest.mark.skipif(cpu_extension.load() is None, reason="the C++ CPU kernels are not built here")
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 16, 64
-BLOCK_SIZE, NUM_BLOCKS = 4, 32
+BLOCK_SIZE, NUM_BLOCKS = 4, 160
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     not runs_fast_here(), reason="packed bf16 weights need AVX512-BF16 or AMX"))]
 
@@ -91,3 +91,52 @@ def test_bad_attention_arguments_are_refused_once_per_step() -> None:
         _ops({**step, "key_cache": step["key_cache"].double(), "value_cache": step["value_cache"].double()})
     with pytest.raises(ValueError, match="slot_mapping"):
         _ops({**step, "slot_mapping": step["slot_mapping"].to(torch.int32)})
+
+
+def _per_op_layer(ops: StepOps, hidden: torch.Tensor, layer: dict, cos: torch.Tensor, sin: torch.Tensor,
+                  key_cache: torch.Tensor, value_cache: torch.Tensor, step: dict) -> torch.Tensor:
+    """The decoder layer op by op, as worker/model/decoder_loop.py makes it."""
+    tokens = hidden.shape[0]
+    qkv = ops.linear(ops.rms_norm(hidden, layer["input_norm"], 1e-5), *layer["qkv"])
+    ops.rotary_embedding(qkv, cos, sin, HEADS + KV_HEADS)
+    query, key, value = (part.unflatten(-1, (-1, HEAD_DIM)) for part in qkv.split(
+        [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1))
+    ops.write_kv_cache(key, value, key_cache, value_cache)
+    attended = ops.paged_attention(query, key_cache, value_cache, 0.25, step["max_query_len"], 30)
+    residual = ops.linear(attended.view(tokens, -1), *layer["o_proj"])
+    normed = ops.fused_add_rms_norm(hidden, residual, layer["post_norm"], 1e-6)
+    return ops.linear(ops.silu_and_mul(ops.linear(normed, *layer["gate_up"])), *layer["down"]).add_(residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [3, 1, 16], [1] * 70], ids=["decodes", "chunks", "70-padded"])
+def test_a_whole_layer_in_one_call_equals_the_layer_op_by_op(dtype: torch.dtype, query_lens: list[int]) -> None:
+    seq_lens = [9, 5, 30] if len(query_lens) == 3 else [1 + i % 5 for i in range(70)]
+    step = _step(dtype, query_lens, seq_lens)
+    ops = _ops(step)
+    assert ops is not None and ops.runs_whole_layers
+    generator = torch.Generator().manual_seed(2)
+
+    def projection(rows: int, columns: int, bias: bool = False) -> tuple:
+        weight = (torch.randn(rows, columns, generator=generator) / columns ** 0.5).to(dtype)
+        return (weight, torch.randn(rows, generator=generator).to(dtype) if bias else None,
+                pack_weight(weight) if dtype == torch.bfloat16 else None)
+
+    layer = {"input_norm": torch.rand(HIDDEN, generator=generator).to(dtype) + 0.5,
+             "post_norm": torch.rand(HIDDEN, generator=generator).to(dtype) + 0.5,
+             "qkv": projection((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN, bias=True),
+             "o_proj": projection(HIDDEN, HEADS * HEAD_DIM), "gate_up": projection(2 * 96, HIDDEN),
+             "down": projection(HIDDEN, 96)}
+    hidden = step["hidden"]
+    cos, sin = torch.randn(2, hidden.shape[0], HEAD_DIM, generator=generator).to(dtype)
+    caches = [(step["key_cache"].clone(), step["value_cache"].clone()) for _ in range(2)]
+    expected = _per_op_layer(ops, hidden, layer, cos, sin, *caches[0], step)
+    got = ops.decoder_layer(hidden, layer["input_norm"], 1e-5, layer["qkv"], layer["o_proj"], layer["post_norm"],
+                            1e-6, layer["gate_up"], layer["down"], HEADS, KV_HEADS, 0.25, cos, sin, *caches[1])
+    assert got.shape == hidden.shape and torch.equal(got, expected)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+def test_a_long_prefill_chunk_is_not_a_whole_layer_step() -> None:
+    ops = _ops(_step(torch.float32, [1, 17], [4, 20]))
+    assert ops is not None and not ops.runs_whole_layers

@@ -112,8 +112,16 @@ class DecoderLoop:
         if ops is None:
             ops = _DispatchedOps(attention)
         num_tokens = hidden.shape[0]
+        # Decodes and short chunks: each layer one C++ call; longer prefill chunks op by op.
+        whole_layers = ops if isinstance(ops, StepOps) and ops.runs_whole_layers else None
         for index, layer in enumerate(self._layers):
             key_cache, value_cache = attention.kv_caches[index]
+            if whole_layers is not None:
+                hidden = whole_layers.decoder_layer(
+                    hidden, layer.input_norm, layer.input_eps, layer.qkv, layer.o_proj, layer.post_norm,
+                    layer.post_eps, layer.gate_up, layer.down, layer.num_heads, layer.num_kv_heads, layer.scaling,
+                    cos, sin, key_cache, value_cache)
+                continue
             normed = ops.rms_norm(hidden, layer.input_norm, layer.input_eps)
             qkv = ops.linear(normed, *layer.qkv)  # [T, (H + 2 KV) * D]
             ops.rotary_embedding(qkv, cos, sin, layer.num_heads + layer.num_kv_heads)

@@ -1,0 +1,101 @@
+// A Llama-family decoder layer of one step as one call: the kernels of the other files and
+// oneDNN's GEMMs, in the order and on the tensors kernels/cpu_step_ops.py's per-op path uses (so
+// the result is the same, bit for bit), without a Python call per op. A small model's decode
+// step makes eleven kernel calls per layer; from Python each costs 3-20 us of interpreter and
+// argument parsing, which at a few sequences is a fifth of the step.
+//
+// The caller (StepOps.decoder_layer) has checked what the per-op path checks once per step:
+// contiguous fp32 or bf16 activations, the caches, the metadata, and that every sequence's query
+// rows fit the attention kernel (max_query_rows).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
+void paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                         const at::Tensor& query_start_loc, double scale, int64_t max_query_rows,
+                         at::Tensor& out);
+void rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
+void fused_add_rms_norm_cpu(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps,
+                            at::Tensor& out);
+void silu_and_mul_cpu(const at::Tensor& gate_up, at::Tensor& out);
+void rotary_embedding_cpu(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads);
+void write_kv_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
+                        const at::Tensor& slot_mapping);
+
+// (weight, bias, oneDNN's packed copy of the weight): a projection, as kernels.linear takes it.
+using LinearArgs = std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>>;
+
+namespace {
+
+// The row counts of the step, as kernels/cpu_packed_linear.py and kernels/dispatch.py decide them.
+struct RowPlan {
+    int64_t packed_rows;  // rows handed to oneDNN (padded_rows)
+    int64_t max_skinny_rows;  // fp32: the skinny kernel up to this many rows
+};
+
+at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+    static const c10::OperatorHandle op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    torch::jit::Stack stack{x, packed, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                            std::optional<std::string>(std::string(""))};
+    op.callBoxed(&stack);
+    return stack[0].toTensor();
+}
+
+at::Tensor linear(const at::Tensor& x, const LinearArgs& args, const RowPlan& plan) {
+    const auto& [weight, bias, packed] = args;
+    const int64_t rows = x.size(0);
+    if (packed.has_value()) {
+        if (plan.packed_rows == rows) return packed_gemm(x, *packed, bias);
+        at::Tensor padded = at::zeros({plan.packed_rows, x.size(1)}, x.options());
+        padded.narrow(0, 0, rows).copy_(x);
+        return packed_gemm(padded, *packed, bias).narrow(0, 0, rows);
+    }
+    if (x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && rows > 0 &&
+        rows <= plan.max_skinny_rows && weight.is_contiguous() && (!bias.has_value() || bias->is_contiguous()))
+        return skinny_linear(x, weight, bias);
+    return at::linear(x, weight, bias);
+}
+
+}  // namespace
+
+// hidden: [T, hidden] contiguous, the layer's input; returns the layer's output [T, hidden].
+// key_cache, value_cache: this layer's; cos, sin: [T, head_dim] contiguous.
+at::Tensor decoder_layer_cpu(const at::Tensor& hidden, const at::Tensor& input_norm, double input_eps,
+                             const LinearArgs& qkv_proj, const LinearArgs& o_proj, const at::Tensor& post_norm,
+                             double post_eps, const LinearArgs& gate_up_proj, const LinearArgs& down_proj,
+                             int64_t num_heads, int64_t num_kv_heads, double scale, const at::Tensor& cos,
+                             const at::Tensor& sin, at::Tensor& key_cache, at::Tensor& value_cache,
+                             const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                             const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t max_query_rows,
+                             int64_t packed_rows, int64_t max_skinny_rows) {
+    const RowPlan plan{packed_rows, max_skinny_rows};
+    const int64_t tokens = hidden.size(0), head_dim = cos.size(1);
+    const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
+
+    at::Tensor normed = at::empty_like(hidden);
+    rms_norm_cpu(hidden, input_norm, input_eps, normed);
+    at::Tensor qkv = linear(normed, qkv_proj, plan);  // [T, (H + 2 KV) * D]
+    rotary_embedding_cpu(qkv, cos, sin, num_heads + num_kv_heads);
+    const at::Tensor query = qkv.narrow(1, 0, q_width).view({tokens, num_heads, head_dim});
+    const at::Tensor key = qkv.narrow(1, q_width, kv_width).view({tokens, num_kv_heads, head_dim});
+    const at::Tensor value = qkv.narrow(1, q_width + kv_width, kv_width).view({tokens, num_kv_heads, head_dim});
+    write_kv_cache_cpu(key, value, key_cache, value_cache, slot_mapping);
+    at::Tensor attended = at::zeros(query.sizes(), query.options());  // rows outside every sequence stay zero
+    paged_attention_cpu(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                        max_query_rows, attended);
+
+    // The output projection's fresh tensor carries the residual stream (as _FusedDecoderLayer).
+    at::Tensor residual = linear(attended.view({tokens, q_width}), o_proj, plan);
+    at::Tensor post_normed = at::empty_like(hidden);
+    fused_add_rms_norm_cpu(hidden, residual, post_norm, post_eps, post_normed);
+    at::Tensor gate_up = linear(post_normed, gate_up_proj, plan);
+    at::Tensor activated = at::empty({tokens, gate_up.size(1) / 2}, gate_up.options());
+    silu_and_mul_cpu(gate_up, activated);
+    return linear(activated, down_proj, plan).add_(residual);
+}
