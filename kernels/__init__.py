@@ -3,8 +3,9 @@ twins elsewhere), few-row linear layers (a C++ kernel on AVX2 CPUs, `F.linear` e
 small per-layer ops RMSNorm (alone or after the residual add), SiLU-and-multiply and the rotary
 embedding (C++ on CPUs, torch elsewhere). kernels.cpu_isa says which CPU paths run (AVX2 or AVX-512).
 
-The engine calls only these dispatchers; the twins are exported by name
-for tests and benchmarks. Importing this package never imports triton or compiles anything.
+The engine calls only these dispatchers, and StepOps: a decoder step's CPU kernel calls (a whole
+decoder layer in one C++ call among them) with their checks made once per step. The twins are
+exported by name for tests and benchmarks. Importing this package never imports triton or compiles anything.
 """
 
 from kernels.cpu_step_ops import StepOps

@@ -14,8 +14,13 @@ from kernels import cpu_extension
 from kernels.arg_checks import check_paged_attention_args
 from kernels.torch_paged_attention import paged_attention_torch
 
-# Past this many rows a sequence's attention is a small GEMM, which SDPA in the twin does better.
-MAX_QUERY_ROWS = 16
+# Past this many rows a sequence's attention is a GEMM, which SDPA in the twin does better. Below,
+# the twin's per-sequence gathers and calls cost more than the kernel's row-by-row scan: a
+# 2,048-token prefill step of 47 prompts of 43 tokens took 379 ms with 16 here and 295 ms with 64
+# (SmolLM2, bf16, 2-core Xeon with AMX; fp32 on the AVX2 path: 1,068 against 946 ms with 128); 16
+# prompts of 128 tokens 363 against 321 ms with 128; 4 prompts of 512 tokens 457 ms with 16, 454
+# with 128, 565 with 512 (the crossover).
+MAX_QUERY_ROWS = 128
 
 
 def is_available(query: torch.Tensor) -> bool:

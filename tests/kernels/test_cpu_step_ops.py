@@ -9,6 +9,7 @@ import torch
 import kernels
 from kernels import StepOps, cpu_extension
 from kernels.cpu_packed_linear import pack_weight, runs_fast_here
+from kernels.cpu_paged_attention import MAX_QUERY_ROWS
 
 pytestmark = pytest.mark.skipif(cpu_extension.load() is None, reason="the C++ CPU kernels are not built here")
 
@@ -45,9 +46,9 @@ def _ops(step: dict) -> StepOps | None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("query_lens", [[1, 1, 1], [3, 1, 20]], ids=["decodes", "with-a-long-chunk"])
+@pytest.mark.parametrize("query_lens", [[1, 1, 1], [3, 1, MAX_QUERY_ROWS + 4]], ids=["decodes", "with-a-long-chunk"])
 def test_every_op_equals_its_dispatcher(dtype: torch.dtype, query_lens: list[int]) -> None:
-    step = _step(dtype, query_lens, seq_lens=[9, 5, 30])
+    step = _step(dtype, query_lens, seq_lens=[9, 5, MAX_QUERY_ROWS + 10])
     ops = _ops(step)
     assert ops is not None
     generator = torch.Generator().manual_seed(1)
@@ -73,9 +74,10 @@ def test_every_op_equals_its_dispatcher(dtype: torch.dtype, query_lens: list[int
     ops.write_kv_cache(key, value, *caches[0])
     kernels.write_kv_cache(key, value, *caches[1], step["slot_mapping"])
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
-    attended = ops.paged_attention(query, *caches[0], 0.25, step["max_query_len"], 30)
+    max_seq_len = int(step["seq_lens"].max())
+    attended = ops.paged_attention(query, *caches[0], 0.25, step["max_query_len"], max_seq_len)
     expected = kernels.paged_attention(query, *caches[1], step["block_tables"], step["seq_lens"],
-                                       step["query_start_loc"], 0.25, step["max_query_len"], 30)
+                                       step["query_start_loc"], 0.25, step["max_query_len"], max_seq_len)
     assert torch.equal(attended, expected)
 
 
@@ -138,5 +140,5 @@ def test_a_whole_layer_in_one_call_equals_the_layer_op_by_op(dtype: torch.dtype,
 
 
 def test_a_long_prefill_chunk_is_not_a_whole_layer_step() -> None:
-    ops = _ops(_step(torch.float32, [1, 17], [4, 20]))
+    ops = _ops(_step(torch.float32, [1, MAX_QUERY_ROWS + 1], [4, MAX_QUERY_ROWS + 4]))
     assert ops is not None and not ops.runs_whole_layers

@@ -15,7 +15,7 @@ from kernels import dispatch
 
 
 def test_exports():
-    expected = ["fused_add_rms_norm", "linear", "paged_attention", "paged_attention_torch", "rms_norm",
+    expected = ["StepOps", "fused_add_rms_norm", "linear", "paged_attention", "paged_attention_torch", "rms_norm",
                 "rotary_embedding", "silu_and_mul", "write_kv_cache", "write_kv_cache_torch"]
     assert sorted(kernels.__all__) == expected
 
