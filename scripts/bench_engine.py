@@ -293,7 +293,7 @@ class SectionTimer:
         setattr(owner, attribute, staticmethod(timed) if static else timed)
 
 
-def profile_carpool(engine: Engine, work: Workload) -> tuple[dict[str, float], StepShape]:
+def profile_carpool(engine: Engine, work: Workload, op_by_op: bool = False) -> tuple[dict[str, float], StepShape]:
     sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
     timer = SectionTimer(sync)
     # The kernels as the module tree's attention (paged_attention_backend) and the decoder loop
@@ -329,9 +329,13 @@ def profile_carpool(engine: Engine, work: Workload) -> tuple[dict[str, float], S
         return out
 
     engine.step = counted_step  # type: ignore[method-assign]
+    whole_layers = vars(StepOps)["runs_whole_layers"]
+    if op_by_op:
+        StepOps.runs_whole_layers = property(lambda self: False)  # type: ignore[method-assign,assignment]
     try:
         run_carpool(engine, work)
     finally:
+        StepOps.runs_whole_layers = whole_layers  # type: ignore[method-assign]
         for module, name, function in originals:
             setattr(module, name, function)
         for attribute in ("schedule", "update"):
@@ -367,6 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the engine's own")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled second run")
+    parser.add_argument("--profile-ops", action="store_true",
+                        help="profile the decoder layers op by op (each op one Python call, as on long prefill "
+                             "chunks) instead of one C++ call per layer, to see what a layer's time is made of")
     parser.add_argument("--cpu-kernels", choices=["on", "off", "both"], default="on",
                         help="the CPU kernels (C++ attention and layer ops, skinny fp32 or packed bf16 matmuls); "
                              "off: torch twins only; both: also run carpool-continuous on the twins, "
@@ -428,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(Result(name, len(mode_work.prompts), mode_work.num_tokens, seconds, note))
         print(f"  {name}: {results[-1].tokens_per_s:.1f} tok/s", flush=True)
         if mode == "continuous" and not suffix and not args.no_profile:
-            profile, shape = profile_carpool(Engine(config, loaded=engine_model), work)
+            profile, shape = profile_carpool(Engine(config, loaded=engine_model), work, args.profile_ops)
 
     baselines = set() if args.baselines == "none" else set(args.baselines.split(","))
     hf_model = None
@@ -474,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
         # The same kernels as the engine's: what differs is the module tree, the cache and paging.
         route_cpu_kernels(model, kernels_on, device, dtype)
         ceiling = bare_forward_tokens_per_s(model, shape)
-    print_report(results, ceiling, shape, profile)
+    print_report(results, ceiling, shape, profile, "op by op" if args.profile_ops else "one C++ call per decode layer")
     if args.json:
         payload = {
             "results": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in results],
@@ -489,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_report(
     results: list[Result], ceiling: float | None, shape: StepShape | None, profile: dict[str, float],
+    profile_note: str = "",
 ) -> None:
     by_name = {r.system: r for r in results}
     refs = [(label, by_name.get(name)) for label, name in
@@ -510,7 +518,7 @@ def print_report(
               f"carpool-continuous runs at {continuous.tokens_per_s / ceiling:.2f}x it")
     if profile:
         total = sum(profile.values())
-        print(f"\nwhere carpool-continuous spends its time ({total:.1f} s profiled run):")
+        print(f"\nwhere carpool-continuous spends its time ({total:.1f} s profiled run, layers {profile_note}):")
         for name, seconds in sorted(profile.items(), key=lambda item: -item[1]):
             print(f"  {name:<38}{seconds:>7.2f} s {seconds / total:>6.1%}")
 
