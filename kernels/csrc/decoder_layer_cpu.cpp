@@ -12,23 +12,8 @@
 
 #include <optional>
 #include <string>
-#include <tuple>
 
-at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias);
-void paged_attention_cpu(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                         const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                         const at::Tensor& query_start_loc, double scale, int64_t max_query_rows,
-                         at::Tensor& out);
-void rms_norm_cpu(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out);
-void fused_add_rms_norm_cpu(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps,
-                            at::Tensor& out);
-void silu_and_mul_cpu(const at::Tensor& gate_up, at::Tensor& out);
-void rotary_embedding_cpu(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads);
-void write_kv_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
-                        const at::Tensor& slot_mapping);
-
-// (weight, bias, oneDNN's packed copy of the weight): a projection, as kernels.linear takes it.
-using LinearArgs = std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>>;
+#include "cpu_kernels.h"
 
 namespace {
 

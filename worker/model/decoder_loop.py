@@ -87,9 +87,12 @@ class DecoderLoop:
                 or not isinstance(getattr(model, "lm_head", None), nn.Linear)):
             return None
         records = [_record(layer) for layer in inner.layers[: model.config.num_hidden_layers]]
-        if not records or any(record is None for record in records) or not _rotates_whole_heads(model, records):
+        layers = [record for record in records if record is not None]
+        # One head layout for all layers: a step's kernel arguments are checked once, on the first.
+        if (not records or len(layers) != len(records) or not _rotates_whole_heads(model, layers)
+                or len({(layer.num_heads, layer.num_kv_heads, layer.head_dim) for layer in layers}) != 1):
             return None
-        return cls(model, [record for record in records if record is not None])
+        return cls(model, layers)
 
     def is_current(self) -> bool:
         """False once the model was routed back (another runner may share it): its modules'
@@ -183,12 +186,12 @@ def _record(layer: nn.Module) -> _Layer | None:
     )
 
 
-def _rotates_whole_heads(model: nn.Module, records: list[_Layer | None]) -> bool:
+def _rotates_whole_heads(model: nn.Module, records: list[_Layer]) -> bool:
     """The rotary embedding spans every head dim (no partial_rotary_factor), which the fused
     attention's kernel path needs (elsewhere it falls back to the module's own forward)."""
     weight = model.model.embed_tokens.weight
     cos, _ = model.model.rotary_emb(weight[:1].unsqueeze(0), torch.zeros(1, 1, dtype=torch.long, device=weight.device))
-    return all(record is not None and cos.shape[-1] == record.head_dim for record in records)
+    return all(cos.shape[-1] == record.head_dim for record in records)
 
 
 def _module_linear(module: Any) -> _Linear:

@@ -27,14 +27,13 @@ def _requests() -> list[tuple[str, list[int], SamplingParams]]:
     return [(f"r{i}", prompt, SamplingParams(max_tokens=5 + i, temperature=0.0)) for i, prompt in enumerate(prompts)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_the_loop_gives_the_module_trees_logits_bit_for_bit(tiny: Any, dtype: str) -> None:
-    # A private copy: in bf16 the session's shared model would keep bf16-rounded weights.
-    engine = make_engine(load_model(str(tiny.loaded.path)), dtype=dtype, max_num_batched_tokens=96)
+def _compare_every_step(engine: Any) -> list[tuple[int, int]]:
+    """Make each of the engine's forwards run both ways and assert equal logits; returns each
+    step's (rows, kept rows) as the steps come."""
     runner: ModelRunner = engine.runner
     loop = runner.decoder_loop
     assert loop is not None
-    compared: list[int] = []
+    compared: list[tuple[int, int]] = []
 
     def both(inputs: ModelInputs) -> torch.Tensor:
         # The second forward rewrites the same K/V rows with the same values.
@@ -43,33 +42,31 @@ def test_the_loop_gives_the_module_trees_logits_bit_for_bit(tiny: Any, dtype: st
         runner.decoder_loop = loop
         logits = ModelRunner.forward(runner, inputs)
         assert logits.dtype == torch.float32 and torch.equal(logits, tree), f"step {len(compared)}"
-        compared.append(inputs.input_ids.shape[1])
+        compared.append((inputs.input_ids.shape[1], logits.shape[0]))
         return logits
 
     runner.forward = both  # type: ignore[method-assign]
+    return compared
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_loop_gives_the_module_trees_logits_bit_for_bit(tiny: Any, dtype: str) -> None:
+    # A private copy: in bf16 the session's shared model would keep bf16-rounded weights.
+    engine = make_engine(load_model(str(tiny.loaded.path)), dtype=dtype, max_num_batched_tokens=96)
+    compared = _compare_every_step(engine)
     run = run_engine(engine, _requests())
     assert len(run.token_ids) == 8 and all(len(ids) == 5 + int(r[1:]) for r, ids in run.token_ids.items())
-    assert max(compared) == 96 and min(compared) < 8  # full prefill chunks and decode-only steps
+    rows = [rows for rows, _ in compared]
+    assert max(rows) == 96 and min(rows) < 8  # full prefill chunks and decode-only steps
 
 
-def test_no_loop_where_the_model_is_not_fully_routed(tiny: Any) -> None:
-    engine = make_engine(tiny.loaded, enable_cpu_kernels=False)
-    assert engine.runner.decoder_loop is None  # the torch twins: nothing routed
-    model = tiny.loaded.model
-    route_fused_layers(model)
-    assert DecoderLoop.of(model) is not None
-    model.model.layers[1].mlp.__class__ = type(model.model.layers[1].mlp).carpool_original_class
-    try:
-        assert DecoderLoop.of(model) is None  # one MLP its own again
-    finally:
-        route_fused_layers(model, fused=False)
-
-
-def test_a_loop_whose_model_was_routed_back_steps_aside(tiny: Any) -> None:
-    first = make_engine(tiny.loaded)
-    loop = first.runner.decoder_loop
-    assert loop is not None and loop.is_current()
-    make_engine(tiny.loaded, enable_cpu_kernels=False)  # shares the model, routes it back
-    assert not loop.is_current()
-    run = run_engine(first, _requests()[:2])  # the module tree again: still right
-    assert [len(ids) for ids in run.token_ids.values()] == [5, 6]
+@pytest.mark.parametrize("prompt_logprobs", [None, 2])
+def test_steps_that_keep_no_rows_or_prompt_logprob_rows_agree_too(tiny: Any, prompt_logprobs: int | None) -> None:
+    engine = make_engine(tiny.loaded, max_num_batched_tokens=32)
+    compared = _compare_every_step(engine)
+    params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=prompt_logprobs)
+    run = run_engine(engine, [("long", [7 + i % 50 for i in range(100)], params)])
+    assert len(run.token_ids["long"]) == 3
+    # The first chunk of an unfinished prompt samples nothing: it keeps no rows, or its 32
+    # prompt-logprob rows.
+    assert compared[0] == (32, 0 if prompt_logprobs is None else 32) and compared[-1] == (1, 1)
