@@ -13,8 +13,6 @@ from kernels.cpu_packed_linear import runs_fast_here
 from tests.worker.conftest import make_engine, random_prompts, run_engine
 from worker.engine.engine import SamplingParams
 from worker.engine.model_runner import ModelInputs, ModelRunner
-from worker.model.decoder_loop import DecoderLoop
-from worker.model.fused_layers import route_fused_layers
 from worker.model.loader import load_model
 
 DTYPES = ["float32", pytest.param("bfloat16", marks=pytest.mark.skipif(
