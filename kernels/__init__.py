@@ -3,8 +3,8 @@ twins elsewhere), few-row linear layers (a C++ kernel on AVX2 CPUs, `F.linear` e
 small per-layer ops RMSNorm (alone or after the residual add), SiLU-and-multiply and the rotary
 embedding (C++ on CPUs, torch elsewhere). kernels.cpu_isa says which CPU paths run (AVX2 or AVX-512).
 
-The engine calls only these dispatchers, and StepOps: a decoder step's CPU kernel calls (a whole
-decoder layer in one C++ call among them) with their checks made once per step. The twins are
+The engine calls only these dispatchers, and StepOps: a decode step's CPU decoder layers, each in
+one C++ call, with the step's arguments checked once. The twins are
 exported by name for tests and benchmarks. Importing this package never imports triton or compiles anything.
 """
 

@@ -297,7 +297,7 @@ def profile_carpool(engine: Engine, work: Workload, op_by_op: bool = False) -> t
     sync = torch.cuda.synchronize if engine.runner.device.type == "cuda" else (lambda: None)
     timer = SectionTimer(sync)
     # The kernels as the module tree's attention (paged_attention_backend) and the decoder loop
-    # (decoder_loop and its ops: StepOps, or the dispatchers) call them, by these names.
+    # (decoder_loop: the dispatchers op by op, or StepOps a whole layer) call them, by these names.
     sections = {
         "write_kv_cache": "attention: kv write", "paged_attention": "attention: paged",
         "linear": "model forward: linear layers", "rms_norm": "model forward: norms, rotary, SiLU-and-mul",
@@ -306,7 +306,7 @@ def profile_carpool(engine: Engine, work: Workload, op_by_op: bool = False) -> t
         "silu_and_mul": "model forward: norms, rotary, SiLU-and-mul",
         "decoder_layer": "model forward: whole decoder layers in one C++ call (decode steps)",
     }
-    owners = (paged_attention_backend, decoder_loop, decoder_loop._DispatchedOps, StepOps)
+    owners = (paged_attention_backend, decoder_loop, StepOps)
     wrapped = [(owner, name) for owner in owners for name in sections if name in vars(owner)]
     originals = [(owner, name, vars(owner)[name]) for owner, name in wrapped]
     timer.wrap(engine.scheduler, "schedule", "scheduler")
@@ -329,13 +329,13 @@ def profile_carpool(engine: Engine, work: Workload, op_by_op: bool = False) -> t
         return out
 
     engine.step = counted_step  # type: ignore[method-assign]
-    whole_layers = vars(StepOps)["runs_whole_layers"]
-    if op_by_op:
-        StepOps.runs_whole_layers = property(lambda self: False)  # type: ignore[method-assign,assignment]
+    whole_layers = vars(StepOps)["of"]
+    if op_by_op:  # no step gets whole-layer ops: every layer goes through the dispatchers
+        StepOps.of = classmethod(lambda cls, *args: None)  # type: ignore[method-assign,assignment]
     try:
         run_carpool(engine, work)
     finally:
-        StepOps.runs_whole_layers = whole_layers  # type: ignore[method-assign]
+        StepOps.of = whole_layers  # type: ignore[method-assign]
         for module, name, function in originals:
             setattr(module, name, function)
         for attribute in ("schedule", "update"):

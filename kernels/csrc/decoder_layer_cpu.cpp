@@ -1,12 +1,13 @@
 // A Llama-family decoder layer of one step as one call: the kernels of the other files and
-// oneDNN's GEMMs, in the order and on the tensors kernels/cpu_step_ops.py's per-op path uses (so
-// the result is the same, bit for bit), without a Python call per op. A small model's decode
-// step makes eleven kernel calls per layer; from Python each costs 3-20 us of interpreter and
-// argument parsing, which at a few sequences is a fifth of the step.
+// oneDNN's GEMMs, in the order and on the tensors kernels' dispatchers use when
+// worker/model/decoder_loop.py calls them op by op (so the result is the same, bit for bit),
+// without a Python call per op. A small model's decode step makes eleven kernel calls per layer;
+// from Python each costs 3-20 us of interpreter, checks and argument parsing, which at a few
+// sequences is a fifth of the step.
 //
-// The caller (StepOps.decoder_layer) has checked what the per-op path checks once per step:
-// contiguous fp32 or bf16 activations, the caches, the metadata, and that every sequence's query
-// rows fit the attention kernel (max_query_rows).
+// The caller (StepOps.decoder_layer) has checked once per step what the dispatchers check per
+// call: contiguous fp32 or bf16 activations, the caches, the metadata, and that every sequence's
+// query rows fit the attention kernel (max_query_rows).
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 

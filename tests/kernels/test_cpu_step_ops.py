@@ -1,5 +1,6 @@
-"""StepOps (kernels/cpu_step_ops.py): each op equals its checked dispatcher bit for bit, and the
-checks it makes once per step refuse what the dispatchers refuse."""
+"""StepOps (kernels/cpu_step_ops.py): a whole decoder layer in one call equals the layer made of
+kernels' checked dispatchers bit for bit, and the checks it makes once per step refuse what the
+dispatchers refuse."""
 
 from __future__ import annotations
 
@@ -45,42 +46,6 @@ def _ops(step: dict) -> StepOps | None:
                       step["max_query_len"])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("query_lens", [[1, 1, 1], [3, 1, MAX_QUERY_ROWS + 4]], ids=["decodes", "with-a-long-chunk"])
-def test_every_op_equals_its_dispatcher(dtype: torch.dtype, query_lens: list[int]) -> None:
-    step = _step(dtype, query_lens, seq_lens=[9, 5, MAX_QUERY_ROWS + 10])
-    ops = _ops(step)
-    assert ops is not None
-    generator = torch.Generator().manual_seed(1)
-    hidden, weight = step["hidden"], torch.randn(HIDDEN, generator=generator).to(dtype)
-    assert torch.equal(ops.rms_norm(hidden, weight, 1e-5), kernels.rms_norm(hidden, weight, 1e-5))
-    residual_a, residual_b = hidden * 2, hidden * 2
-    assert torch.equal(ops.fused_add_rms_norm(hidden, residual_a, weight, 1e-5),
-                       kernels.fused_add_rms_norm(hidden, residual_b, weight, 1e-5))
-    assert torch.equal(residual_a, residual_b)
-    qkv_weight = torch.randn((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN, generator=generator).to(dtype)
-    packed = pack_weight(qkv_weight) if dtype == torch.bfloat16 else None
-    qkv = ops.linear(hidden, qkv_weight, None, packed)
-    assert torch.equal(qkv, kernels.linear(hidden, qkv_weight, None, packed))
-    cos, sin = torch.randn(2, hidden.shape[0], HEAD_DIM, generator=generator).to(dtype)
-    rotated = qkv.clone()
-    ops.rotary_embedding(qkv, cos, sin, HEADS + KV_HEADS)
-    kernels.rotary_embedding(rotated, cos, sin, HEADS + KV_HEADS)
-    assert torch.equal(qkv, rotated)
-    assert torch.equal(ops.silu_and_mul(qkv), kernels.silu_and_mul(qkv))
-    query, key, value = (part.unflatten(-1, (-1, HEAD_DIM)) for part in qkv.split(
-        [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1))
-    caches = [(step["key_cache"].clone(), step["value_cache"].clone()) for _ in range(2)]
-    ops.write_kv_cache(key, value, *caches[0])
-    kernels.write_kv_cache(key, value, *caches[1], step["slot_mapping"])
-    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
-    max_seq_len = int(step["seq_lens"].max())
-    attended = ops.paged_attention(query, *caches[0], 0.25, step["max_query_len"], max_seq_len)
-    expected = kernels.paged_attention(query, *caches[1], step["block_tables"], step["seq_lens"],
-                                       step["query_start_loc"], 0.25, step["max_query_len"], max_seq_len)
-    assert torch.equal(attended, expected)
-
-
 def test_no_ops_for_what_the_kernels_do_not_run() -> None:
     step = _step(torch.float32, [1, 1], [4, 6])
     assert _ops({**step, "hidden": step["hidden"].half()}) is None  # fp16
@@ -95,19 +60,22 @@ def test_bad_attention_arguments_are_refused_once_per_step() -> None:
         _ops({**step, "slot_mapping": step["slot_mapping"].to(torch.int32)})
 
 
-def _per_op_layer(ops: StepOps, hidden: torch.Tensor, layer: dict, cos: torch.Tensor, sin: torch.Tensor,
+def _per_op_layer(hidden: torch.Tensor, layer: dict, cos: torch.Tensor, sin: torch.Tensor,
                   key_cache: torch.Tensor, value_cache: torch.Tensor, step: dict) -> torch.Tensor:
-    """The decoder layer op by op, as worker/model/decoder_loop.py makes it."""
+    """The decoder layer through kernels' dispatchers, op by op, as worker/model/decoder_loop.py makes it."""
     tokens = hidden.shape[0]
-    qkv = ops.linear(ops.rms_norm(hidden, layer["input_norm"], 1e-5), *layer["qkv"])
-    ops.rotary_embedding(qkv, cos, sin, HEADS + KV_HEADS)
+    qkv = kernels.linear(kernels.rms_norm(hidden, layer["input_norm"], 1e-5), *layer["qkv"])
+    kernels.rotary_embedding(qkv, cos, sin, HEADS + KV_HEADS)
     query, key, value = (part.unflatten(-1, (-1, HEAD_DIM)) for part in qkv.split(
         [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1))
-    ops.write_kv_cache(key, value, key_cache, value_cache)
-    attended = ops.paged_attention(query, key_cache, value_cache, 0.25, step["max_query_len"], 30)
-    residual = ops.linear(attended.view(tokens, -1), *layer["o_proj"])
-    normed = ops.fused_add_rms_norm(hidden, residual, layer["post_norm"], 1e-6)
-    return ops.linear(ops.silu_and_mul(ops.linear(normed, *layer["gate_up"])), *layer["down"]).add_(residual)
+    kernels.write_kv_cache(key, value, key_cache, value_cache, step["slot_mapping"])
+    attended = kernels.paged_attention(query, key_cache, value_cache, step["block_tables"], step["seq_lens"],
+                                       step["query_start_loc"], 0.25, step["max_query_len"],
+                                       int(step["seq_lens"].max()))
+    residual = kernels.linear(attended.view(tokens, -1), *layer["o_proj"])
+    normed = kernels.fused_add_rms_norm(hidden, residual, layer["post_norm"], 1e-6)
+    activated = kernels.silu_and_mul(kernels.linear(normed, *layer["gate_up"]))
+    return kernels.linear(activated, *layer["down"]).add_(residual)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -116,7 +84,7 @@ def test_a_whole_layer_in_one_call_equals_the_layer_op_by_op(dtype: torch.dtype,
     seq_lens = [9, 5, 30] if len(query_lens) == 3 else [1 + i % 5 for i in range(70)]
     step = _step(dtype, query_lens, seq_lens)
     ops = _ops(step)
-    assert ops is not None and ops.runs_whole_layers
+    assert ops is not None
     generator = torch.Generator().manual_seed(2)
 
     def projection(rows: int, columns: int, bias: bool = False) -> tuple:
@@ -132,7 +100,7 @@ def test_a_whole_layer_in_one_call_equals_the_layer_op_by_op(dtype: torch.dtype,
     hidden = step["hidden"]
     cos, sin = torch.randn(2, hidden.shape[0], HEAD_DIM, generator=generator).to(dtype)
     caches = [(step["key_cache"].clone(), step["value_cache"].clone()) for _ in range(2)]
-    expected = _per_op_layer(ops, hidden, layer, cos, sin, *caches[0], step)
+    expected = _per_op_layer(hidden, layer, cos, sin, *caches[0], step)
     got = ops.decoder_layer(hidden, layer["input_norm"], 1e-5, layer["qkv"], layer["o_proj"], layer["post_norm"],
                             1e-6, layer["gate_up"], layer["down"], HEADS, KV_HEADS, 0.25, cos, sin, *caches[1])
     assert got.shape == hidden.shape and torch.equal(got, expected)
@@ -140,5 +108,5 @@ def test_a_whole_layer_in_one_call_equals_the_layer_op_by_op(dtype: torch.dtype,
 
 
 def test_a_long_prefill_chunk_is_not_a_whole_layer_step() -> None:
-    ops = _ops(_step(torch.float32, [1, MAX_QUERY_ROWS + 1], [4, MAX_QUERY_ROWS + 4]))
-    assert ops is not None and not ops.runs_whole_layers
+    assert _ops(_step(torch.float32, [1, MAX_QUERY_ROWS], [4, MAX_QUERY_ROWS + 4])) is not None
+    assert _ops(_step(torch.float32, [1, MAX_QUERY_ROWS + 1], [4, MAX_QUERY_ROWS + 4])) is None

@@ -42,7 +42,7 @@ CAUSAL_LM_CLASSES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2F
 
 
 class _Linear(NamedTuple):
-    """A projection's arguments to kernels.linear (and StepOps.linear), in their order."""
+    """A projection's arguments to kernels.linear (and StepOps.decoder_layer), in their order."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None
@@ -109,14 +109,11 @@ class DecoderLoop:
         head_dim = first.head_dim
         cos, sin = cos.reshape(-1, head_dim).contiguous(), sin.reshape(-1, head_dim).contiguous()
         key_cache, value_cache = attention.kv_caches[0]
-        ops: StepOps | _DispatchedOps | None = StepOps.of(
+        # Decodes and short chunks: each layer one C++ call; longer prefill chunks op by op.
+        whole_layers = StepOps.of(
             hidden, first.num_heads, first.num_kv_heads, head_dim, key_cache, value_cache, attention.block_tables,
             attention.seq_lens, attention.query_start_loc, attention.slot_mapping, attention.max_query_len)
-        if ops is None:
-            ops = _DispatchedOps(attention)
         num_tokens = hidden.shape[0]
-        # Decodes and short chunks: each layer one C++ call; longer prefill chunks op by op.
-        whole_layers = ops if isinstance(ops, StepOps) and ops.runs_whole_layers else None
         for index, layer in enumerate(self._layers):
             key_cache, value_cache = attention.kv_caches[index]
             if whole_layers is not None:
@@ -125,45 +122,22 @@ class DecoderLoop:
                     layer.post_eps, layer.gate_up, layer.down, layer.num_heads, layer.num_kv_heads, layer.scaling,
                     cos, sin, key_cache, value_cache)
                 continue
-            normed = ops.rms_norm(hidden, layer.input_norm, layer.input_eps)
-            qkv = ops.linear(normed, *layer.qkv)  # [T, (H + 2 KV) * D]
-            ops.rotary_embedding(qkv, cos, sin, layer.num_heads + layer.num_kv_heads)
+            qkv = linear(rms_norm(hidden, layer.input_norm, layer.input_eps), *layer.qkv)  # [T, (H + 2 KV) * D]
+            rotary_embedding(qkv, cos, sin, layer.num_heads + layer.num_kv_heads)
             q_width, kv_width = layer.num_heads * head_dim, layer.num_kv_heads * head_dim
             query = qkv[:, :q_width].view(num_tokens, layer.num_heads, head_dim)
             key = qkv[:, q_width:q_width + kv_width].view(num_tokens, layer.num_kv_heads, head_dim)
             value = qkv[:, q_width + kv_width:].view(num_tokens, layer.num_kv_heads, head_dim)
-            ops.write_kv_cache(key, value, key_cache, value_cache)
-            attended = ops.paged_attention(query, key_cache, value_cache, layer.scaling, attention.max_query_len,
-                                           attention.max_seq_len)
+            write_kv_cache(key, value, key_cache, value_cache, attention.slot_mapping)
+            attended = paged_attention(query, key_cache, value_cache, attention.block_tables, attention.seq_lens,
+                                       attention.query_start_loc, layer.scaling, attention.max_query_len,
+                                       attention.max_seq_len)
             # As _FusedDecoderLayer: the output projection's fresh tensor carries the residual stream.
-            residual = ops.linear(attended.view(num_tokens, q_width), *layer.o_proj)
-            normed = ops.fused_add_rms_norm(hidden, residual, layer.post_norm, layer.post_eps)
-            hidden = ops.linear(ops.silu_and_mul(ops.linear(normed, *layer.gate_up)), *layer.down).add_(residual)
+            residual = linear(attended.view(num_tokens, q_width), *layer.o_proj)
+            normed = fused_add_rms_norm(hidden, residual, layer.post_norm, layer.post_eps)
+            hidden = linear(silu_and_mul(linear(normed, *layer.gate_up)), *layer.down).add_(residual)
         # The norm is per row: the kept rows alone give the same values as all rows, then kept.
         return linear(self._norm(hidden.index_select(0, logits_indices)), *self._lm_head)
-
-
-class _DispatchedOps:
-    """kernels' checked dispatchers with StepOps's signatures, for steps StepOps does not run."""
-
-    def __init__(self, attention: AttentionMetadata) -> None:
-        self._attention = attention
-
-    rms_norm = staticmethod(rms_norm)
-    fused_add_rms_norm = staticmethod(fused_add_rms_norm)
-    silu_and_mul = staticmethod(silu_and_mul)
-    rotary_embedding = staticmethod(rotary_embedding)
-    linear = staticmethod(linear)
-
-    def write_kv_cache(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor) -> None:
-        write_kv_cache(key, value, key_cache, value_cache, self._attention.slot_mapping)
-
-    def paged_attention(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        scale: float, max_query_len: int, max_seq_len: int) -> torch.Tensor:
-        attention = self._attention
-        return paged_attention(query, key_cache, value_cache, attention.block_tables, attention.seq_lens,
-                               attention.query_start_loc, scale, max_query_len, max_seq_len)
 
 
 def _record(layer: nn.Module) -> _Layer | None:
