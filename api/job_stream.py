@@ -7,6 +7,8 @@ StreamHub the waiting is shared: one XREAD per process for all its readers (api/
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import cast
@@ -21,6 +23,9 @@ from protocol.stream_ids import STREAM_START, entry_id_key, next_entry_id
 from protocol.token_runs import RawEntry, expand_runs
 
 _COUNT = 256  # entries per read
+# How often a reader behind the hub's live tokens looks whether the stream got them (a worker
+# writes it at least every CARPOOL_DURABLE_INTERVAL_MS).
+_CATCH_UP_POLL_S = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,16 +126,32 @@ class JobStream:
     async def _next_from_hub(self, subscription: Subscription, key: str,
                              last_id: str) -> list[RawEntry]:
         """The hub's next entries, after those between `last_id` and the hub's cursor when this
-        reader joined (or fell behind), which it reads itself."""
+        reader joined (or fell behind), which it reads itself. The hub may have delivered live
+        tokens its stream does not hold yet (protocol/stream_steps.py): then the reader waits,
+        a block interval at most, for the stream to get there before it takes the hub's."""
         bound = subscription.take_catch_up()
         if bound is not None and entry_id_key(last_id) < entry_id_key(bound):
-            entries = cast("list[RawEntry]", await self._streams.xrange(
-                key, min=f"({last_id}", max=bound, count=_COUNT))
-            if len(entries) == _COUNT:
-                subscription.rearm(bound)
-            if entries:
-                return entries
+            deadline = time.monotonic() + self._block_ms / 1000
+            while True:
+                # To the end, not to `bound`: a run (protocol/token_runs.py) that holds the
+                # bound's token sits at its last token's id, past it. What the hub also has is
+                # dropped by id.
+                entries = cast("list[RawEntry]", await self._streams.xrange(
+                    key, min=f"({last_id}", count=_COUNT))
+                reached = bool(entries) and (
+                    entry_id_key(_text(entries[-1][0])) >= entry_id_key(bound))
+                if not reached:
+                    subscription.rearm(bound)
+                if entries:
+                    return entries
+                if time.monotonic() >= deadline:
+                    return []
+                await asyncio.sleep(_CATCH_UP_POLL_S)
         return await subscription.next(self._block_ms / 1000)
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _event(entry_id: object, fields: dict[object, object]) -> StreamEvent:

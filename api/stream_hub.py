@@ -18,10 +18,15 @@ read of its stream or notified after the hub's cursor. A full read of every watc
 least every block interval makes up for anything a notification did not announce (a writer that
 sends none, a notification trimmed away).
 
+Live tokens (protocol/stream_steps.py): a notification may carry tokens its stream gets only
+later, so the hub's cursor may be ahead of the stream. A stream read after a gap then brings what
+the stream has; the tokens after it come with the stream's next write.
+
 Joining: a stream nobody here watches yet is read by the hub from the subscriber's own id (the hub
 wakes its blocked read with CLIENT UNBLOCK so it reads the new stream at once). A subscriber that
 joins a watched stream behind the hub's cursor reads the entries in between itself (`catch_up_to`,
-an XRANGE) and gets everything after the cursor from the hub: no gap. Entries can reach a
+an XRANGE, waiting for the stream to get there: api/job_stream.py) and gets everything after the
+cursor from the hub: no gap. Entries can reach a
 subscriber twice (its own catch-up and the hub); the reader drops any id not above the last one it
 yielded, so none is seen twice.
 """

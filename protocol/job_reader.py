@@ -15,7 +15,7 @@ from redis import Redis
 from protocol.generation import PromptLogprobs
 from protocol.keys import Keys
 from protocol.messages import JobResult, JobState, StreamEntry
-from protocol.stream_ids import STREAM_START
+from protocol.stream_ids import STREAM_START, entry_index
 from protocol.token_runs import RawEntry, expand_runs
 
 # The state hash field the worker sets with the first token (worker/jobs/job_scripts.APPEND).
@@ -46,6 +46,17 @@ class StreamRead:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def count_tokens(last: Sequence[RawEntry]) -> int:
+    """How many tokens a stream holds, from its last entry as `XREVRANGE key + - COUNT 1` gives
+    it: a token's or a run's id is its last token's (`0-(index+1)`), the final entry's one past."""
+    if not last:
+        return 0
+    entry_id, fields = last[0]
+    kind = fields.get(b"kind", fields.get("kind"))
+    is_done = kind is not None and _text(kind) == StreamEntry.DONE
+    return entry_index(_text(entry_id)) + (0 if is_done else 1)
 
 
 def parse_entries(raw: Sequence[RawEntry], last_id: str = STREAM_START) -> StreamRead:
@@ -97,6 +108,12 @@ class JobReader:
     def tokens(self, job_id: str) -> list[StreamEntry]:
         """Every token entry published so far, in index order."""
         return self.read(job_id).tokens
+
+    def num_tokens(self, job_id: str) -> int:
+        """How many tokens the stream holds, from its last entry's id (one entry may hold several
+        tokens: protocol/token_runs.py; the final entry's id is one past the last token's)."""
+        return count_tokens(cast("list[RawEntry]",
+                                 self.redis.xrevrange(self.keys.stream(job_id), count=1)))
 
     def token_ids(self, job_id: str) -> list[int]:
         return [entry.token_id for entry in self.tokens(job_id)]

@@ -88,6 +88,21 @@ class Keys:
         instead of blocking on every stream it follows. Capped (protocol/stream_steps.py)."""
         return f"{self.prefix}:stream-steps"
 
+    def live_journal(self, worker_name: str) -> str:
+        """Stream with a TTL, on the main Redis: the token notifications of a worker's steps that
+        carried tokens not yet in their streams (live tokens, protocol/stream_steps.py), trimmed
+        to a few live windows, so that recovery can write a dead worker's live tokens into their
+        streams before anyone resumes its jobs."""
+        return f"{self.prefix}:worker:{worker_name}:live"
+
+    def live_fence(self, worker_name: str) -> str:
+        """String with a TTL, on the main Redis: the epoch of a worker whose every lease held at
+        its last renewal, expiring with those leases. The append script notifies that worker's
+        live tokens only while it is there (one GET a step, none per job); recovery deletes it
+        when it takes any job from the worker, whose next renewal sets it again if it still
+        holds the rest."""
+        return f"{self.prefix}:worker:{worker_name}:live-fence"
+
     # Shared sets.
     def leases(self) -> str:
         """Sorted set job_id -> lease deadline (ms since epoch): where recovery looks for lapsed jobs."""

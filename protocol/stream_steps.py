@@ -13,10 +13,20 @@ then re-running the read over all of them, whichever had changed). An entry has 
   token it got (a refused job, a resent round trip), and from `notify_steps` for final entries,
   after them in the same transaction.
 
-A notification carries nothing a stream lacks, and the streams stay the truth: a hub that finds a
-gap between what it delivered and an `e` entry reads the stream, and its full read of every
-watched stream each block interval makes up for a notification it never saw (trimmed away, or a
-writer that sends none).
+Live tokens ([redis-cost], `CARPOOL_DURABLE_INTERVAL_MS`, worker/jobs/settings.py): a worker may
+write a job's tokens into its stream only every so often (one entry for several tokens: Redis'
+cost goes by entries) while its `e` notifications still carry every step's tokens, so subscribers
+get each token at its step. Such an `e` may carry tokens its stream does not hold yet; they follow
+within the live window (`LIVE_WINDOW_MS`): the append script refuses to notify a job's tokens once
+its stream was last complete longer ago than that, and the worker writes the stream first. The
+same notification goes to the worker's live journal (`Keys.live_journal`), from which recovery
+writes a dead worker's live tokens into their streams before its jobs go back to a queue, so what
+a subscriber got live is what the stream says, crash or not.
+
+The streams stay the truth: a hub that finds a gap between what it delivered and an `e` entry reads
+the stream, and its full read of every watched stream each block interval makes up for a
+notification it never saw (trimmed away, or a writer that sends none). A reader that catches up
+from the stream to where the hub is waits for the stream to get there (api/job_stream.py).
 """
 
 from __future__ import annotations
@@ -36,6 +46,15 @@ from protocol.token_runs import RawEntry
 # About this many steps are kept: at 100 worker steps/s, over a minute and a half, far more than
 # a hub falls behind before its periodic full read catches it up anyway.
 STREAM_STEPS_MAXLEN = 10_000
+# The longest a job's live tokens may run ahead of its stream (from the last time its stream held
+# every token notified, by Redis' clock), and so the history a worker's live journal keeps (twice
+# this). A protocol constant, not a setting: recovery, run by any worker, reads the journals that
+# every worker writes under it.
+LIVE_WINDOW_MS = 5_000
+# How long a worker's live journal outlives its last write: recovery must still find it after a
+# whole fleet was down (a single worker restarting takes minutes). It holds 2 * LIVE_WINDOW_MS of
+# steps at most; a worker that stops cleanly deletes its own.
+LIVE_JOURNAL_TTL_MS = 24 * 3600 * 1000
 _STREAMS_FIELD = "k"
 _TOKENS_FIELD = "e"
 

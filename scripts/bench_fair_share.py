@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 from redis import Redis  # noqa: E402
 
+from protocol.job_reader import count_tokens  # noqa: E402
 from protocol.keys import Keys  # noqa: E402
 from scripts.bench_fleet import _free_port, _start_redis  # noqa: E402
 
@@ -60,17 +61,18 @@ class FairShareMeter:
         # all in this snapshot or not at all.
         with self.redis.pipeline(transaction=True) as pipe:
             for job_id in self.owners:
-                pipe.xlen(self.keys.stream(job_id))
+                pipe.xrevrange(self.keys.stream(job_id), count=1)
                 pipe.hget(self.keys.state(job_id), "status")
             replies = pipe.execute()
         tokens = dict.fromkeys(self.owners.values(), 0)
         queued = dict.fromkeys(self.owners.values(), 0)
         num_final = 0
         for index, owner in enumerate(self.owners.values()):
-            length, raw = replies[2 * index], replies[2 * index + 1]
+            last, raw = replies[2 * index], replies[2 * index + 1]
             status = raw.decode() if isinstance(raw, bytes) else str(raw)
             is_final = status in FINAL
-            tokens[owner] += int(length) - (1 if is_final else 0)  # the final entry is no token
+            # By the last entry's id: an entry may hold several tokens (protocol/token_runs.py).
+            tokens[owner] += count_tokens(last)
             queued[owner] += status in WAITING
             num_final += is_final
         return Sample(time.monotonic(), tokens, queued, num_final)

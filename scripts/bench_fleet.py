@@ -104,7 +104,8 @@ def _start_api(url: str, port: int, reader: str, interval_ms: float,
 
 
 def _start_workers(url: str, args: argparse.Namespace, shard_urls: list[str],
-                   stream_interval_ms: float) -> list[tuple[Any, threading.Thread]]:
+                   stream_interval_ms: float,
+                   durable_interval_ms: float) -> list[tuple[Any, threading.Thread]]:
     from worker.jobs.batching_worker import BatchingWorker
     from worker.jobs.settings import WorkerSettings
 
@@ -113,7 +114,8 @@ def _start_workers(url: str, args: argparse.Namespace, shard_urls: list[str],
         settings = WorkerSettings(model=MODEL, redis_url=url, name=f"synthetic-{number}",
                                   max_num_seqs=args.seats, drain_seconds=0,
                                   stream_redis_urls=shard_urls,
-                                  stream_interval_ms=stream_interval_ms)
+                                  stream_interval_ms=stream_interval_ms,
+                                  durable_interval_ms=durable_interval_ms)
         worker = BatchingWorker(settings, SyntheticEngine(args.seats, args.step_ms / 1000),  # type: ignore[arg-type]
                                 Redis.from_url(url), register_presence=False)
         thread = threading.Thread(target=worker.run, name=settings.name, daemon=True)
@@ -285,6 +287,10 @@ def main() -> int:
     parser.add_argument("--stream-interval-ms", default="0",
                         help="the workers' CARPOOL_STREAM_INTERVAL_MS (0: publish every step); "
                              "several, comma-separated, run one after the other")
+    parser.add_argument("--durable-interval-ms", default="0",
+                        help="the workers' CARPOOL_DURABLE_INTERVAL_MS (0: every publish writes "
+                             "the streams; else live tokens between); several, comma-separated, "
+                             "run one after the other")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--seats", type=int, default=32, help="max_num_seqs of each worker")
     parser.add_argument("--step-ms", type=float, default=25.0, help="synthetic step time")
@@ -304,6 +310,7 @@ def main() -> int:
     readers = ["per-subscriber", "hub"] if args.reader == "both" else [args.reader]
     shard_counts = [int(n) for n in args.shards.split(",")]
     intervals = [float(ms) for ms in args.stream_interval_ms.split(",")]
+    durables = [float(ms) for ms in args.durable_interval_ms.split(",")]
 
     servers = [_start_redis() for _ in range(1 + max(shard_counts))]
     url = servers[0][1]
@@ -313,15 +320,17 @@ def main() -> int:
             shard_urls = [shard_url for _, shard_url in servers[1:1 + num_shards]]
             clients = {"main": Redis.from_url(url),
                        **{f"shard-{i}": Redis.from_url(u) for i, u in enumerate(shard_urls)}}
-            for reader, interval_ms in itertools.product(readers, intervals):
+            for reader, interval_ms, durable_ms in itertools.product(readers, intervals, durables):
                 for client in clients.values():
                     client.flushdb()
-                workers = _start_workers(url, args, shard_urls, interval_ms)
+                workers = _start_workers(url, args, shard_urls, interval_ms, durable_ms)
                 port = _free_port()
                 api = _start_api(url, port, reader, args.hub_interval_ms, shard_urls)
                 label = f"{reader}, {num_shards} shards" if num_shards else reader
                 if len(intervals) > 1 or interval_ms:
                     label += f", {interval_ms:g} ms"
+                if len(durables) > 1 or durable_ms:
+                    label += f", durable {durable_ms:g} ms"
                 try:
                     results[label] = asyncio.run(_measure(f"http://127.0.0.1:{port}", clients, args))
                 finally:
@@ -337,13 +346,14 @@ def main() -> int:
             process.terminate()
             process.wait(timeout=10)
     config = {k: getattr(args, k) for k in ("hub_interval_ms", "stream_interval_ms",
+                                             "durable_interval_ms",
                                              "workers", "seats", "step_ms", "tokens", "concurrency",
                                             "subscribers", "seconds", "shards")}
     print(json.dumps({"config": config}))
-    print(f"{'run':<28}{'tok/s':>9}{'us/gen tok':>12}{'us/deliv tok':>14}{'tok/s/core':>12}"
+    print(f"{'run':<36}{'tok/s':>9}{'us/gen tok':>12}{'us/deliv tok':>14}{'tok/s/core':>12}"
           f"{'ceiling tok/s':>15}")
     for label, r in results.items():
-        print(f"{label:<28}{r['generated_tokens_per_s']:>9}"
+        print(f"{label:<36}{r['generated_tokens_per_s']:>9}"
               f"{r['redis_cpu_us_per_generated_token']:>12}"
               f"{r['redis_cpu_us_per_delivered_token']:>14}"
               f"{r['generated_tokens_per_s_per_redis_core']!s:>12}"

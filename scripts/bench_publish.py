@@ -43,6 +43,11 @@ def main() -> int:
     parser.add_argument("--metrics-interval-ms", type=float, default=1000.0,
                         help="the worker's CARPOOL_METRICS_INTERVAL_MS (0: metrics at every "
                              "publish)")
+    parser.add_argument("--durable-interval-ms", type=float, default=0.0,
+                        help="the worker's CARPOOL_DURABLE_INTERVAL_MS (0: every publish writes "
+                             "the streams; else live tokens in between)")
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="least time a step takes (sleeps the rest), as an engine's would")
     args = parser.parse_args()
     server, url = _start_redis()
     try:
@@ -61,9 +66,12 @@ def main() -> int:
                            claimed_at=c.claimed_at) for c in queue.claim(args.jobs)]
         assert len(jobs) == args.jobs
         publisher = StreamPublisher(redis, scripts, keys, "bench", 30_000,
-                                    metrics_interval_s=args.metrics_interval_ms / 1000)
+                                    metrics_interval_s=args.metrics_interval_ms / 1000,
+                                    durable_interval_s=args.durable_interval_ms / 1000)
+        redis.config_resetstat()
         cpu0, started = _cpu_s(redis), time.monotonic()
         for step in range(args.steps):
+            step_started = time.monotonic()
             now = time.time()
             for job in jobs:
                 first = step * args.tokens_per_publish
@@ -75,12 +83,20 @@ def main() -> int:
                                         updated_at=now, num_running=len(jobs)), 30)
             report = publisher.flush()
             assert not report.refused
+            time.sleep(max(0.0, args.step_ms / 1000 - (time.monotonic() - step_started)))
         cpu_us = (_cpu_s(redis) - cpu0) * 1e6
         tokens = args.jobs * args.steps * args.tokens_per_publish
+        commands = redis.info("commandstats")
         print(json.dumps({"jobs": args.jobs, "steps": args.steps,
                           "tokens_per_publish": args.tokens_per_publish, "tokens": tokens,
                           "wall_s": round(time.monotonic() - started, 2),
                           "redis_cpu_us_per_token": round(cpu_us / tokens, 2),
+                          # Redis' time inside commands (nested ones included in EXEC and
+                          # EVALSHA), per token.
+                          "command_us_per_token": {
+                              name.removeprefix("cmdstat_"): round(stat["usec"] / tokens, 2)
+                              for name, stat in commands.items()
+                              if stat["usec"] / tokens >= 0.01},
                           "tokens_per_s_per_redis_core": round(tokens / (cpu_us / 1e6))}))
     finally:
         server.terminate()

@@ -25,6 +25,7 @@ from api.settings import ApiSettings
 from api.stream_hub import StreamHub, Subscription
 from protocol import FinishReason, Keys, ModelCard, StreamEntry, stream_ids
 from protocol.stream_steps import encode_tokens, notify_steps
+from protocol.token_runs import run_entry_id, run_fields
 
 pytestmark = pytest.mark.anyio
 KEYS = Keys()
@@ -395,3 +396,43 @@ async def test_tokens_a_notification_carries_are_handed_out_without_reading_the_
     _publish_step(sync, "a", 3, 4)
     assert await _ids(subscription) == ["0-3", "0-4"]
     assert [KEYS.stream("a")] in read
+
+
+def _notify_live(sync: redis.Redis, job_id: str, start: int, stop: int) -> None:
+    """Tokens start..stop-1 as live tokens: in a step notification only, not in the stream
+    (protocol/stream_steps.py, "Live tokens")."""
+    values = [str(v) for i in range(start, stop) for v in (i, 100 + i, f"t{i}", "")]
+    sync.xadd(KEYS.stream_steps(), {"e": encode_tokens([(KEYS.stream(job_id), values)])})
+
+
+def _write_run(sync: redis.Redis, job_id: str, start: int, stop: int) -> None:
+    """Live tokens start..stop-1 into the stream once due: one run entry, no notification."""
+    sync.xadd(KEYS.stream(job_id), run_fields(start, [100 + i for i in range(start, stop)],
+                                              [f"t{i}" for i in range(start, stop)]),
+              id=run_entry_id(start, stop - start))
+
+
+async def test_a_resume_behind_live_tokens_waits_for_the_stream_without_gap_or_duplicate(
+        redis_url: str, sync: redis.Redis) -> None:
+    _register_model(sync)
+    settings = ApiSettings(redis_url=redis_url, port=_free_port(), stream_block_ms=5000)
+    async for base_url in _serve(settings):
+        async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
+            job_id = (await client.post("/v1/jobs", json={"prompt": "hello"})).json()["job_id"]
+            first = Reader(client, job_id)
+            await asyncio.sleep(0.2)  # the hub follows the stream
+            _publish_step(sync, job_id, 0, 3)
+            _notify_live(sync, job_id, 3, 4)
+            _notify_live(sync, job_id, 4, 6)
+            await first.wait_for(6)  # the hub's cursor is 0-6; the stream holds up to 0-3
+            resumed = Reader(client, job_id, last_event_id="0-1")
+            await resumed.wait_for(2)  # 0-2, 0-3 from the stream; 0-4.. not there yet
+            await asyncio.sleep(0.3)
+            assert len(resumed.events) == 2  # it waits for the stream, not for the hub's next
+            _notify_live(sync, job_id, 6, 7)
+            _write_run(sync, job_id, 3, 7)  # the live tokens' run, at 0-7
+            _publish_step(sync, job_id, 7, 8)
+            _publish_done(sync, job_id, 8)
+            await _all_ended([first, resumed])
+    assert first.events == _expected(8)
+    assert resumed.events == _expected(8, after=1)

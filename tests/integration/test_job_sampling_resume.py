@@ -21,7 +21,6 @@ from protocol import (
     submit_jobs,
 )
 from tests.integration.conftest import (
-    KEYS,
     Fleet,
     assert_stream_exact,
     make_specs,
@@ -134,7 +133,7 @@ def test_a_job_taken_over_after_sigkill_keeps_its_fields(fleet: Fleet, reference
 
     def owner_with_tokens(job_id: str) -> str | None:
         state = reader.state(job_id)
-        if state and state.status is JobStatus.RUNNING and fleet.redis.xlen(KEYS.stream(job_id)) >= 10:
+        if state and state.status is JobStatus.RUNNING and reader.num_tokens(job_id) >= 10:
             return state.worker
         return None
 

@@ -49,7 +49,9 @@ def solo(fleet: Fleet) -> Fleet:
 
 
 def _tokens_at_least(fleet: Fleet, job_id: str, count: int) -> bool:
-    return fleet.redis.xlen(KEYS.stream(job_id)) >= count
+    # The first token is in the stream at once; the next ones with the stream's next write (live
+    # tokens), by which time the tiny model may have generated them all.
+    return JobReader(fleet.redis).num_tokens(job_id) >= count
 
 
 def _stats(fleet: Fleet, name: str) -> WorkerStats:
@@ -59,7 +61,7 @@ def _stats(fleet: Fleet, name: str) -> WorkerStats:
 def test_cancel_stops_a_queued_job_and_a_running_one(solo: Fleet, reference_engine: object) -> None:
     running, queued = make_specs(solo.model_dir.name, 2, max_tokens=600, ignore_eos=True)
     submit_jobs(solo.redis, [running, queued])
-    wait_until(lambda: _tokens_at_least(solo, running.job_id, 5), 60, "tokens", solo.logs)
+    wait_until(lambda: _tokens_at_least(solo, running.job_id, 1), 60, "tokens", solo.logs)
     # Queued: gone from the queue at once, its stream ends with `canceled`.
     assert cancel_job(solo.redis, queued.job_id) is JobStatus.CANCELED
     assert Queue(_normal(solo), connection=solo.redis).count == 0
@@ -74,7 +76,7 @@ def test_cancel_stops_a_queued_job_and_a_running_one(solo: Fleet, reference_engi
         assert spec.job_id in CanceledJobRegistry(_normal(solo), connection=solo.redis)
     assert reader.read(queued.job_id).tokens == []
     tokens = reader.token_ids(running.job_id)
-    assert 5 <= len(tokens) < 600
+    assert 1 <= len(tokens) < 600
     prefix = expected_tokens(reference_engine, [running])[running.job_id][:len(tokens)]
     assert_stream_exact(solo.redis, running.job_id, prefix, FinishReason.CANCELED)
     assert list(states[running.job_id].token_ids) == prefix
@@ -109,7 +111,7 @@ def test_sigterm_drains_requeues_the_rest_and_a_new_worker_resumes(
     (spec,) = make_specs(solo.model_dir.name, 1, max_tokens=600, ignore_eos=True)
     expected = expected_tokens(reference_engine, [spec])[spec.job_id]
     submit_jobs(solo.redis, [spec])
-    wait_until(lambda: _tokens_at_least(solo, spec.job_id, 5), 60, "tokens", solo.logs)
+    wait_until(lambda: _tokens_at_least(solo, spec.job_id, 1), 60, "tokens", solo.logs)
     worker = next(w for w in solo.workers if w.name == "solo")
     worker.signal(signal.SIGTERM)
     assert worker.wait(30) == 0
@@ -119,8 +121,8 @@ def test_sigterm_drains_requeues_the_rest_and_a_new_worker_resumes(
     assert Queue(_normal(solo), connection=solo.redis).job_ids == [spec.job_id]
     assert Job.fetch(spec.job_id, solo.redis).get_status() == RQJobStatus.QUEUED
     assert "solo" not in {w.name for w in Worker.all(connection=solo.redis)}
-    num_before = solo.redis.xlen(KEYS.stream(spec.job_id))
-    assert 5 <= num_before < 600
+    num_before = JobReader(solo.redis).num_tokens(spec.job_id)
+    assert 1 <= num_before < 600
     # A new worker picks it up where the stream ends; this one drains within its grace.
     (successor,) = solo.start(("successor", [*SOLO_ARGS, "--drain-seconds", "120"]))
     (final,) = wait_final(solo, [spec.job_id]).values()

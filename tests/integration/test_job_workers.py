@@ -138,7 +138,7 @@ def test_bad_jobs_fail_with_a_clear_message_and_the_worker_keeps_serving(
 def _owner_with_tokens(pair: Fleet, job_id: str, min_tokens: int) -> str | None:
     state = JobReader(pair.redis).state(job_id)
     if state and state.status is JobStatus.RUNNING and \
-            pair.redis.xlen(KEYS.stream(job_id)) >= min_tokens:
+            JobReader(pair.redis).num_tokens(job_id) >= min_tokens:
         return state.worker
     return None
 

@@ -13,7 +13,6 @@ import pytest
 
 from protocol import JobReader, JobStatus, StreamEntry, submit_jobs
 from tests.integration.conftest import (
-    KEYS,
     Fleet,
     assert_stream_exact,
     make_specs,
@@ -47,7 +46,7 @@ def _check(fleet: Fleet, specs: list, expected: dict, states: dict) -> None:  # 
 
 def _running_with_tokens(fleet: Fleet, job_id: str, min_tokens: int) -> str | None:
     state = JobReader(fleet.redis).state(job_id)
-    if state and state.status is JobStatus.RUNNING and fleet.redis.xlen(KEYS.stream(job_id)) >= min_tokens:
+    if state and state.status is JobStatus.RUNNING and JobReader(fleet.redis).num_tokens(job_id) >= min_tokens:
         return state.worker
     return None
 

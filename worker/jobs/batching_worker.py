@@ -90,7 +90,8 @@ class BatchingWorker:
             self.scripts, self.keys)
         self.publisher = StreamPublisher(redis, self.scripts, self.keys, self.name,
                                          settings.lease_ms, self.presence, self.shards,
-                                         settings.metrics_interval_ms / 1000)
+                                         settings.metrics_interval_ms / 1000,
+                                         settings.durable_interval_ms / 1000)
         self.jobs: dict[str, RunningJob] = {}
         self._pending: list[_Pending] = []
         # Jobs of the tiers above batch waiting on this model's queues, as the last flush read
@@ -135,6 +136,8 @@ class BatchingWorker:
                  ", ".join(self.queue.queue_names))
         try:
             self._loop()
+            if not self.jobs:
+                self.publisher.forget_live()
         finally:
             if self.presence is not None:
                 self.presence.register_death()

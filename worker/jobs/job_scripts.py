@@ -30,6 +30,7 @@ from redis import Redis
 from redis.client import Pipeline
 from redis.typing import EncodableT
 
+from protocol.stream_steps import LIVE_JOURNAL_TTL_MS, LIVE_WINDOW_MS, STREAM_STEPS_MAXLEN
 from protocol.webhook_events import EMIT_JOB_EVENT_LUA
 from worker.jobs.fair_share import CLAIM_FAIR_PICK, requeue_to_owner_list, settle_owner_counter
 from worker.jobs.shard_scripts import SHARD_ADOPT, SHARD_APPEND, SHARD_END, XADD_TOKEN
@@ -184,10 +185,15 @@ return claimed
 """
 
 # The per-iteration call, for every job in the batch at once (one script, not one per job).
-# KEYS: leases, canceled, then (lease, stream, state) per job, then the step notifications
-#       (Keys.stream_steps; [redis-cost]).
-# ARGV: lease_ms, renew ('1': renew every lease of the batch, '0': not this step), the step's
-#       tokens as a notification carries them ([redis-cost] protocol/stream_steps.py), then per job:
+# KEYS: leases, canceled, this worker's live fence (Keys.live_fence), then (lease, stream, state)
+#       per job written to its stream, then the step notifications (Keys.stream_steps;
+#       [redis-cost]), then this worker's live journal (Keys.live_journal).
+# ARGV: lease_ms, renew ('1': renew every lease of the batch, '0': not this step; a renewing
+#       step has no live job), the step's tokens as a notification carries them ([redis-cost]
+#       protocol/stream_steps.py), the number of live jobs (their tokens are in the notification
+#       only: "Live tokens" in protocol/stream_steps.py), the oldest of their stream_complete_ms
+#       (Redis' clock when a job's stream last held every token notified), the worker's live
+#       epoch ('' for a worker without live tokens), then per job written to its stream:
 #       job_id, token, prompt_tokens, first_token_at, prompt_logprobs (the encoded list, only in
 #       the append that carries token 0 of a job that asked for them; else ''), num_tokens and,
 #       when num_tokens > 0, the job's one entry: (index, token_id, text, logprobs) for one token
@@ -198,12 +204,18 @@ return claimed
 #       A job whose stream is on a shard (protocol.stream_shards) comes with no tokens, for its
 #       lease check, renewal and cancel flag, and with first_token_at ('' or the time) when its
 #       shard got its first token this step.
-# Returns two lists in job order: the append results — 1 (appended, or there already: a resent
-# round trip, whose entry's id Redis refuses; lease renewed if asked), 0 (refused: not the lease
-# holder), -1 (Redis refused the entry for another reason) — and the cancel flags (1: cancel
-# requested).
-# Per job the hot path is GET (the fence) and one XADD, whatever the entry holds; PEXPIRE and ZADD
-# only on renewing steps, SISMEMBER only while some job is canceled.
+# Returns {results, cancel flags, notified, now_ms, live, canceled ids}: per job written to its
+#       stream, the result — 1 (appended, or there already: a resent round trip, whose entry's id
+#       Redis refuses; lease renewed if asked), 0 (refused: not the lease holder), -1 (Redis
+#       refused the entry for another reason) — and the cancel flag (1: cancel requested);
+#       whether the notification carried the tokens (if not, no live job's tokens went
+#       anywhere); Redis' clock; for the live jobs 1 (notified) or 2 (not: the live fence is
+#       gone or the oldest live stream is past the live window; the worker writes their streams
+#       next, where each job's own lease decides); with live jobs while some job is canceled,
+#       every canceled job id (the worker picks its own).
+# Per job the hot path is GET (the fence) and one XADD; a live job costs nothing but its bytes
+# in the notification (the live fence is one GET a step). PEXPIRE and ZADD only on renewing
+# steps, SISMEMBER only while some job is canceled.
 APPEND = _COMMON + XADD_TOKEN + """
 local lease_ms = tonumber(ARGV[1])
 local renew = ARGV[2] == '1'
@@ -243,18 +255,47 @@ local function append(lease, stream, state, job_id, token, prompt_tokens, first_
   return 1
 end
 local results, canceled = {}, {}
-local a = 4
-local k = 3
+local now = now_ms()
+local num_live, epoch = tonumber(ARGV[4]), ARGV[6]
+-- [redis-cost] Live jobs: one GET for all of them (the live fence), nothing per job.
+local live = 1
+if num_live > 0 and (redis.call('GET', KEYS[3]) ~= epoch
+                     or now - tonumber(ARGV[5]) > """ + str(LIVE_WINDOW_MS) + """) then
+  live = 2
+  is_whole = false
+end
+local every_lease_held = true
+local a = 7
+local k = 4
 while a <= #ARGV do
   local job_id, num_tokens = ARGV[a], tonumber(ARGV[a + 5])
   results[#results + 1] = append(KEYS[k], KEYS[k + 1], KEYS[k + 2], job_id, ARGV[a + 1],
                                  ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], a + 6, num_tokens)
+  if results[#results] ~= 1 then every_lease_held = false end
   canceled[#canceled + 1] = any_canceled and redis.call('SISMEMBER', KEYS[2], job_id) or 0
   a = a + 6 + (num_tokens > 0 and 4 or 0)
   k = k + 3
 end
-send_notes(KEYS[#KEYS], ARGV[3])  -- [redis-cost] the step notification (shard_scripts.XADD_TOKEN)
-return {results, canceled}
+-- The live fence lives as long as the leases it vouches for, and only while each of them held.
+if renew and epoch ~= '' then
+  if every_lease_held then
+    redis.call('SET', KEYS[3], epoch, 'PX', lease_ms)
+  else
+    redis.call('DEL', KEYS[3])
+  end
+end
+local canceled_ids = {}
+if any_canceled and num_live > 0 then canceled_ids = redis.call('SMEMBERS', KEYS[2]) end
+-- [redis-cost] the step notification (shard_scripts.XADD_TOKEN)
+local notified = send_notes(KEYS[#KEYS - 1], ARGV[3])
+if notified and num_live > 0 then
+  -- What recovery writes into the streams of this worker's jobs if it dies (RECOVER).
+  local journal = KEYS[#KEYS]
+  redis.call('XADD', journal, 'MINID', '~', now - 2 * """ + str(LIVE_WINDOW_MS) + """, '*', 'e',
+             ARGV[3])
+  redis.call('PEXPIRE', journal, """ + str(LIVE_JOURNAL_TTL_MS) + """)
+end
+return {results, canceled, notified and 1 or 0, now, live, canceled_ids}
 """
 
 # KEYS: lease, stream, leases, state, canceled, rq job, rq results, rq execution,
@@ -350,16 +391,67 @@ redis.call('LPUSH', KEYS[11], 1)
 return 1
 """
 
-# KEYS: leases.
+# KEYS: leases, the step notifications (Keys.stream_steps).
 # ARGV: max_jobs, templates (prefix, suffix): state 2, stream 4, lease 6, rq job 8,
 #       rq execution 10, rq executions 12, rq queue 14, started 16, failed 18,
 #       worker executions 20, wake-ups (around the queue name) 22; composite separator 24;
-#       owners set (around the queue name, Keys.queue_owners) 25.
+#       owners set (around the queue name, Keys.queue_owners) 25; live journal (around the worker
+#       name) 27; live fence (around the worker name) 29.
 # Returns the ids put back at the front of their queue.
+# A job's live tokens (notified to subscribers, not yet in its stream: protocol/stream_steps.py)
+# are in its dead owner's journal: they go into the stream, as one run, before the job is queued,
+# so whoever resumes it continues after them; and the owner's live fence goes, so that it cannot
+# notify more (were it alive after all, its next append learns each job's fate from its lease).
+# The journal holds only what passed the owner's live fence; a later index replaces an earlier
+# one (an older claim's tokens at those indices are in the stream already, and skipped).
 RECOVER = _COMMON + """
 local function key(i, id) return ARGV[i] .. id .. ARGV[i + 1] end
 local now = now_ms()
 local recovered = {}
+local journals = {}  -- worker -> stream key -> index -> {token_id, text, logprobs}
+local written = {}  -- streams that got live tokens: notified, so hubs read them at once
+local function live_tokens(worker)
+  local by_stream = journals[worker]
+  if by_stream then return by_stream end
+  by_stream = {}
+  for _, entry in ipairs(redis.call('XRANGE', key(27, worker), '-', '+')) do
+    local notes = cjson.decode(entry[2][2])
+    for i = 1, #notes, 2 do
+      local tokens = by_stream[notes[i]] or {}
+      local values = notes[i + 1]
+      for v = 1, #values, 4 do
+        tokens[tonumber(values[v])] = {values[v + 1], values[v + 2], values[v + 3]}
+      end
+      by_stream[notes[i]] = tokens
+    end
+  end
+  journals[worker] = by_stream
+  return by_stream
+end
+local function write_live_tokens(worker, stream)
+  local tokens = live_tokens(worker)[stream]
+  if not tokens then return end
+  local first = next_index(stream)
+  local ids, texts, logprobs, has_logprobs = {}, {}, {}, false
+  local index = first
+  while tokens[index] do
+    local token = tokens[index]
+    ids[#ids + 1], texts[#texts + 1], logprobs[#logprobs + 1] = token[1], token[2], token[3]
+    if token[3] ~= '' then has_logprobs = true end
+    index = index + 1
+  end
+  if #ids == 0 then return end
+  written[#written + 1] = stream
+  -- A run (protocol/token_runs.py) at its last token's id.
+  if has_logprobs then
+    redis.call('XADD', stream, '0-' .. index, 'kind', 'tokens', 'index', first,
+               'token_ids', table.concat(ids, ' '), 'text', cjson.encode(texts),
+               'lp', cjson.encode(logprobs))
+  else
+    redis.call('XADD', stream, '0-' .. index, 'kind', 'tokens', 'index', first,
+               'token_ids', table.concat(ids, ' '), 'text', cjson.encode(texts))
+  end
+end
 for _, job_id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, ARGV[1])) do
   local lease_ttl = redis.call('PTTL', key(6, job_id))
   local state = key(2, job_id)
@@ -373,9 +465,13 @@ for _, job_id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT
   else
     local rq_job = key(8, job_id)
     local composite = redis.call('HGET', state, 'execution') or ''
+    local worker = redis.call('HGET', state, 'worker') or ''
+    if worker ~= '' then
+      redis.call('DEL', key(29, worker))
+      write_live_tokens(worker, key(4, job_id))
+    end
     if composite ~= '' then
       local execution_id = string.sub(composite, #job_id + #ARGV[24] + 1)
-      local worker = redis.call('HGET', state, 'worker') or ''
       drop_execution(key(10, composite), key(16, origin), key(12, job_id), key(20, worker),
                      composite, execution_id)
     end
@@ -395,6 +491,10 @@ for _, job_id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT
     redis.call('ZREM', KEYS[1], job_id)
     recovered[#recovered + 1] = job_id
   end
+end
+if #written > 0 then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', """ + str(STREAM_STEPS_MAXLEN) + """, '*', 'k',
+             table.concat(written, ' '))
 end
 return recovered
 """

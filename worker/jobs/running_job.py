@@ -20,7 +20,15 @@ class RunningJob:
     num_cached_tokens: int = 0  # of the prompt, found in the engine's prefix cache
     token_ids: list[int] = field(default_factory=list)  # the whole stream: resumed + new
     texts: list[str] = field(default_factory=list)
-    unpublished: list[TokenEntry] = field(default_factory=list)  # generated since the last publish
+    # Generated and not yet in the stream (the last publishes may have notified some live).
+    unpublished: list[TokenEntry] = field(default_factory=list)
+    # [redis-cost] Live tokens (protocol/stream_steps.py): how many of `unpublished` went to
+    # subscribers already, and when the stream last held every token notified (Redis' clock, ms,
+    # for the append script's window check; this worker's monotonic clock, for its own interval).
+    # 0: not since this claim (its next publish writes the stream).
+    num_notified: int = 0
+    stream_complete_ms: int = 0
+    stream_complete_at: float = 0.0
     prompt_token_ids: tuple[int, ...] = ()  # kept only for a job that asked for prompt logprobs
     # The encoded prompt logprobs (protocol.generation.PromptLogprobs) the engine handed
     # out with the first token, until they go to Redis with it ("": none asked, or already sent).

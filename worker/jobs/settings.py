@@ -16,6 +16,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from protocol.stream_shards import parse_shard_urls
+from protocol.stream_steps import LIVE_WINDOW_MS
 from worker.engine.config import BatchingMode, EngineConfig
 
 
@@ -78,6 +79,14 @@ class WorkerSettings(BaseSettings):
         "which then go to Redis as one stream entry per job: Redis' cost goes by entries and "
         "round trips, not tokens (protocol/token_runs.py). A first token, an end, a requeue "
         "and a preemption are published at once; cancel requests are seen at publishes.")
+    durable_interval_ms: float = Field(
+        500.0, ge=0, le=LIVE_WINDOW_MS - 1000, description="[redis-cost] Least time between two "
+        "writes of a job's tokens to its stream; the publishes in between send them to "
+        "subscribers live, in the step notifications only (0: every publish writes the streams). "
+        "Redis' cost goes by entries, so a job's stream gets one entry for the tokens of that "
+        "long while subscribers still get each token at its step; a dead worker's live tokens "
+        "go into the streams from its live journal when recovery requeues its jobs (protocol/"
+        "stream_steps.py). Streams on stream shards are written at every publish.")
     metrics_interval_ms: float = Field(
         1000.0, ge=0, le=60_000, description="Least time between two writes of the worker's "
         "metric counters and latency histograms (0: every publish). They add up in the worker "

@@ -38,14 +38,17 @@ from protocol.stream_steps import STREAM_STEPS_MAXLEN
 XADD_TOKEN = """
 local written = {}  -- streams that got tokens in this run
 local is_whole = true  -- every token sent was written: none refused or there already
+-- Returns whether it notified the tokens themselves.
 local function send_notes(steps, tokens)
   if is_whole and tokens ~= '' then
     redis.call('XADD', steps, 'MAXLEN', '~', """ + str(STREAM_STEPS_MAXLEN) + """, '*', 'e',
                tokens)
+    return true
   elseif #written > 0 then
     redis.call('XADD', steps, 'MAXLEN', '~', """ + str(STREAM_STEPS_MAXLEN) + """, '*', 'k',
                table.concat(written, ' '))
   end
+  return false
 end
 -- The one entry for a job's num_tokens tokens at ARGV[a..a+3]: (index, token_id, text,
 -- logprobs) for one, at its id; a run (protocol/token_runs.py, encoded by the worker: first index,

@@ -20,6 +20,7 @@ import json
 import logging
 import math
 import time
+import uuid
 import zlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -119,6 +120,15 @@ class _ScriptCall:
     end: _EndMarker | None = None  # finish of a sharded job: its final entry, reason as asked
 
 
+def _token_args(tokens: list[TokenEntry]) -> list[str]:
+    """Each token's (index, token_id, text, logprobs or ''), flat: a notification's part."""
+    args: list[str] = []
+    for token in tokens:
+        logprobs = token.logprobs.encode() if token.logprobs is not None else ""
+        args += [str(token.index), str(token.token_id), token.text, logprobs]
+    return args
+
+
 def _entry_args(unpublished: list[TokenEntry], tokens: list[str]) -> list[str]:
     """The one stream entry a publish writes for a job, as the append scripts take it: nothing
     for no token; (index, token_id, text, logprobs) for one; for several, a run
@@ -137,7 +147,8 @@ def _entry_args(unpublished: list[TokenEntry], tokens: list[str]) -> list[str]:
 class StreamPublisher:
     def __init__(self, redis: Redis, scripts: JobScripts, keys: Keys, worker_name: str,
                  lease_ms: int, presence: RQPresence | None = None,
-                 shards: StreamShards | None = None, metrics_interval_s: float = 0.0) -> None:
+                 shards: StreamShards | None = None, metrics_interval_s: float = 0.0,
+                 durable_interval_s: float = 0.0) -> None:
         self.redis = redis
         self.shards = shards or StreamShards(redis, [redis], scripts, keys)
         # Final entries owed to shards: kept across failed flushes (the end is already recorded
@@ -149,11 +160,20 @@ class StreamPublisher:
         self.worker_name = worker_name
         self.lease_ms = lease_ms
         self._renewed_at = -math.inf  # monotonic time of the last flush that renewed the leases
+        # [redis-cost] Least time between two writes of a job's tokens to its stream; between
+        # them its tokens go to subscribers live, in the step notifications only (0: every
+        # publish writes the streams). See "Live tokens" in protocol/stream_steps.py.
+        self.durable_interval_s = durable_interval_s
+        # Set as this worker's live fence (Keys.live_fence) at renewals that found every lease.
+        self._live_epoch = uuid.uuid4().hex if durable_interval_s > 0 else ""
+        self._dropped_jobs = False  # discard() ran: the live journal may be all there is
         self._recover_templates = self._templates()
         # [redis-cost] Counters and histograms add up here between writes (WorkerSettings.
         # metrics_interval_ms): they are sums, so one write a second says what forty did.
         self.metrics_interval_s = metrics_interval_s
         self._metrics_written_at = -math.inf  # monotonic
+        self._stats: tuple[WorkerStats, float] | None = None  # not written yet
+        self._stats_written_at = -math.inf  # monotonic
         self._metrics_now = False
         self._counters: Counter[str] = Counter()
         self._observations: dict[str, list[float]] = defaultdict(list)
@@ -169,13 +189,18 @@ class StreamPublisher:
                      KeyTemplate.of(RQKeys.worker_executions("\x00")),
                      KeyTemplate.of(k.wakeups("\x00"))]
         owners = KeyTemplate.of(k.queue_owners("\x00"))  # fair-share index, after the separator
+        journal, fence = KeyTemplate.of(k.live_journal("\x00")), KeyTemplate.of(k.live_fence("\x00"))
         return [part for t in templates for part in (t.prefix, t.suffix)] + [
-            RQKeys.composite_separator(), owners.prefix, owners.suffix]
+            RQKeys.composite_separator(), owners.prefix, owners.suffix, journal.prefix,
+            journal.suffix, fence.prefix, fence.suffix]
 
     def _reset(self) -> None:
         self._calls: list[_ScriptCall] = []
-        # The jobs whose tokens this flush carries (by id): sent once it lands.
+        # The jobs whose tokens this flush writes to their streams (by id): sent once it lands.
         self._carried: dict[str, RunningJob] = {}
+        # Live jobs: their new tokens go in the step's notification only (by id).
+        self._live: dict[str, RunningJob] = {}
+        self._renew: bool | None = None  # whether this flush renews the leases (once asked)
         self._append_ids: list[str] = []
         # Jobs whose main-Redis stream gets a final entry this flush (the append script notifies
         # its tokens itself).
@@ -191,28 +216,52 @@ class StreamPublisher:
         # The step's new tokens per stream, for the notification the append scripts write.
         self._notified: list[tuple[str, list[str]]] = []
         self._shard_notified: dict[int, list[tuple[str, list[str]]]] = defaultdict(list)
-        self._extra: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []  # plain commands (stats, heartbeats)
+        self._extra: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []  # plain commands (heartbeats)
         self._watched: list[str] = []  # RQ queue keys whose lengths this flush reads
         self._heartbeat = False
         self._worker_state: WorkerStatus | None = None
 
     @property
     def is_empty(self) -> bool:
-        return not (self._calls or self._append_ids or self._sharded or self._extra
-                    or self._counters
+        return not (self._calls or self._append_ids or self._live or self._sharded or self._extra
+                    or self._counters or self._stats
                     or self._observations or self._heartbeat or self._pending_ends)
 
     # Per job.
     def append(self, job: RunningJob) -> None:
         """New tokens (maybe none), the lease renewal and the cancel check, fenced by the job's
-        token. All the batch's appends go to Redis as one script call."""
+        token. All the batch's appends go to Redis as one script call. The tokens go to the
+        job's stream, or, for a live job, to subscribers only until its stream is due."""
+        self._counters["generated_tokens_total"] += len(job.unpublished) - job.num_notified
+        if self._goes_live(job):
+            self._live[job.job_id] = job
+        else:
+            self._append_to_stream(job)
+
+    def _goes_live(self, job: RunningJob) -> bool:
+        """Whether the job's new tokens go to subscribers only: its stream was complete less
+        than the durable interval ago, not on a shard, and they are not its first (the first
+        token, with its state fields, goes to the stream at once)."""
+        return (self.durable_interval_s > 0 and job.stream_complete_ms > 0
+                and bool(job.unpublished) and job.unpublished[0].index > 0
+                and time.monotonic() - job.stream_complete_at < self.durable_interval_s
+                and self.shards.remote(job.job_id) is None and not self._renews())
+
+    def _renews(self) -> bool:
+        """Whether this flush renews the leases (decided once, at the first ask): a few times a
+        lease, not each step, since it costs two commands a job. A renewing flush writes every
+        job's stream (the live path has no renewal)."""
+        if self._renew is None:
+            self._renew = (time.monotonic() - self._renewed_at
+                           >= self.lease_ms / 1000 / _RENEWALS_PER_LEASE)
+        return self._renew
+
+    def _append_to_stream(self, job: RunningJob) -> None:
         lease = job.lease
         self._carried[lease.job_id] = job
-        tokens: list[str] = []  # every token's (index, token_id, text, logprobs): the notification's
-        for token in job.unpublished:
-            logprobs = token.logprobs.encode() if token.logprobs is not None else ""
-            tokens += [str(token.index), str(token.token_id), token.text, logprobs]
-        entry = _entry_args(job.unpublished, tokens)
+        entry = _entry_args(job.unpublished, _token_args(job.unpublished))
+        # The notification carries the tokens subscribers did not get live yet.
+        tokens = _token_args(job.unpublished[job.num_notified:])
         is_first = bool(job.unpublished) and job.unpublished[0].index == 0
         prompt_logprobs = job.prompt_logprobs if is_first else ""
         shard = self.shards.remote(lease.job_id)
@@ -238,7 +287,6 @@ class StreamPublisher:
             self._shard_args[shard] += [lease.token, len(job.unpublished), *entry]
             if tokens:
                 self._shard_notified[shard].append((self.keys.stream(lease.job_id), tokens))
-        self._counters["generated_tokens_total"] += len(job.unpublished)
 
     def finish(self, job: RunningJob, end: JobEnd, now: float | None = None) -> None:
         """The final entry, JobState and RQ status/result; refused if the lease is not ours, and
@@ -320,12 +368,15 @@ class StreamPublisher:
         self._counters["jobs_preempted_total"] += 1
 
     def _append_unpublished(self, job: RunningJob) -> None:
-        """A job leaving the batch takes its tokens not yet sent along (a worker with a stream
-        interval holds them for a few steps), ahead of its end or requeue in the same
-        transaction: its stream must hold every token its end counts, and a resumer continues
-        after them."""
-        if job.unpublished and job.job_id not in self._carried:
-            self.append(job)
+        """A job leaving the batch takes its tokens not yet in its stream along (a worker with a
+        stream interval holds them for a few steps; a live job's went to subscribers only),
+        ahead of its end or requeue in the same transaction: its stream must hold every token
+        its end counts, and a resumer continues after them."""
+        if self._live.pop(job.job_id, None) is not None:
+            self._append_to_stream(job)
+        elif job.unpublished and job.job_id not in self._carried:
+            self._counters["generated_tokens_total"] += len(job.unpublished) - job.num_notified
+            self._append_to_stream(job)
 
     @property
     def has_job_changes(self) -> bool:
@@ -335,9 +386,9 @@ class StreamPublisher:
 
     # For the batch.
     def stats(self, stats: WorkerStats, ttl_seconds: float) -> None:
-        key = self.keys.worker_stats(stats.name)
-        self._extra.append(("hset", (key,), {"mapping": stats.to_fields()}))
-        self._extra.append(("pexpire", (key, int(ttl_seconds * 1000)), {}))
+        """The worker's WorkerStats, written with the metrics ([redis-cost] once a metrics
+        interval, or at once for an idle or draining worker): the latest of them wins."""
+        self._stats = (stats, ttl_seconds)
 
     def heartbeat(self, leases: list[Lease], execution_ttl_s: int) -> None:
         """RQ's worker heartbeat and its execution records' TTLs (as rq's maintain_heartbeats)."""
@@ -362,7 +413,8 @@ class StreamPublisher:
         self._worker_state = state
 
     def recover(self, max_jobs: int = 100) -> None:
-        self._calls.append(_ScriptCall("recover", "", "recover", [self.keys.leases()],
+        self._calls.append(_ScriptCall("recover", "", "recover",
+                                       [self.keys.leases(), self.keys.stream_steps()],
                                        [max_jobs, *self._recover_templates]))
 
     # Metrics.
@@ -416,8 +468,7 @@ class StreamPublisher:
         self._flush_shards(report)
         calls = self._calls
         started = time.monotonic()
-        # Renewing every lease costs two commands a job: do it a few times a lease, not each step.
-        renew = started - self._renewed_at >= self.lease_ms / 1000 / _RENEWALS_PER_LEASE
+        renew = self._renews()
         append_ids, append_keys, append_args = (list(self._append_ids), list(self._append_keys),
                                                 list(self._append_args))
         # [redis-cost] A sharded job's main-Redis lease check adds nothing to its stream's
@@ -433,13 +484,22 @@ class StreamPublisher:
                 append_args += sharded.args
             else:
                 flag_only.append(sharded.job_id)
-        if append_ids:
+        live = list(self._live.values())
+        notified = list(self._notified)
+        for job in live:
+            tokens = _token_args(job.unpublished[job.num_notified:])
+            if tokens:
+                notified.append((self.keys.stream(job.job_id), tokens))
+        oldest_complete_ms = min((job.stream_complete_ms for job in live), default=0)
+        if append_ids or live:
             # Appends first: a job's last tokens precede its finish in the same transaction.
             calls = [_ScriptCall("append", "", "append",
-                                 [self.keys.leases(), self.keys.canceled(), *append_keys,
-                                  self.keys.stream_steps()],
-                                 [self.lease_ms, int(renew), encode_tokens(self._notified),
-                                  *append_args]),
+                                 [self.keys.leases(), self.keys.canceled(),
+                                  self.keys.live_fence(self.worker_name), *append_keys,
+                                  self.keys.stream_steps(),
+                                  self.keys.live_journal(self.worker_name)],
+                                 [self.lease_ms, int(renew), encode_tokens(notified), len(live),
+                                  oldest_complete_ms, self._live_epoch, *append_args]),
                      *calls]
         pipe = self.redis.pipeline(transaction=True)
         for call in calls:
@@ -463,6 +523,13 @@ class StreamPublisher:
         write_metrics = self._are_metrics_due(started)
         if write_metrics:
             self._queue_metrics(pipe)
+        stats = self._stats
+        write_stats = stats is not None and (
+            self._metrics_now or started - self._stats_written_at >= self.metrics_interval_s)
+        if stats is not None and write_stats:
+            key = self.keys.worker_stats(stats[0].name)
+            pipe.hset(key, mapping=cast(Any, stats[0].to_fields()))
+            pipe.pexpire(key, int(stats[1] * 1000))
         replies = pipe.execute(raise_on_error=False)
         # Reset only once the scripts have run too: if Redis drops while they are reloaded, the
         # next flush resends the whole iteration (its appends are idempotent; its finishes and
@@ -470,13 +537,14 @@ class StreamPublisher:
         replies = self._retry_missing_scripts(self.redis, calls, replies)
         if renew and append_ids:
             self._renewed_at = started
-        for job in self._carried.values():
-            job.unpublished.clear()  # in their streams now (or refused: the job leaves)
+        carried = list(self._carried.values())
         self._reset()
         if write_metrics:
             self._counters.clear()
             self._observations.clear()
             self._metrics_written_at = started
+        if write_stats:
+            self._stats, self._stats_written_at = None, started
         self._metrics_now = False
         if watched:
             first = len(calls) + (1 if flag_only else 0)
@@ -485,9 +553,11 @@ class StreamPublisher:
                                     if isinstance(n, int)}
         for call, reply in zip(calls, replies):
             if call.kind == "append":
-                self._read_appends(append_ids, reply, report)
+                self._read_appends(append_ids, live, carried, started, reply, report)
             else:
                 self._read(call, reply, report)
+        if not any(call.kind == "append" for call in calls):
+            self._read_appends([], [], carried, started, None, report)
         if flag_only:
             flags = replies[len(calls)]
             if isinstance(flags, ResponseError):
@@ -557,12 +627,37 @@ class StreamPublisher:
                     log.error("job %s: its tokens refused by the stream shard (not as a "
                               "duplicate): dropped", job_id)
 
-    def _read_appends(self, job_ids: list[str], reply: object, report: PublishReport) -> None:
+    def _read_appends(self, job_ids: list[str], live: list[RunningJob],
+                      carried: list[RunningJob], started: float, reply: object,
+                      report: PublishReport) -> None:
+        """The append script's reply (None: no append this flush; `job_ids`: the jobs written to
+        their streams); what the jobs now hold unpublished and notified follows from it."""
+        results: list[int] = []
+        canceled: list[int] = []
+        notified, now_ms, live_result, canceled_ids = 0, 0, 2, []
         if isinstance(reply, ResponseError):
             log.error("append script failed: %s", reply)
             report.refused.update(job_ids)
-            return
-        results, canceled = cast("list[list[int]]", reply)  # [append results, cancel flags]
+        elif reply is not None:
+            results, canceled, notified, now_ms, live_result, canceled_ids = cast("list[Any]",
+                                                                                  reply)
+        result_of = dict(zip(job_ids, results))
+        for job in carried:
+            job.unpublished.clear()  # in their streams now (or refused: the job leaves)
+            job.num_notified = 0
+            if result_of.get(job.job_id) == 1:
+                job.stream_complete_ms, job.stream_complete_at = int(now_ms), started
+        live_canceled = {raw.decode() if isinstance(raw, bytes) else str(raw)
+                         for raw in canceled_ids}
+        for job in live:
+            if live_result == 1 and notified:
+                job.num_notified = len(job.unpublished)
+            elif live_result == 2:
+                # The live fence is gone (a lease of this worker was taken) or the window
+                # passed: its stream next, where its own lease decides.
+                job.stream_complete_at = -math.inf
+            if job.job_id in live_canceled:
+                report.canceled.add(job.job_id)
         for job_id, result, flag in zip(job_ids, results, canceled):
             if result != 1:
                 report.refused.add(job_id)
@@ -572,9 +667,21 @@ class StreamPublisher:
             elif flag:
                 report.canceled.add(job_id)
 
+    def forget_live(self) -> None:
+        """A worker stopping with no job left: every stream is complete, so its live journal
+        and fence go (best effort: otherwise they expire)."""
+        if not self._live_epoch or self._dropped_jobs:
+            return  # jobs dropped without Redis: recovery needs the journal
+        try:
+            self.redis.delete(self.keys.live_journal(self.worker_name),
+                              self.keys.live_fence(self.worker_name))
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            log.warning("could not delete the live journal: %s", exc)
+
     def discard(self) -> None:
         """Forget what is queued (the worker gave up on Redis and dropped its jobs); final
         entries owed to shards stay owed (their jobs' ends are recorded already)."""
+        self._dropped_jobs = True
         self._reset()
 
     def _retry_missing_scripts(self, client: Redis, calls: list[_ScriptCall],

@@ -7,7 +7,6 @@ from __future__ import annotations
 import fakeredis
 
 from protocol import JobReader, JobSpec, JobStatus, Priority, SamplingParams, submit_jobs
-from tests.worker.jobs.job_support import KEYS
 from tests.worker.jobs.synthetic_worker import PooledEngine, running_worker, wait_for
 from worker.engine.synthetic_engine import synthetic_token_id
 
@@ -21,7 +20,7 @@ def test_batch_jobs_holding_the_kv_pool_give_it_to_a_higher_tier_job() -> None:
         batch = [JobSpec(job_id=f"batch-{i}", model="synthetic", prompt="Say 0", sampling=long,
                          priority=Priority.BATCH) for i in range(2)]
         submit_jobs(redis, batch)
-        wait_for(lambda: all(redis.xlen(KEYS.stream(s.job_id)) >= 20 for s in batch))
+        wait_for(lambda: all(JobReader(redis).num_tokens(s.job_id) >= 20 for s in batch))
         urgent = JobSpec(job_id="urgent", model="synthetic", prompt="Now",
                          sampling=SamplingParams(max_tokens=5), priority=Priority.HIGH)
         submit_jobs(redis, [urgent])
