@@ -155,5 +155,4 @@ def _text(value: object) -> str:
 
 
 def _event(entry_id: object, fields: dict[object, object]) -> StreamEvent:
-    raw_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
-    return StreamEvent(raw_id, StreamEntry.from_fields(fields))
+    return StreamEvent(_text(entry_id), StreamEntry.from_fields(fields))

@@ -82,10 +82,10 @@ class Keys:
 
     def stream_steps(self) -> str:
         """Stream, on every Redis holding token streams (the main one and each stream shard): one
-        entry per worker step, field `j` listing (space-separated) the job ids whose streams got
-        entries in that step, written in the same transaction after them. An API process' stream
-        hub blocks on this one key and then reads only the streams named (api/stream_hub.py)
-        instead of blocking on every stream it follows. Capped (protocol/stream_steps.py)."""
+        entry per worker step, written in the same transaction after its streams' entries: the
+        step's tokens, or the stream keys to read (protocol/stream_steps.py). An API process'
+        stream hub blocks on this one key (api/stream_hub.py) instead of blocking on every stream
+        it follows. Capped (protocol/stream_steps.py)."""
         return f"{self.prefix}:stream-steps"
 
     def live_journal(self, worker_name: str) -> str:

@@ -64,6 +64,12 @@ def _publish_step(sync: redis.Redis, job_id: str, start: int, stop: int) -> None
     """Tokens start..stop-1 as the append script writes them: the entries, then the notification
     carrying them."""
     _publish(sync, job_id, start, stop, notify=False)
+    _notify_live(sync, job_id, start, stop)
+
+
+def _notify_live(sync: redis.Redis, job_id: str, start: int, stop: int) -> None:
+    """Tokens start..stop-1 in a step notification only (as live tokens are, protocol/
+    stream_steps.py, "Live tokens", until the stream gets them)."""
     values = [str(v) for i in range(start, stop) for v in (i, 100 + i, f"t{i}", "")]
     sync.xadd(KEYS.stream_steps(), {"e": encode_tokens([(KEYS.stream(job_id), values)])})
 
@@ -193,21 +199,28 @@ async def test_many_subscribers_share_a_bounded_number_of_connections(
         assert api_connections >= num_jobs * readers_per_job - readers_per_job
 
 
-async def test_resume_joins_a_watched_stream_without_gap_or_duplicate(
-        redis_url: str, sync: redis.Redis) -> None:
+async def _served_job(redis_url: str, sync: redis.Redis
+                      ) -> AsyncIterator[tuple[httpx.AsyncClient, str]]:
+    """The app served (5 s block interval), a client of it and a job submitted through it."""
     _register_model(sync)
     settings = ApiSettings(redis_url=redis_url, port=_free_port(), stream_block_ms=5000)
     async for base_url in _serve(settings):
         async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
             job_id = (await client.post("/v1/jobs", json={"prompt": "hello"})).json()["job_id"]
-            first = Reader(client, job_id)
-            _publish(sync, job_id, 0, 6)
-            await first.wait_for(6)  # the hub's cursor for this stream is now 0-6
-            resumed = Reader(client, job_id, last_event_id="0-2")
-            await resumed.wait_for(4)  # 0-3..0-6: behind the hub, read by the resumer itself
-            _publish(sync, job_id, 6, 8)
-            _publish_done(sync, job_id, 8)
-            await _all_ended([first, resumed])
+            yield client, job_id
+
+
+async def test_resume_joins_a_watched_stream_without_gap_or_duplicate(
+        redis_url: str, sync: redis.Redis) -> None:
+    async for client, job_id in _served_job(redis_url, sync):
+        first = Reader(client, job_id)
+        _publish(sync, job_id, 0, 6)
+        await first.wait_for(6)  # the hub's cursor for this stream is now 0-6
+        resumed = Reader(client, job_id, last_event_id="0-2")
+        await resumed.wait_for(4)  # 0-3..0-6: behind the hub, read by the resumer itself
+        _publish(sync, job_id, 6, 8)
+        _publish_done(sync, job_id, 8)
+        await _all_ended([first, resumed])
     assert first.events == _expected(8)
     assert resumed.events == _expected(8, after=2)
 
@@ -398,13 +411,6 @@ async def test_tokens_a_notification_carries_are_handed_out_without_reading_the_
     assert [KEYS.stream("a")] in read
 
 
-def _notify_live(sync: redis.Redis, job_id: str, start: int, stop: int) -> None:
-    """Tokens start..stop-1 as live tokens: in a step notification only, not in the stream
-    (protocol/stream_steps.py, "Live tokens")."""
-    values = [str(v) for i in range(start, stop) for v in (i, 100 + i, f"t{i}", "")]
-    sync.xadd(KEYS.stream_steps(), {"e": encode_tokens([(KEYS.stream(job_id), values)])})
-
-
 def _write_run(sync: redis.Redis, job_id: str, start: int, stop: int) -> None:
     """Live tokens start..stop-1 into the stream once due: one run entry, no notification."""
     sync.xadd(KEYS.stream(job_id), run_fields(start, [100 + i for i in range(start, stop)],
@@ -414,25 +420,21 @@ def _write_run(sync: redis.Redis, job_id: str, start: int, stop: int) -> None:
 
 async def test_a_resume_behind_live_tokens_waits_for_the_stream_without_gap_or_duplicate(
         redis_url: str, sync: redis.Redis) -> None:
-    _register_model(sync)
-    settings = ApiSettings(redis_url=redis_url, port=_free_port(), stream_block_ms=5000)
-    async for base_url in _serve(settings):
-        async with httpx.AsyncClient(base_url=base_url, timeout=10) as client:
-            job_id = (await client.post("/v1/jobs", json={"prompt": "hello"})).json()["job_id"]
-            first = Reader(client, job_id)
-            await asyncio.sleep(0.2)  # the hub follows the stream
-            _publish_step(sync, job_id, 0, 3)
-            _notify_live(sync, job_id, 3, 4)
-            _notify_live(sync, job_id, 4, 6)
-            await first.wait_for(6)  # the hub's cursor is 0-6; the stream holds up to 0-3
-            resumed = Reader(client, job_id, last_event_id="0-1")
-            await resumed.wait_for(2)  # 0-2, 0-3 from the stream; 0-4.. not there yet
-            await asyncio.sleep(0.3)
-            assert len(resumed.events) == 2  # it waits for the stream, not for the hub's next
-            _notify_live(sync, job_id, 6, 7)
-            _write_run(sync, job_id, 3, 7)  # the live tokens' run, at 0-7
-            _publish_step(sync, job_id, 7, 8)
-            _publish_done(sync, job_id, 8)
-            await _all_ended([first, resumed])
+    async for client, job_id in _served_job(redis_url, sync):
+        first = Reader(client, job_id)
+        await asyncio.sleep(0.2)  # the hub follows the stream
+        _publish_step(sync, job_id, 0, 3)
+        _notify_live(sync, job_id, 3, 4)
+        _notify_live(sync, job_id, 4, 6)
+        await first.wait_for(6)  # the hub's cursor is 0-6; the stream holds up to 0-3
+        resumed = Reader(client, job_id, last_event_id="0-1")
+        await resumed.wait_for(2)  # 0-2, 0-3 from the stream; 0-4.. not there yet
+        await asyncio.sleep(0.3)
+        assert len(resumed.events) == 2  # it waits for the stream, not for the hub's next
+        _notify_live(sync, job_id, 6, 7)
+        _write_run(sync, job_id, 3, 7)  # the live tokens' run, at 0-7
+        _publish_step(sync, job_id, 7, 8)
+        _publish_done(sync, job_id, 8)
+        await _all_ended([first, resumed])
     assert first.events == _expected(8)
     assert resumed.events == _expected(8, after=1)

@@ -105,6 +105,8 @@ def test_a_dead_workers_live_tokens_reach_the_stream_before_its_job_resumes(
     # The engine's own client: the worker's is not thread-safe.
     doomed = _WorkerEngine(redis=Redis.from_url(redis_url))
     _, first = _start(redis_url, "doomed", doomed)
+    # Connections from here on are the API's (the session's Redis may hold earlier tests' ones).
+    last_client_id = max(int(c["id"]) for c in redis.client_list())
     api = ApiProcess.start(redis_url, tmp_path / "api.log")
     successor: BatchingWorker | None = None
     try:
@@ -117,8 +119,10 @@ def test_a_dead_workers_live_tokens_reach_the_stream_before_its_job_resumes(
         events: list[dict[str, str]] = []
         follower = threading.Thread(target=_follow, args=(api.url, job_id, events), daemon=True)
         follower.start()
-        wait_until(lambda: redis.exists(KEYS.stream(job_id)) == 0 and len(
-            [c for c in redis.client_list() if c.get("cmd") == "xread"]) >= 1, 10,
+        # The API's stream hub blocked on the step notifications: it follows them from here on.
+        wait_until(lambda: redis.exists(KEYS.stream(job_id)) == 0 and any(
+            int(c["id"]) > last_client_id and c.get("cmd") == "xread" and "b" in c.get("flags", "")
+            for c in redis.client_list()), 10,
             "the subscriber's hub to follow the notifications", api.log)
         doomed.go.set()
         first.join(timeout=30)

@@ -30,7 +30,7 @@ from redis import Redis
 from redis.client import Pipeline
 from redis.typing import EncodableT
 
-from protocol.stream_steps import LIVE_JOURNAL_TTL_MS, LIVE_WINDOW_MS, STREAM_STEPS_MAXLEN
+from protocol.stream_steps import LIVE_JOURNAL_TTL_MS, LIVE_WINDOW_MS
 from protocol.webhook_events import EMIT_JOB_EVENT_LUA
 from worker.jobs.fair_share import CLAIM_FAIR_PICK, requeue_to_owner_list, settle_owner_counter
 from worker.jobs.shard_scripts import SHARD_ADOPT, SHARD_APPEND, SHARD_END, XADD_TOKEN
@@ -219,7 +219,8 @@ return claimed
 APPEND = _COMMON + XADD_TOKEN + """
 local lease_ms = tonumber(ARGV[1])
 local renew = ARGV[2] == '1'
-local deadline = renew and now_ms() + lease_ms or 0
+local now = now_ms()
+local deadline = renew and now + lease_ms or 0
 -- The cancel set is empty but between a cancel request and its worker acting on it.
 local any_canceled = redis.call('SCARD', KEYS[2]) > 0
 -- The state fields the first token brings.
@@ -255,7 +256,6 @@ local function append(lease, stream, state, job_id, token, prompt_tokens, first_
   return 1
 end
 local results, canceled = {}, {}
-local now = now_ms()
 local num_live, epoch = tonumber(ARGV[4]), ARGV[6]
 -- [redis-cost] Live jobs: one GET for all of them (the live fence), nothing per job.
 local live = 1
@@ -404,12 +404,11 @@ return 1
 # notify more (were it alive after all, its next append learns each job's fate from its lease).
 # The journal holds only what passed the owner's live fence; a later index replaces an earlier
 # one (an older claim's tokens at those indices are in the stream already, and skipped).
-RECOVER = _COMMON + """
+RECOVER = _COMMON + XADD_TOKEN + """
 local function key(i, id) return ARGV[i] .. id .. ARGV[i + 1] end
 local now = now_ms()
 local recovered = {}
 local journals = {}  -- worker -> stream key -> index -> {token_id, text, logprobs}
-local written = {}  -- streams that got live tokens: notified, so hubs read them at once
 local function live_tokens(worker)
   local by_stream = journals[worker]
   if by_stream then return by_stream end
@@ -441,16 +440,15 @@ local function write_live_tokens(worker, stream)
     index = index + 1
   end
   if #ids == 0 then return end
-  written[#written + 1] = stream
-  -- A run (protocol/token_runs.py) at its last token's id.
+  -- A run (protocol/token_runs.py) at its last token's id; notified (`written`, XADD_TOKEN's),
+  -- so hubs read the stream at once.
+  local fields = {'kind', 'tokens', 'index', first, 'token_ids', table.concat(ids, ' '),
+                  'text', cjson.encode(texts)}
   if has_logprobs then
-    redis.call('XADD', stream, '0-' .. index, 'kind', 'tokens', 'index', first,
-               'token_ids', table.concat(ids, ' '), 'text', cjson.encode(texts),
-               'lp', cjson.encode(logprobs))
-  else
-    redis.call('XADD', stream, '0-' .. index, 'kind', 'tokens', 'index', first,
-               'token_ids', table.concat(ids, ' '), 'text', cjson.encode(texts))
+    fields[#fields + 1], fields[#fields + 2] = 'lp', cjson.encode(logprobs)
   end
+  redis.call('XADD', stream, '0-' .. index, unpack(fields))
+  written[#written + 1] = stream
 end
 for _, job_id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, ARGV[1])) do
   local lease_ttl = redis.call('PTTL', key(6, job_id))
@@ -492,10 +490,7 @@ for _, job_id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT
     recovered[#recovered + 1] = job_id
   end
 end
-if #written > 0 then
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', """ + str(STREAM_STEPS_MAXLEN) + """, '*', 'k',
-             table.concat(written, ' '))
-end
+send_notes(KEYS[2], '')  -- names the streams that got live tokens (no tokens of its own)
 return recovered
 """
 

@@ -228,12 +228,12 @@ class StreamPublisher:
                     or self._observations or self._heartbeat or self._pending_ends)
 
     # Per job.
-    def append(self, job: RunningJob) -> None:
+    def append(self, job: RunningJob, may_go_live: bool = True) -> None:
         """New tokens (maybe none), the lease renewal and the cancel check, fenced by the job's
         token. All the batch's appends go to Redis as one script call. The tokens go to the
         job's stream, or, for a live job, to subscribers only until its stream is due."""
         self._counters["generated_tokens_total"] += len(job.unpublished) - job.num_notified
-        if self._goes_live(job):
+        if may_go_live and self._goes_live(job):
             self._live[job.job_id] = job
         else:
             self._append_to_stream(job)
@@ -373,10 +373,9 @@ class StreamPublisher:
         ahead of its end or requeue in the same transaction: its stream must hold every token
         its end counts, and a resumer continues after them."""
         if self._live.pop(job.job_id, None) is not None:
-            self._append_to_stream(job)
+            self._append_to_stream(job)  # counted by its append
         elif job.unpublished and job.job_id not in self._carried:
-            self._counters["generated_tokens_total"] += len(job.unpublished) - job.num_notified
-            self._append_to_stream(job)
+            self.append(job, may_go_live=False)
 
     @property
     def has_job_changes(self) -> bool:
@@ -551,13 +550,13 @@ class StreamPublisher:
             lengths = replies[first:first + len(watched)]
             report.queue_lengths = {key: int(n) for key, n in zip(watched, lengths)
                                     if isinstance(n, int)}
+        # None when no append went (the carried jobs are sharded ones between renewals).
+        append_reply = next((reply for call, reply in zip(calls, replies)
+                             if call.kind == "append"), None)
+        self._read_appends(append_ids, live, carried, started, append_reply, report)
         for call, reply in zip(calls, replies):
-            if call.kind == "append":
-                self._read_appends(append_ids, live, carried, started, reply, report)
-            else:
+            if call.kind != "append":
                 self._read(call, reply, report)
-        if not any(call.kind == "append" for call in calls):
-            self._read_appends([], [], carried, started, None, report)
         if flag_only:
             flags = replies[len(calls)]
             if isinstance(flags, ResponseError):
