@@ -10,6 +10,7 @@ import math
 
 import fakeredis
 import pytest
+from pydantic import ValidationError
 from redis import Redis
 
 from protocol import FinishReason, JobReader, JobStatus, TokenEntry
@@ -26,6 +27,7 @@ from tests.worker.jobs.job_support import (
 )
 from worker.jobs.job_queue import JobQueue
 from worker.jobs.running_job import RunningJob
+from worker.jobs.settings import WorkerSettings
 from worker.jobs.stream_publisher import JobEnd, StreamPublisher
 
 STREAM = KEYS.stream("job-1")
@@ -223,3 +225,14 @@ def test_a_worker_stopping_cleanly_deletes_its_journal_but_not_after_dropping_jo
     assert redis.exists(journal, fence) == 2
     _publisher(make_queue(redis)).forget_live()  # the same worker, stopping with no job
     assert redis.exists(journal, fence) == 0
+
+
+def test_a_durable_interval_past_the_live_window_or_below_zero_is_refused_by_name() -> None:
+    # The append script refuses to notify a job whose stream is older than LIVE_WINDOW_MS: the
+    # interval must leave a second of room below it (a step's time, clocks apart).
+    for refused in (LIVE_WINDOW_MS - 999, -1):
+        with pytest.raises(ValidationError, match="durable_interval_ms"):
+            WorkerSettings(model="synthetic", durable_interval_ms=refused)
+    assert WorkerSettings(model="synthetic").durable_interval_ms == 500
+    assert WorkerSettings(model="synthetic",
+                          durable_interval_ms=LIVE_WINDOW_MS - 1000).durable_interval_ms == 4000
