@@ -147,7 +147,7 @@ class JobService:
         """Check every request, then queue them all in one transaction (all or none), counted as
         len(requests) jobs by the queue admission: a request's n choices, one job each. They
         share one model (the first request's)."""
-        card = await self._models.resolve(requests[0].model)
+        card = await self._models.resolve(requests[0].model, recent=True)
         hook = requests[0]
         if hook.webhook_url is not None:  # one request's jobs share it: checked once
             await checked_webhook_url(hook.webhook_url, self._webhook_allow_list, hook.webhook_param)

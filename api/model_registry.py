@@ -3,11 +3,19 @@ now, and which one a request means."""
 
 from __future__ import annotations
 
+import time
+
 import redis.asyncio as aioredis
 
 from api.errors import NotFoundError, ServiceUnavailableError
 from api.fleet import live_workers
 from protocol import Keys, ModelCard
+
+# [redis-cost] Every submission resolves its model: two round trips (the cards, and the live
+# workers when it names none) for what changes only when a worker starts or stops. A submission's
+# resolve() reuses what was read within this long; a name it does not find makes it read the
+# cards again at once, so a model registered a moment ago is never refused for it.
+RESOLVE_MAX_AGE_S = 1.0
 
 
 class ModelRegistry:
@@ -15,6 +23,8 @@ class ModelRegistry:
         self._redis = redis
         self._keys = keys
         self._retry_after_s = retry_after_s
+        self._recent_cards: tuple[float, list[ModelCard]] | None = None  # (read at, cards)
+        self._recent_live: tuple[float, set[str]] | None = None  # (read at, names)
 
     async def cards(self) -> list[ModelCard]:
         """Every model ever registered here, the first registered first (the default model).
@@ -32,15 +42,39 @@ class ModelRegistry:
         live = await self.live_names()
         return [card for card in await self.cards() if card.name in live]
 
-    async def resolve(self, name: str | None, param: str = "model") -> ModelCard:
+    async def _cards_for_resolve(self, fresh: bool = False) -> tuple[list[ModelCard], bool]:
+        """The cards, as read within RESOLVE_MAX_AGE_S unless `fresh`; and whether they were read
+        just now."""
+        now = time.monotonic()
+        if not fresh and self._recent_cards is not None \
+                and now - self._recent_cards[0] < RESOLVE_MAX_AGE_S:
+            return self._recent_cards[1], False
         cards = await self.cards()
+        self._recent_cards = (now, cards)
+        return cards, True
+
+    async def _live_names_for_resolve(self) -> set[str]:
+        now = time.monotonic()
+        if self._recent_live is None or now - self._recent_live[0] >= RESOLVE_MAX_AGE_S:
+            self._recent_live = (now, await self.live_names())
+        return self._recent_live[1]
+
+    async def resolve(self, name: str | None, param: str = "model",
+                      recent: bool = False) -> ModelCard:
+        """The card `name` means (None: the default model). `recent`: what was read within
+        RESOLVE_MAX_AGE_S will do (a submission, which needs Redis right after anyway); else
+        read now (routes that answer from the card alone say 503 while Redis is down)."""
+        cards, fresh = await self._cards_for_resolve(fresh=not recent)
+        if not fresh and (not cards or (name is not None
+                                        and all(card.name != name for card in cards))):
+            cards, _ = await self._cards_for_resolve(fresh=True)
         if not cards:
             raise ServiceUnavailableError(
                 "No model is registered yet: no worker has started (start one with "
                 "`python -m worker --model ...`)", self._retry_after_s)
         if name is None:
             # The first registered model that a live worker serves; else the first: it queues.
-            live = await self.live_names()
+            live = await (self._live_names_for_resolve() if recent else self.live_names())
             return next((card for card in cards if card.name in live), cards[0])
         for card in cards:
             if card.name == name:

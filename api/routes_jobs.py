@@ -167,9 +167,11 @@ async def stream_job(
             # FastAPI's own errors name a header as it is sent: last-event-id.
             param="last-event-id" if last_event_id else "after", location=location)
     stream = ctx.stream(job_id)
-    last = await stream.last_event()
-    if last is not None and last.is_done and entry_id_key(last.entry_id) <= entry_id_key(resume_from):
-        return Response(status_code=204)  # tells EventSource to stop reconnecting
+    if resume_from != STREAM_START:  # (from the start, some event always follows)
+        last = await stream.last_event()
+        if last is not None and last.is_done \
+                and entry_id_key(last.entry_id) <= entry_id_key(resume_from):
+            return Response(status_code=204)  # tells EventSource to stop reconnecting
     return EventStreamResponse(_job_events(stream, resume_from, ctx.settings.sse_keepalive_s),
                                headers={"X-Carpool-Job-Id": job_id})
 

@@ -22,8 +22,11 @@ Live tokens (protocol/stream_steps.py): a notification may carry tokens its stre
 later, so the hub's cursor may be ahead of the stream. A stream read after a gap then brings what
 the stream has; the tokens after it come with the stream's next write.
 
-Joining: a stream nobody here watches yet is read by the hub from the subscriber's own id (the hub
-wakes its blocked read with CLIENT UNBLOCK so it reads the new stream at once). A subscriber that
+Joining: a stream nobody here watches yet is read by the hub from the subscriber's own id: at its
+next turn when notifications are coming in (one is due within about a worker step), else at once
+(the hub wakes its blocked read with CLIENT UNBLOCK; also when no turn came within
+`_BUSY_WITHIN_S`). [redis-cost] Waking it for every new stream cost three round trips a job under
+load (the UNBLOCK, a read of that stream alone, the blocking read again). A subscriber that
 joins a watched stream behind the hub's cursor reads the entries in between itself (`catch_up_to`,
 an XRANGE, waiting for the stream to get there: api/job_stream.py) and gets everything after the
 cursor from the hub: no gap. Entries can reach a
@@ -56,6 +59,9 @@ log = logging.getLogger(__name__)
 _WAKE_TRIES = 3
 _WAKE_RETRY_S = 0.002
 _STEPS_COUNT = 1024  # notifications per read
+# A hub that got notifications this recently reads a newly watched stream at its next turn
+# instead of being woken for it, unless that turn has not come this long after.
+_BUSY_WITHIN_S = 0.05
 
 
 class Subscription:
@@ -146,6 +152,9 @@ class StreamHub:
         self._is_blocked = False  # the reader waits for notifications (CLIENT UNBLOCK wakes it)
         self._can_unblock = True
         self._is_closed = False
+        self._notified_at = -float("inf")  # monotonic time of the last read that got notifications
+        self._wake_due = False  # a wake for new streams is scheduled (see subscribe)
+        self._pending_wake: asyncio.Task[None] | None = None  # (held: the loop keeps weak refs)
 
     @property
     def num_streams(self) -> int:
@@ -167,8 +176,18 @@ class StreamHub:
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="stream-hub")
         elif is_new:
-            await self._wake()
+            if time.monotonic() - self._notified_at >= _BUSY_WITHIN_S:
+                await self._wake()
+            elif not self._wake_due:
+                # Notifications stopped just now (the fleet went idle)? Then wake after all.
+                self._wake_due = True
+                asyncio.get_running_loop().call_later(_BUSY_WITHIN_S, self._wake_if_still_due)
         return subscription
+
+    def _wake_if_still_due(self) -> None:
+        self._wake_due = False
+        if self._task is not None and not self._task.done() and self._dirty:
+            self._pending_wake = asyncio.create_task(self._wake())
 
     def unsubscribe(self, subscription: Subscription) -> None:
         watch = self._watches.get(subscription.key)
@@ -242,6 +261,8 @@ class StreamHub:
                                                      block=block, count=_STEPS_COUNT)
                 finally:
                     self._is_blocked = False
+                if reply:
+                    self._notified_at = time.monotonic()
                 for _, notifications in cast(XReadReply, reply or []):
                     for entry_id, fields in notifications:
                         steps_cursor = (entry_id.decode() if isinstance(entry_id, bytes)

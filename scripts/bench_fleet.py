@@ -171,6 +171,13 @@ def _command_stats(redis: Redis) -> dict[str, tuple[int, int]]:
             for name, stats in redis.info("commandstats").items()}
 
 
+def _round_trips(servers: dict[str, Redis]) -> int:
+    """Requests the servers have read so far (INFO stats total_reads_processed: one per client
+    round trip, however many commands it pipelines). On a lightly loaded VM each wakes Redis from
+    idle, and that wake-up, not the commands, is most of what a round trip costs it."""
+    return sum(int(redis.info("stats")["total_reads_processed"]) for redis in servers.values())
+
+
 def _published(redis: Redis) -> int:
     """Tokens the workers have published so far (their generated_tokens_total counter)."""
     return int(redis.hget(Keys().counters(), "generated_tokens_total") or 0)
@@ -227,12 +234,12 @@ async def _measure(base_url: str, servers: dict[str, Redis],
                 redis.config_set("slowlog-max-len", _SLOWLOG_LEN)
                 redis.slowlog_reset()
         cpus0 = {name: _redis_cpu_s(redis) for name, redis in servers.items()}
-        published0 = _published(servers["main"])
+        published0, trips0, jobs0 = _published(servers["main"]), _round_trips(servers), counts.jobs_done
         calls0, gen0, del0, t0 = (_sum_stats(servers), counts.generated, counts.delivered,
                                   time.monotonic())
         await asyncio.sleep(args.seconds)
         cpus1 = {name: _redis_cpu_s(redis) for name, redis in servers.items()}
-        published1 = _published(servers["main"])
+        published1, trips1, jobs1 = _published(servers["main"]), _round_trips(servers), counts.jobs_done
         calls1, gen1, del1, t1 = (_sum_stats(servers), counts.generated, counts.delivered,
                                   time.monotonic())
         by_script = _by_script(servers, published1 - published0) if args.by_script else None
@@ -268,6 +275,9 @@ async def _measure(base_url: str, servers: dict[str, Redis],
         "generated_tokens_per_s_per_redis_core": round(1e6 / per_token) if per_token else None,
         # What commands cost inside Redis; the rest of its CPU is I/O and the event loop.
         "command_us_per_generated_token": round(command_us / max(generated, 1), 2),
+        "jobs_done_per_s": round((jobs1 - jobs0) / window, 2),
+        "round_trips_per_s": round((trips1 - trips0) / window, 1),
+        "round_trips_per_1000_generated_tokens": round((trips1 - trips0) * 1000 / max(generated, 1), 1),
         "command_us_per_generated_token_by_command": {
             name: round(n / max(generated, 1), 2)
             for name, n in sorted(usec.items(), key=lambda item: -item[1]) if n},
@@ -351,13 +361,14 @@ def main() -> int:
                                             "subscribers", "seconds", "shards")}
     print(json.dumps({"config": config}))
     print(f"{'run':<36}{'tok/s':>9}{'us/gen tok':>12}{'us/deliv tok':>14}{'tok/s/core':>12}"
-          f"{'ceiling tok/s':>15}")
+          f"{'ceiling tok/s':>15}{'trips/s':>9}{'trips/1k tok':>14}")
     for label, r in results.items():
         print(f"{label:<36}{r['generated_tokens_per_s']:>9}"
               f"{r['redis_cpu_us_per_generated_token']:>12}"
               f"{r['redis_cpu_us_per_delivered_token']:>14}"
               f"{r['generated_tokens_per_s_per_redis_core']!s:>12}"
-              f"{r['ceiling_generated_tokens_per_s']!s:>15}")
+              f"{r['ceiling_generated_tokens_per_s']!s:>15}{r['round_trips_per_s']:>9}"
+              f"{r['round_trips_per_1000_generated_tokens']:>14}")
     return 0
 
 

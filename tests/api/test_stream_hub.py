@@ -273,6 +273,41 @@ async def test_a_new_stream_is_read_without_waiting_for_the_block_to_end(
     assert hub.num_streams == 0
 
 
+async def test_a_new_stream_joins_at_the_next_turn_while_steps_are_notified(
+        open_hub: OpenHub, sync: redis.Redis) -> None:
+    """[redis-cost] While steps are notified, a newly watched stream is read at the hub's next
+    turn, with no CLIENT UNBLOCK (three round trips a job under load); once they stop, the hub is
+    woken for it after all, within _BUSY_WITHIN_S, not left to its block interval."""
+    hub = open_hub(block_ms=10_000)
+    busy = await hub.subscribe(KEYS.stream("busy"), "0-0")
+    await asyncio.sleep(0.1)  # the first (full) read is done: the hub waits for notifications
+    unblocks: list[bool] = []
+    real_unblock = hub._unblock
+
+    async def counting_unblock() -> bool:
+        unblocks.append(await real_unblock())
+        return unblocks[-1]
+
+    hub._unblock = counting_unblock  # type: ignore[method-assign]
+    for index in range(3):
+        _publish_step(sync, "busy", index, index + 1)
+        await asyncio.sleep(0.01)
+    _publish(sync, "b", 0, 2, notify=False)  # written before anyone here watched it
+    joined = await hub.subscribe(KEYS.stream("b"), "0-0")
+    _publish_step(sync, "busy", 3, 4)  # the next step: the hub's next turn
+    assert await _ids(joined) == ["0-1", "0-2"]
+    assert unblocks == []
+    # No step follows: the stream joined now is read at a wake 50 ms on.
+    _publish(sync, "c", 0, 1, notify=False)
+    started = time.monotonic()
+    late = await hub.subscribe(KEYS.stream("c"), "0-0")
+    assert await _ids(late) == ["0-1"]
+    assert time.monotonic() - started < 2.0  # far less than the 10 s block
+    assert unblocks == [True]
+    received = [entry_id for batch in [await busy.next(1.0)] for entry_id, _ in batch]
+    assert received == ["0-1", "0-2", "0-3", "0-4"]
+
+
 async def test_a_subscriber_behind_the_hub_catches_up_then_follows(
         open_hub: OpenHub, sync: redis.Redis) -> None:
     hub = open_hub(block_ms=100)

@@ -237,6 +237,9 @@ class BatchingWorker:
             self._redis_unreachable("claiming jobs", exc)
             return []
         self._redis_reachable()
+        # [redis-cost] With no KV budget to stop it, a claim short of its seats emptied every
+        # queue: the next boundary (before any publish reads them again) need not ask.
+        self._queues_seen_empty = budget is None and len(claims) < free_slots
         # A higher tier waits and a seat was free, yet nothing of it fit in the KV blocks left
         # (the claim keeps queue order, so it took nothing below it either): batch jobs hold them.
         num_foreground = sum(1 for claim in claims

@@ -260,3 +260,36 @@ def test_a_free_seat_sends_no_claim_while_the_last_publish_read_every_queue_empt
     assert states[0].started_at < states[1].started_at < states[0].finished_at
     expected = reference.generate([first.prompt, second.prompt], long)
     assert [list(s.token_ids) for s in states] == [list(c.token_ids) for c in expected]
+
+
+@pytest.mark.parametrize("running", ["continuous"], indirect=True)
+def test_a_woken_worker_whose_claim_emptied_the_queues_does_not_claim_again_at_once(
+        running: Running, reference) -> None:
+    """[redis-cost] An idle worker woken by a job claims it; that claim, short of the seats it
+    asked for with no KV budget to stop it, found every queue empty, so the boundary right after
+    sends no second (empty) claim: one claim for the job, none while it runs."""
+    queue = running.worker.queue
+    real_claim = queue.claim
+    claims_made: list[tuple[bool, int]] = []  # (held jobs when asked, jobs taken)
+
+    def counting_claim(max_jobs: int, free_kv_blocks: int | None = None,
+                       adopt: tuple[str, int] | None = None) -> list:
+        held = bool(running.worker.jobs)
+        claims = real_claim(max_jobs, free_kv_blocks, adopt=adopt)
+        claims_made.append((held, len(claims)))
+        return claims
+
+    queue.claim = counting_claim  # type: ignore[method-assign]
+    model = running.worker.settings.served_model_name
+    spec = dataclasses.replace(_specs(model, 1)[0], sampling=SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True))
+    time.sleep(0.2)  # the worker is idle, blocked on its wake-up lists
+    claims_made.clear()
+    submit_jobs(running.redis, [spec])
+    reader = JobReader(running.redis)
+    state = wait_for(lambda: (s := reader.state(spec.job_id)) and s.status.is_final and s)
+    taken = [entry for entry in claims_made if entry[1]]
+    assert taken == [(False, 1)]
+    assert [entry for entry in claims_made if entry[0]] == []  # no claim while it ran
+    expected = reference.generate([spec.prompt], spec.sampling)
+    assert list(state.token_ids) == list(expected[0].token_ids)
