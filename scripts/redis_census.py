@@ -78,6 +78,8 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=20, help="max_tokens of each job")
     parser.add_argument("--seats", type=int, default=4, help="max_num_seqs of the worker")
     parser.add_argument("--step-ms", type=float, default=25.0, help="synthetic step time")
+    parser.add_argument("--durable-interval-ms", type=float, default=500.0,
+                        help="the worker's CARPOOL_DURABLE_INTERVAL_MS (its default, 500)")
     args = parser.parse_args()
     server, url = _start_redis()
     port = _free_port()
@@ -85,7 +87,7 @@ def main() -> int:
     monitor = None
     try:
         args.workers = 1
-        ((worker, _),) = _start_workers(url, args, [], 0.0)
+        ((worker, _),) = _start_workers(url, args, [], 0.0, args.durable_interval_ms)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
             client.post("/v1/jobs", json={"prompt": "warm up", "max_tokens": 2})
             time.sleep(1.0)
