@@ -127,9 +127,10 @@ def _async_client(url: str, settings: ApiSettings) -> aioredis.Redis:
 def _hub(client: aioredis.Redis, settings: ApiSettings, keys: Keys) -> StreamHub | None:
     if not settings.stream_hub:
         return None
-    # Its own connection from the shard's pool: it stays blocked in XREAD.
+    # Its own connections from the shard's pool: one subscribed to the step notifications, one
+    # for its reads of the streams.
     reader = aioredis.Redis(connection_pool=client.connection_pool, single_connection_client=True)
-    return StreamHub(reader, client, settings.stream_block_ms,
+    return StreamHub(reader, settings.stream_block_ms,
                      min_interval_ms=settings.stream_hub_interval_ms, keys=keys)
 
 

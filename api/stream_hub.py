@@ -1,32 +1,34 @@
 """One reader per API process (and stream shard) for every token stream its subscribers follow.
 
 Without it each SSE subscriber held its own Redis connection blocked on its own XREAD: Redis paid a
-command per token per subscriber and a connection per subscriber. The hub keeps one dedicated
-connection and fans each entry out in-process to the subscriptions of its stream.
+command per token per subscriber and a connection per subscriber. The hub keeps two connections
+(one subscribed, one for its reads) and fans each entry out in-process to the subscriptions of its
+stream.
 
-What it blocks on: the step notifications (`Keys.stream_steps`, protocol/stream_steps.py), one
-entry per worker step. The hub blocks on that one key. A notification that carries its step's
-tokens (the usual one) is handed out as it is, after the entries this hub delivered for each
-stream; one that names streams instead (final entries, a step whose append was partly refused),
-or tokens after a gap, makes the hub read just those streams, in one non-blocking XREAD. (It used
-to block on one XREAD over every watched stream: Redis registered and unregistered each of them as
-a blocked key, re-ran the read over all of them at every wake-up whichever had changed, and
-encoded every entry for it; at 64 streams that was a third of Redis' CPU per token.) No entry is
-missed: the hub takes the notifications' last id before it first reads any stream, and a writer
-adds a notification after its entries in the same transaction, so an entry is either in the hub's
-read of its stream or notified after the hub's cursor. A full read of every watched stream at
-least every block interval makes up for anything a notification did not announce (a writer that
-sends none, a notification trimmed away).
+What it waits on: the step notifications (`Keys.stream_steps`, protocol/stream_steps.py), one Pub/Sub
+message per worker step on one channel. A notification that carries its step's tokens (the usual
+one) is handed out as it is, after the entries this hub delivered for each stream; one that names
+streams instead (final entries, a step whose append was partly refused), or tokens after a gap,
+makes the hub read just those streams, in one non-blocking XREAD. (It used to block on one XREAD
+over every watched stream: Redis registered and unregistered each of them as a blocked key, re-ran
+the read over all of them at every wake-up whichever had changed, and encoded every entry for it;
+at 64 streams that was a third of Redis' CPU per token. Then on an XREAD of a stream of
+notifications: a request to Redis at every step; a message sent it costs Redis no request.) No
+entry is missed: the hub subscribes before it first reads any stream, and a writer publishes a
+notification after its entries in the same script or transaction, so an entry is either in the
+hub's read of its stream or in a message it gets. A full read of every watched stream at least
+every block interval makes up for anything a notification did not announce (a writer that sends
+none). A subscription that lost its connection (redis-py subscribes again, and the messages in
+between are gone) ends every subscriber, as any lost connection does: they resume after their
+last event.
 
 Live tokens (protocol/stream_steps.py): a notification may carry tokens its stream gets only
 later, so the hub's cursor may be ahead of the stream. A stream read after a gap then brings what
 the stream has; the tokens after it come with the stream's next write.
 
-Joining: a stream nobody here watches yet is read by the hub from the subscriber's own id: at its
-next turn when notifications are coming in (one is due within about a worker step), else at once
-(the hub wakes its blocked read with CLIENT UNBLOCK; also when no turn came within
-`_BUSY_WITHIN_S`). [redis-cost] Waking it for every new stream cost three round trips a job under
-load (the UNBLOCK, a read of that stream alone, the blocking read again). A subscriber that
+Joining: a stream nobody here watches yet is read by the hub from the subscriber's own id at its
+next turn: within `_WAIT_SLICE_S`, the longest it waits for a message before looking (on its own
+socket: no request). A subscriber that
 joins a watched stream behind the hub's cursor reads the entries in between itself (`catch_up_to`,
 an XRANGE, waiting for the stream to get there: api/job_stream.py) and gets everything after the
 cursor from the hub: no gap. Entries can reach a
@@ -46,22 +48,20 @@ from typing import cast
 
 import redis.asyncio as aioredis
 import redis.exceptions
+from redis.asyncio.client import PubSub
+from redis.asyncio.connection import Connection
 
 from protocol.job_reader import XReadReply
 from protocol.keys import Keys
 from protocol.stream_ids import entry_id_key
-from protocol.stream_steps import notified_streams, notified_tokens
+from protocol.stream_steps import note_fields, notified_streams, notified_tokens
 from protocol.token_runs import RawEntry
 
 log = logging.getLogger(__name__)
 
-# A wake sent just before Redis has the XREAD blocked finds nothing to unblock: try again shortly.
-_WAKE_TRIES = 3
-_WAKE_RETRY_S = 0.002
-_STEPS_COUNT = 1024  # notifications per read
-# A hub that got notifications this recently reads a newly watched stream at its next turn
-# instead of being woken for it, unless that turn has not come this long after.
-_BUSY_WITHIN_S = 0.05
+# The longest the hub waits for a notification before it looks for newly watched streams (no
+# request to Redis: the wait is on the subscribed connection's socket).
+_WAIT_SLICE_S = 0.02
 
 
 class Subscription:
@@ -133,14 +133,13 @@ class StreamHub:
     notifications and the streams they list.
     """
 
-    def __init__(self, reader: aioredis.Redis, control: aioredis.Redis, block_ms: int,
+    def __init__(self, reader: aioredis.Redis, block_ms: int,
                  count: int = 256, max_pending: int = 4096, min_interval_ms: float = 0.0,
                  keys: Keys | None = None) -> None:
         self._reader = reader
         # After a turn that brought entries, wait this long from its start before the next, so
-        # one read gathers the steps of several workers (fewer reads, at that much latency).
+        # one turn gathers the steps of several workers (fewer reads, at that much latency).
         self._min_interval_s = min_interval_ms / 1000
-        self._control = control
         self._block_ms = block_ms
         self._count = count
         self._max_pending = max_pending
@@ -148,13 +147,9 @@ class StreamHub:
         self._watches: dict[str, _Watch] = {}
         self._dirty: set[str] = set()  # watched streams to read at the next turn
         self._task: asyncio.Task[None] | None = None
-        self._client_id: int | None = None  # the reader connection's, for CLIENT UNBLOCK
-        self._is_blocked = False  # the reader waits for notifications (CLIENT UNBLOCK wakes it)
-        self._can_unblock = True
         self._is_closed = False
-        self._notified_at = -float("inf")  # monotonic time of the last read that got notifications
-        self._wake_due = False  # a wake for new streams is scheduled (see subscribe)
-        self._pending_wake: asyncio.Task[None] | None = None  # (held: the loop keeps weak refs)
+        self._pubsub: PubSub | None = None  # the reader's subscription to the step notifications
+        self._subscription_lost = False
 
     @property
     def num_streams(self) -> int:
@@ -175,19 +170,7 @@ class StreamHub:
             self._dirty.add(key)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="stream-hub")
-        elif is_new:
-            if time.monotonic() - self._notified_at >= _BUSY_WITHIN_S:
-                await self._wake()
-            elif not self._wake_due:
-                # Notifications stopped just now (the fleet went idle)? Then wake after all.
-                self._wake_due = True
-                asyncio.get_running_loop().call_later(_BUSY_WITHIN_S, self._wake_if_still_due)
         return subscription
-
-    def _wake_if_still_due(self) -> None:
-        self._wake_due = False
-        if self._task is not None and not self._task.done() and self._dirty:
-            self._pending_wake = asyncio.create_task(self._wake())
 
     def unsubscribe(self, subscription: Subscription) -> None:
         watch = self._watches.get(subscription.key)
@@ -201,10 +184,8 @@ class StreamHub:
         self._is_closed = True
         task = self._task
         if task is not None and not task.done():
-            # Woken rather than cancelled: a cancel inside redis-py's blocked read takes seconds
-            # to unwind (it drops the connection), and may come back as an error of its own.
-            await self._unblock()
-            await asyncio.wait({task}, timeout=self._block_ms / 1000 + 1)
+            # Left to see it between two waits rather than cancelled inside a read.
+            await asyncio.wait({task}, timeout=_WAIT_SLICE_S + 1)
             if not task.done():
                 task.cancel()
         self._fail_all(redis.exceptions.ConnectionError("the stream hub is closed"))
@@ -216,78 +197,82 @@ class StreamHub:
             for subscription in watch.subscribers:
                 subscription.fail(error)
 
-    async def _wake(self) -> None:
-        """Cut the wait for notifications short, so the reader reads the new streams now."""
-        for _ in range(_WAKE_TRIES):
-            if not self._is_blocked or not self._dirty:
-                return  # the reader is not waiting, or has read the new streams already
-            if await self._unblock():
-                return
-            await asyncio.sleep(_WAKE_RETRY_S)
-
-    async def _unblock(self) -> bool:
-        """CLIENT UNBLOCK the reader: whether it was blocked (a server without the command, or a
-        reader whose id is not known yet, is left to its block timeout)."""
-        if self._client_id is None or not self._can_unblock:
-            return False
-        try:
-            return bool(await self._control.client_unblock(self._client_id))
-        except redis.exceptions.ResponseError:
-            self._can_unblock = False
-            return False
+    async def _subscribe(self) -> PubSub:
+        """The reader's subscription to the step notifications, confirmed. A pooled connection
+        left over from a Redis that restarted fails at its first use: nothing was read yet, so
+        a second one is tried."""
+        for attempt in (1, 2):
+            pubsub = self._pubsub = self._reader.pubsub()
+            pubsub.on_connect = self._on_reconnect  # type: ignore[method-assign]
+            try:
+                await pubsub.subscribe(self._keys.stream_steps())
+                while await pubsub.get_message(timeout=self._block_ms / 1000) is None:
+                    pass  # the subscription's confirmation
+            except redis.exceptions.ConnectionError:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+                if attempt == 2:
+                    raise
+                continue
+            # A reconnect while subscribing missed nothing yet.
+            self._subscription_lost = False
+            return pubsub
+        raise AssertionError("unreachable")
 
     async def _run(self) -> None:
+        pubsub: PubSub | None = None
         try:
-            # The notifications' position first, then the streams: see the module's docstring.
-            steps_cursor = await self._last_step_id()
+            # Subscribed before any stream is read: see the module's docstring.
+            pubsub = await self._subscribe()
             full_read_at = -float("inf")
             while self._watches and not self._is_closed:
-                if self._client_id is None and self._can_unblock:
-                    try:
-                        self._client_id = int(await self._reader.client_id())
-                    except redis.exceptions.ResponseError:
-                        self._can_unblock = False
                 started = time.monotonic()
                 if started - full_read_at >= self._block_ms / 1000:
                     full_read_at = started
                     self._dirty.update(self._watches)
                 brought = bool(self._dirty) and await self._read_dirty()
-                # Block only when nothing is left to read (a stream with more than a page is).
-                block = None if self._dirty else max(
-                    1, int(self._block_ms - (time.monotonic() - full_read_at) * 1000))
-                self._is_blocked = block is not None
-                try:
-                    reply = await self._reader.xread({self._keys.stream_steps(): steps_cursor},
-                                                     block=block, count=_STEPS_COUNT)
-                finally:
-                    self._is_blocked = False
-                if reply:
-                    self._notified_at = time.monotonic()
-                for _, notifications in cast(XReadReply, reply or []):
-                    for entry_id, fields in notifications:
-                        steps_cursor = (entry_id.decode() if isinstance(entry_id, bytes)
-                                        else str(entry_id))
-                        for key, entries in notified_tokens(fields):
-                            self._deliver_notified(key, entries)
-                        for key in notified_streams(fields):
-                            if key in self._watches:
-                                self._dirty.add(key)
-                if (brought or reply) and self._min_interval_s:
+                # Wait only when nothing is left to read (a stream with more than a page is).
+                wait_s = 0.0 if self._dirty else max(0.0, min(
+                    _WAIT_SLICE_S, self._block_ms / 1000 - (time.monotonic() - full_read_at)))
+                notified = False
+                message = await pubsub.get_message(ignore_subscribe_messages=True,
+                                                   timeout=wait_s)
+                while message is not None:  # every notification that came, in one turn
+                    notified = True
+                    fields = note_fields(message["data"])
+                    for key, entries in notified_tokens(fields):
+                        self._deliver_notified(key, entries)
+                    for key in notified_streams(fields):
+                        if key in self._watches:
+                            self._dirty.add(key)
+                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
+                if self._subscription_lost:
+                    raise redis.exceptions.ConnectionError(
+                        "the stream hub's subscription to the step notifications was lost")
+                if (brought or notified) and self._min_interval_s:
                     await asyncio.sleep(self._min_interval_s - (time.monotonic() - started))
         except Exception as exc:
             # Every subscriber ends as a failed XREAD of its own would have ended it.
             if not isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
                 log.exception("stream hub reader failed")
-            self._client_id = None
             self._fail_all(exc)
+            # Its connection for reads sat idle through whatever broke the subscription (a Redis
+            # restart): the next run starts on a new one.
+            if self._reader.connection is not None:
+                with contextlib.suppress(Exception):
+                    await self._reader.connection.disconnect()
+        finally:
+            if pubsub is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(pubsub.aclose())
 
-    async def _last_step_id(self) -> str:
-        last = cast("list[RawEntry]", await self._reader.xrevrange(self._keys.stream_steps(),
-                                                                    count=1))
-        if not last:
-            return "0-0"
-        entry_id = last[0][0]
-        return entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    async def _on_reconnect(self, connection: Connection) -> None:
+        """redis-py reconnects a subscription that lost its connection and subscribes again: the
+        notifications in between are gone, so the subscribers end as on any lost connection (and
+        resume after their last event)."""
+        self._subscription_lost = True
+        if self._pubsub is not None:
+            await PubSub.on_connect(self._pubsub, connection)
 
     async def _read_dirty(self) -> bool:
         """One non-blocking XREAD of the streams marked to read; whether it brought entries."""

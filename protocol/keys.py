@@ -81,11 +81,11 @@ class Keys:
         return f"{self.prefix}:job:{job_id}:stream-fence"
 
     def stream_steps(self) -> str:
-        """Stream, on every Redis holding token streams (the main one and each stream shard): one
-        entry per worker step, written in the same transaction after its streams' entries: the
-        step's tokens, or the stream keys to read (protocol/stream_steps.py). An API process'
-        stream hub blocks on this one key (api/stream_hub.py) instead of blocking on every stream
-        it follows. Capped (protocol/stream_steps.py)."""
+        """Pub/Sub channel, on every Redis holding token streams (the main one and each stream
+        shard): one message per worker step, published in the same script or transaction after
+        its streams' entries: the step's tokens, or the stream keys to read (protocol/
+        stream_steps.py). An API process' stream hub subscribes to it (api/stream_hub.py) instead
+        of blocking on every stream it follows."""
         return f"{self.prefix}:stream-steps"
 
     def live_journal(self, worker_name: str) -> str:

@@ -1,8 +1,12 @@
-"""Step notifications: what token streams got, one entry per worker step (`Keys.stream_steps`).
+"""Step notifications: what token streams got, one Pub/Sub message per worker step on the channel
+`Keys.stream_steps`, published by the same script or transaction that wrote the streams.
 
-A stream hub (api/stream_hub.py) blocks on this one key instead of on every stream it follows
-(Redis paid for each of those at every read: registering and unregistering them as blocked keys,
-then re-running the read over all of them, whichever had changed). An entry has one field:
+A stream hub (api/stream_hub.py) subscribes to this one channel instead of blocking on every stream
+it follows (Redis paid for each of those at every read: registering and unregistering them as
+blocked keys, then re-running the read over all of them, whichever had changed). [redis-cost] It
+was a stream the hub blocked on with XREAD until session 9: a request from every hub at every
+step, half the requests Redis served (README, "Requests a job sends"); a message costs Redis a
+write to each subscriber in the publisher's own turn. A message is one letter, then its value:
 
 - `e`: the tokens themselves, as `encode_tokens` writes them: a JSON list [stream key, [index,
   token_id, text, logprobs ('' for none), ...], stream key, ...]. The worker encodes its step's
@@ -23,10 +27,12 @@ same notification goes to the worker's live journal (`Keys.live_journal`), from 
 writes a dead worker's live tokens into their streams before its jobs go back to a queue, so what
 a subscriber got live is what the stream says, crash or not.
 
-The streams stay the truth: a hub that finds a gap between what it delivered and an `e` entry reads
-the stream, and its full read of every watched stream each block interval makes up for a
-notification it never saw (trimmed away, or a writer that sends none). A reader that catches up
-from the stream to where the hub is waits for the stream to get there (api/job_stream.py).
+The streams stay the truth: a hub that finds a gap between what it delivered and an `e` message
+reads the stream, and its full read of every watched stream each block interval makes up for a
+notification it never saw (published before it subscribed, or a writer that sends none). A hub
+whose subscription lost its connection fails its subscribers, who resume after their last event.
+A reader that catches up from the stream to where the hub is waits for the stream to get there
+(api/job_stream.py).
 """
 
 from __future__ import annotations
@@ -43,9 +49,6 @@ from protocol.messages import StreamEntry
 from protocol.stream_ids import token_entry_id
 from protocol.token_runs import RawEntry
 
-# About this many steps are kept: at 100 worker steps/s, over a minute and a half, far more than
-# a hub falls behind before its periodic full read catches it up anyway.
-STREAM_STEPS_MAXLEN = 10_000
 # The longest a job's live tokens may run ahead of its stream (from the last time its stream held
 # every token notified, by Redis' clock), and so the history a worker's live journal keeps (twice
 # this). A protocol constant, not a setting: recovery, run by any worker, reads the journals that
@@ -64,13 +67,20 @@ def notify_steps(pipe: Redis | Pipeline | AsyncPipeline, keys: Keys, job_ids: It
     (or on a client, once they are done), to the Redis that holds those streams."""
     listed = " ".join(dict.fromkeys(keys.stream(job_id) for job_id in job_ids))
     if listed:
-        pipe.xadd(keys.stream_steps(), {_STREAMS_FIELD: listed}, maxlen=STREAM_STEPS_MAXLEN,
-                  approximate=True)
+        pipe.publish(keys.stream_steps(), _STREAMS_FIELD + listed)
+
+
+def note_fields(payload: bytes | str) -> dict[object, object]:
+    """One notification's message (the field's letter, then its value) as the fields
+    `notified_streams` and `notified_tokens` read."""
+    text = payload.decode() if isinstance(payload, bytes) else payload
+    return {text[:1]: text[1:]} if text[:1] in (_STREAMS_FIELD, _TOKENS_FIELD) else {}
 
 
 def encode_tokens(runs: list[tuple[str, list[str]]]) -> str:
-    """A step's tokens for `e`: per stream key, its new tokens' (index, token_id, text, logprobs)
-    flat, as strings (those the append script takes); '' when there are none."""
+    """A step's tokens for `e` (the append script publishes 'e' and then this): per stream key,
+    its new tokens' (index, token_id, text, logprobs) flat, as strings (those the append script
+    takes); '' when there are none."""
     if not runs:
         return ""
     return json.dumps([part for stream, values in runs for part in (stream, values)],

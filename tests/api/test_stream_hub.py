@@ -71,7 +71,7 @@ def _notify_live(sync: redis.Redis, job_id: str, start: int, stop: int) -> None:
     """Tokens start..stop-1 in a step notification only (as live tokens are, protocol/
     stream_steps.py, "Live tokens", until the stream gets them)."""
     values = [str(v) for i in range(start, stop) for v in (i, 100 + i, f"t{i}", "")]
-    sync.xadd(KEYS.stream_steps(), {"e": encode_tokens([(KEYS.stream(job_id), values)])})
+    sync.publish(KEYS.stream_steps(), "e" + encode_tokens([(KEYS.stream(job_id), values)]))
 
 
 def _publish_done(sync: redis.Redis, job_id: str, num_tokens: int) -> None:
@@ -191,8 +191,9 @@ async def test_many_subscribers_share_a_bounded_number_of_connections(
     for _, reader in readers:
         assert reader.events == _expected(5)
     if stream_hub:
-        # The pool's one (requests came one at a time), the hub's reader, RQ's sync client.
-        assert api_connections == 3
+        # The pool's one (requests came one at a time), the hub's two (its subscription to the
+        # step notifications, its reads of the streams), RQ's sync client.
+        assert api_connections == 4
     else:
         # One blocked XREAD each, give or take the few readers between two reads at the count
         # (their connection back in the pool for a moment): it grows with the subscribers.
@@ -229,7 +230,7 @@ def _hub(url: str, block_ms: int, max_pending: int = 4096,
          min_interval_ms: float = 0.0) -> tuple[StreamHub, aioredis.Redis]:
     control = aioredis.Redis.from_url(url, decode_responses=True)
     reader = aioredis.Redis(connection_pool=control.connection_pool, single_connection_client=True)
-    return StreamHub(reader, control, block_ms, max_pending=max_pending,
+    return StreamHub(reader, block_ms, max_pending=max_pending,
                      min_interval_ms=min_interval_ms), control
 
 
@@ -273,39 +274,31 @@ async def test_a_new_stream_is_read_without_waiting_for_the_block_to_end(
     assert hub.num_streams == 0
 
 
-async def test_a_new_stream_joins_at_the_next_turn_while_steps_are_notified(
+async def test_notifications_come_by_pub_sub_and_a_new_stream_costs_one_read(
         open_hub: OpenHub, sync: redis.Redis) -> None:
-    """[redis-cost] While steps are notified, a newly watched stream is read at the hub's next
-    turn, with no CLIENT UNBLOCK (three round trips a job under load); once they stop, the hub is
-    woken for it after all, within _BUSY_WITHIN_S, not left to its block interval."""
+    """[redis-cost] The hub sends Redis no request per step (the notifications are pushed to its
+    subscribed connection) and none to be woken for a newly watched stream: it reads that stream
+    once, between two waits of _WAIT_SLICE_S, well before its block interval ends."""
     hub = open_hub(block_ms=10_000)
     busy = await hub.subscribe(KEYS.stream("busy"), "0-0")
     await asyncio.sleep(0.1)  # the first (full) read is done: the hub waits for notifications
-    unblocks: list[bool] = []
-    real_unblock = hub._unblock
-
-    async def counting_unblock() -> bool:
-        unblocks.append(await real_unblock())
-        return unblocks[-1]
-
-    hub._unblock = counting_unblock  # type: ignore[method-assign]
-    for index in range(3):
+    read = _record_reads(hub)
+    sync.config_resetstat()
+    for index in range(4):
         _publish_step(sync, "busy", index, index + 1)
         await asyncio.sleep(0.01)
-    _publish(sync, "b", 0, 2, notify=False)  # written before anyone here watched it
-    joined = await hub.subscribe(KEYS.stream("b"), "0-0")
-    _publish_step(sync, "busy", 3, 4)  # the next step: the hub's next turn
-    assert await _ids(joined) == ["0-1", "0-2"]
-    assert unblocks == []
-    # No step follows: the stream joined now is read at a wake 50 ms on.
-    _publish(sync, "c", 0, 1, notify=False)
-    started = time.monotonic()
-    late = await hub.subscribe(KEYS.stream("c"), "0-0")
-    assert await _ids(late) == ["0-1"]
-    assert time.monotonic() - started < 2.0  # far less than the 10 s block
-    assert unblocks == [True]
-    received = [entry_id for batch in [await busy.next(1.0)] for entry_id, _ in batch]
+    received: list[str] = []
+    while len(received) < 4:
+        received += await _ids(busy)
     assert received == ["0-1", "0-2", "0-3", "0-4"]
+    assert read == []  # four steps delivered, no read
+    _publish(sync, "b", 0, 2, notify=False)  # written before anyone here watched it
+    started = time.monotonic()
+    joined = await hub.subscribe(KEYS.stream("b"), "0-0")
+    assert await _ids(joined) == ["0-1", "0-2"]
+    assert time.monotonic() - started < 1.0  # far less than the 10 s block
+    assert read == [[KEYS.stream("b")]]
+    assert "cmdstat_client|unblock" not in sync.info("commandstats")
 
 
 async def test_a_subscriber_behind_the_hub_catches_up_then_follows(
@@ -339,10 +332,11 @@ async def test_a_subscriber_too_far_behind_drops_its_backlog_and_rereads(
 async def test_redis_lost_fails_every_subscriber(redis_url: str) -> None:
     control = aioredis.Redis.from_url(redis_url, decode_responses=True)
     reader = aioredis.Redis.from_url(redis_url, decode_responses=True)
-    hub = StreamHub(reader, control, block_ms=5000)
+    hub = StreamHub(reader, block_ms=5000)
     subscriptions = [await hub.subscribe(KEYS.stream(name), "0-0") for name in ("a", "b")]
     await asyncio.sleep(0.1)
     await control.client_kill_filter(_type="normal", skipme=True)
+    await control.client_kill_filter(_type="pubsub", skipme=True)
     for subscription in subscriptions:
         with pytest.raises(redis.exceptions.ConnectionError):
             await subscription.next(5.0)
@@ -351,13 +345,20 @@ async def test_redis_lost_fails_every_subscriber(redis_url: str) -> None:
     await control.aclose()
 
 
-@pytest.mark.parametrize(("min_interval_ms", "num_xreads"), [(0, 5), (1000, 1)])
-async def test_a_least_interval_gathers_several_steps_in_one_xread(
-        open_hub: OpenHub, sync: redis.Redis, min_interval_ms: float, num_xreads: int) -> None:
+@pytest.mark.parametrize(("min_interval_ms", "num_turns"), [(0, 5), (1000, 2)])
+async def test_a_least_interval_gathers_several_steps_in_one_turn(
+        open_hub: OpenHub, sync: redis.Redis, min_interval_ms: float, num_turns: int) -> None:
     hub = open_hub(block_ms=5000, min_interval_ms=min_interval_ms)
     subscription = await hub.subscribe(KEYS.stream("a"), "0-0")
     await asyncio.sleep(0.1)
-    sync.config_resetstat()
+    delivered_at: list[float] = []  # one time per notification's delivery
+    deliver = hub._deliver_notified
+
+    def timed_deliver(key: str, entries: list) -> None:
+        delivered_at.append(time.monotonic())
+        deliver(key, entries)
+
+    hub._deliver_notified = timed_deliver  # type: ignore[method-assign]
     seen: list[str] = []
     for index in range(5):  # five worker steps, 40 ms apart, their tokens in their notifications
         _publish_step(sync, "a", index, index + 1)
@@ -365,11 +366,11 @@ async def test_a_least_interval_gathers_several_steps_in_one_xread(
     while len(seen) < 5:
         seen += await _ids(subscription)
     assert seen == ["0-1", "0-2", "0-3", "0-4", "0-5"]
-    # XREADs Redis counted since the reset (it counts a blocking one when it blocks: not the one
-    # blocked at the reset, which got step one, but the one blocked now); none of the stream.
-    # Without an interval: one read of the notifications for each later step, and the one
-    # blocked now. With it: one read for the other four steps (the hub waits out the interval).
-    assert sync.info("commandstats")["cmdstat_xread"]["calls"] == num_xreads
+    # Without an interval, a turn for each step; with it, the first step's turn, then one for
+    # the other four (the hub waits out the interval). A turn delivers within a millisecond.
+    turns = [at for number, at in enumerate(delivered_at)
+             if number == 0 or at - delivered_at[number - 1] > 0.01]
+    assert len(turns) == num_turns
 
 
 async def test_a_closed_hub_refuses_new_subscribers(redis_url: str) -> None:
@@ -407,10 +408,8 @@ async def test_a_step_reads_only_the_streams_its_notification_names(
     _publish(sync, "d", 0, 1)
     assert await _ids(subscriptions["d"]) == ["0-1"]
     await asyncio.sleep(0.05)
-    steps = KEYS.stream_steps()
-    # Notifications, then only the stream each one names.
-    assert read == [[KEYS.stream("b")], [steps], [KEYS.stream("d")], [steps]] or read == [
-        [KEYS.stream("b")], [steps], [steps], [KEYS.stream("d")], [steps]]
+    # Only the stream each notification names (the notifications come by Pub/Sub).
+    assert read == [[KEYS.stream("b")], [KEYS.stream("d")]]
     assert not subscriptions["a"]._pending and not subscriptions["c"]._pending
 
 

@@ -8,12 +8,13 @@ import fakeredis
 import pytest
 
 from protocol import JobSpec, Priority
+from tests.step_notes import listen
 
 
 @pytest.fixture()
 def fake_redis() -> Iterator[fakeredis.FakeRedis]:
     server = fakeredis.FakeServer()
-    client = fakeredis.FakeRedis(server=server)
+    client = listen(fakeredis.FakeRedis(server=server))  # its step notifications caught
     yield client
     client.close()
 

@@ -119,9 +119,9 @@ def test_a_dead_workers_live_tokens_reach_the_stream_before_its_job_resumes(
         events: list[dict[str, str]] = []
         follower = threading.Thread(target=_follow, args=(api.url, job_id, events), daemon=True)
         follower.start()
-        # The API's stream hub blocked on the step notifications: it follows them from here on.
+        # The API's stream hub subscribed to the step notifications: it gets them from here on.
         wait_until(lambda: redis.exists(KEYS.stream(job_id)) == 0 and any(
-            int(c["id"]) > last_client_id and c.get("cmd") == "xread" and "b" in c.get("flags", "")
+            int(c["id"]) > last_client_id and int(c.get("sub", 0)) > 0
             for c in redis.client_list()), 10,
             "the subscriber's hub to follow the notifications", api.log)
         doomed.go.set()

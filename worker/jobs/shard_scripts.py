@@ -22,14 +22,12 @@ are refused, the jobs' leases lapse, and recovery hands them on to a claim that 
 
 from __future__ import annotations
 
-from protocol.stream_steps import STREAM_STEPS_MAXLEN
-
 # A job's tokens of one append as one entry at ARGV[a..a+3]: a single token's (index, token_id,
 # text, logprobs: '' for none, then no `lp` field) at its explicit id 0-(index+1), or a run's
 # (protocol/token_runs.py, encoded by the worker) at its last token's id; pcall, so that an id
 # already there is an error reply the caller reads (a resent round trip) rather than the script's
 # end. Shared with the main append (job_scripts.APPEND).
-# [redis-cost] The step notification (protocol/stream_steps.py), one XADD per script run: the
+# [redis-cost] The step notification (protocol/stream_steps.py), one PUBLISH per script run: the
 # caller's `tokens` (every token it sent, encoded by the worker) when each of them was written
 # (the usual step), else the keys of the streams that got some (a refused job or a resent round
 # trip: the hub reads those streams). Decided here, after the fence checks and the XADDs, so a
@@ -41,12 +39,10 @@ local is_whole = true  -- every token sent was written: none refused or there al
 -- Returns whether it notified the tokens themselves.
 local function send_notes(steps, tokens)
   if is_whole and tokens ~= '' then
-    redis.call('XADD', steps, 'MAXLEN', '~', """ + str(STREAM_STEPS_MAXLEN) + """, '*', 'e',
-               tokens)
+    redis.call('PUBLISH', steps, 'e' .. tokens)
     return true
   elseif #written > 0 then
-    redis.call('XADD', steps, 'MAXLEN', '~', """ + str(STREAM_STEPS_MAXLEN) + """, '*', 'k',
-               table.concat(written, ' '))
+    redis.call('PUBLISH', steps, 'k' .. table.concat(written, ' '))
   end
   return false
 end

@@ -6,6 +6,7 @@ import fakeredis
 from redis import Redis
 
 from protocol import JobSpec, Keys, Priority, TokenEntry, submit_job
+from tests.step_notes import listen
 from worker.jobs.job_queue import ClaimedJob, JobQueue
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.running_job import RunningJob
@@ -16,7 +17,8 @@ BLOCK_SIZE = 16
 
 
 def fake_redis() -> fakeredis.FakeRedis:
-    return fakeredis.FakeRedis(server=fakeredis.FakeServer())
+    """A fresh fakeredis whose step notifications are caught (tests.step_notes.notes_of)."""
+    return listen(fakeredis.FakeRedis(server=fakeredis.FakeServer()))
 
 
 def make_spec(job_id: str, priority: Priority = Priority.NORMAL, **overrides) -> JobSpec:

@@ -10,6 +10,7 @@ from rq import Worker
 
 from protocol import FinishReason, JobStatus, WorkerStats
 from protocol.messages import HISTOGRAM_BUCKETS
+from tests.step_notes import notes_of
 from tests.worker.jobs.job_support import (
     KEYS,
     claim_one,
@@ -192,8 +193,8 @@ def test_an_iteration_is_kept_when_redis_drops_while_its_scripts_are_reloaded(
 
 
 def _notifications(redis) -> list[dict[str, object]]:
-    return [{k.decode(): json.loads(v) if k == b"e" else v.decode() for k, v in fields.items()}
-            for _, fields in redis.xrange(KEYS.stream_steps())]
+    return [{str(k): json.loads(str(v)) if k == "e" else v for k, v in fields.items()}
+            for fields in notes_of(redis)]
 
 
 def test_a_step_notifies_its_tokens_only_when_every_one_was_written() -> None:

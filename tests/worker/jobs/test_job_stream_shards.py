@@ -11,6 +11,7 @@ import fakeredis
 from protocol import FinishReason, JobReader, JobStatus, StreamEntry, cancel_job
 from protocol.stream_shards import shard_urls, stream_shard
 from protocol.token_runs import expand_runs
+from tests.step_notes import notes_of
 from tests.worker.jobs.job_support import (
     KEYS,
     expire_lease,
@@ -196,8 +197,8 @@ def test_a_preempted_sharded_job_is_requeued_as_preempted() -> None:
 
 
 def _notifications(redis) -> list[dict[str, object]]:
-    return [{k.decode(): json.loads(v) if k == b"e" else v.decode() for k, v in fields.items()}
-            for _, fields in redis.xrange(KEYS.stream_steps())]
+    return [{str(k): json.loads(str(v)) if k == "e" else v for k, v in fields.items()}
+            for fields in notes_of(redis)]
 
 
 def test_between_renewals_a_sharded_job_costs_the_main_redis_only_its_cancel_flag() -> None:
@@ -234,7 +235,7 @@ def test_between_renewals_a_sharded_job_costs_the_main_redis_only_its_cancel_fla
                KEYS.stream("job-2"), ["0", "11", "<11>", ""]]},
         {"e": [KEYS.stream("job-1"), ["1", "12", "<12>", ""],
                KEYS.stream("job-2"), ["1", "12", "<12>", ""]]}]
-    assert main.exists(KEYS.stream_steps()) == 0
+    assert notes_of(main) == []
 
 
 def test_a_lapsed_sharded_lease_is_noticed_at_the_next_renewal() -> None:

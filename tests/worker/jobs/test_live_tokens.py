@@ -16,6 +16,7 @@ from redis import Redis
 from protocol import FinishReason, JobReader, JobStatus, TokenEntry
 from protocol.generation import TokenLogprobs
 from protocol.stream_steps import LIVE_WINDOW_MS, notified_streams, notified_tokens
+from tests.step_notes import listen, notes_of
 from tests.worker.jobs.job_support import (
     KEYS,
     expire_lease,
@@ -53,7 +54,7 @@ def _notified(redis: Redis) -> list[list[tuple[str, list[tuple[str, str, str]]]]
     """Each step notification's tokens: per stream, (entry id, index, token id)."""
     return [[(stream, [(entry_id, fields["index"], fields["token_id"]) for entry_id, fields in
                        entries]) for stream, entries in notified_tokens(raw)]
-            for _, raw in redis.xrange(KEYS.stream_steps())]
+            for raw in notes_of(redis)]
 
 
 def _token(index: int, token_id: int) -> tuple[bytes, dict[bytes, bytes]]:
@@ -109,7 +110,7 @@ def test_an_end_writes_the_live_tokens_before_the_final_entry() -> None:
     assert raw[2][0] == b"0-4" and raw[2][1][b"kind"] == b"done"
     assert raw[2][1][b"completion_tokens"] == b"3"
     assert _notified(redis)[-2] == [(STREAM, [("0-3", "2", "13")])]  # 12 went live before
-    assert notified_streams(redis.xrange(KEYS.stream_steps())[-1][1]) == [STREAM]
+    assert notified_streams(notes_of(redis)[-1]) == [STREAM]
 
 
 def test_a_preempted_live_job_takes_its_tokens_into_the_stream() -> None:
@@ -145,8 +146,8 @@ def test_tokens_past_the_live_window_are_not_notified_and_go_to_the_stream_next(
 @pytest.fixture(params=["fakeredis", "redis"])
 def any_redis(request: pytest.FixtureRequest) -> Redis:
     if request.param == "fakeredis":
-        return fakeredis.FakeRedis(server=fakeredis.FakeServer())
-    return Redis.from_url(request.getfixturevalue("redis_url"))
+        return listen(fakeredis.FakeRedis(server=fakeredis.FakeServer()))
+    return listen(Redis.from_url(request.getfixturevalue("redis_url")))
 
 
 def test_recovery_writes_a_dead_workers_live_tokens_into_the_streams_first(any_redis) -> None:
@@ -184,14 +185,14 @@ def test_recovery_writes_a_dead_workers_live_tokens_into_the_streams_first(any_r
     assert redis.exists(KEYS.live_fence("dead")) == 0
     resumed = [running(claim) for claim in make_queue(redis, worker="w2").claim(2)]
     assert sorted(r.token_ids for r in resumed) == [[100, 101, 102, 103]] * 2
-    before = redis.xlen(KEYS.stream_steps())
+    before = len(notes_of(redis))
     generate(jobs[0], 999)
     pub.append(jobs[0])
     assert pub.flush().refused == set()
     assert (len(jobs[0].unpublished), jobs[0].num_notified) == (4, 3)  # 999 not notified
     pub.append(jobs[0])
     assert pub.flush().refused == {"job-1"}
-    assert redis.xlen(KEYS.stream_steps()) == before
+    assert len(notes_of(redis)) == before
     assert reader.tokens("job-1")[-1].token_id == 103
 
 
