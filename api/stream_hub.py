@@ -126,11 +126,11 @@ class _Watch:
 
 
 class StreamHub:
-    """Follows many streams on one connection; `subscribe` and `unsubscribe` at any time.
+    """Follows many streams on two connections; `subscribe` and `unsubscribe` at any time.
 
-    `reader` must be a client of its own (one connection): it stays blocked in XREAD. `control` is
-    the process's ordinary client, used for the rare CLIENT UNBLOCK. `keys` names the step
-    notifications and the streams they list.
+    `reader` must be a client of its own (one connection, for the streams' reads); its pool gives
+    the subscription to the step notifications another. `keys` names the step notifications and
+    the streams they list.
     """
 
     def __init__(self, reader: aioredis.Redis, block_ms: int,
