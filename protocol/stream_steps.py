@@ -4,9 +4,9 @@
 A stream hub (api/stream_hub.py) subscribes to this one channel instead of blocking on every stream
 it follows (Redis paid for each of those at every read: registering and unregistering them as
 blocked keys, then re-running the read over all of them, whichever had changed). [redis-cost] It
-was a stream the hub blocked on with XREAD until session 9: a request from every hub at every
-step, half the requests Redis served (README, "Requests a job sends"); a message costs Redis a
-write to each subscriber in the publisher's own turn. A message is one letter, then its value:
+was a stream the hub blocked on with XREAD: a request from every hub at every step, half the
+requests Redis served (README, "Requests a job sends"); a message costs Redis a write to each
+subscriber in the publisher's own turn. A message is one letter, then its value:
 
 - `e`: the tokens themselves, as `encode_tokens` writes them: a JSON list [stream key, [index,
   token_id, text, logprobs ('' for none), ...], stream key, ...]. The worker encodes its step's
