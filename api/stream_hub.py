@@ -201,23 +201,24 @@ class StreamHub:
         """The reader's subscription to the step notifications, confirmed. A pooled connection
         left over from a Redis that restarted fails at its first use: nothing was read yet, so
         a second one is tried."""
-        for attempt in (1, 2):
-            pubsub = self._pubsub = self._reader.pubsub()
-            pubsub.on_connect = self._on_reconnect  # type: ignore[method-assign]
-            try:
-                await pubsub.subscribe(self._keys.stream_steps())
-                while await pubsub.get_message(timeout=self._block_ms / 1000) is None:
-                    pass  # the subscription's confirmation
-            except redis.exceptions.ConnectionError:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
-                if attempt == 2:
-                    raise
-                continue
-            # A reconnect while subscribing missed nothing yet.
-            self._subscription_lost = False
-            return pubsub
-        raise AssertionError("unreachable")
+        try:
+            return await self._subscribe_once()
+        except redis.exceptions.ConnectionError:
+            return await self._subscribe_once()
+
+    async def _subscribe_once(self) -> PubSub:
+        pubsub = self._pubsub = self._reader.pubsub()
+        pubsub.on_connect = self._on_reconnect  # type: ignore[method-assign]
+        try:
+            await pubsub.subscribe(self._keys.stream_steps())
+            while await pubsub.get_message(timeout=self._block_ms / 1000) is None:
+                pass  # the subscription's confirmation
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
+            raise
+        self._subscription_lost = False  # a reconnect while subscribing missed nothing yet
+        return pubsub
 
     async def _run(self) -> None:
         pubsub: PubSub | None = None
