@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
 import subprocess
@@ -43,16 +44,19 @@ from typing import Any
 
 import torch
 
-from kernels import StepOps
-from loadgen.workload import build_workload as build_chat_workload
-from protocol.generation import SamplingParams
-from worker.engine.batch_limits import BatchLimits
-from worker.engine.config import BatchingMode, EngineConfig
-from worker.engine.engine import Engine
-from worker.model import attention_backend as paged_attention_backend
-from worker.model import decoder_loop, process_preloads
-from worker.model.loader import load_model, resolve_model_dir
-from worker.model.routing import resolve_device, resolve_dtype, route_cpu_kernels
+# Run as a file (`python scripts/bench_engine.py`) where the project is not installed, e.g. the GPU check's machine.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels import StepOps  # noqa: E402
+from loadgen.workload import build_workload as build_chat_workload  # noqa: E402
+from protocol.generation import SamplingParams  # noqa: E402
+from worker.engine.batch_limits import BatchLimits  # noqa: E402
+from worker.engine.config import BatchingMode, EngineConfig  # noqa: E402
+from worker.engine.engine import Engine  # noqa: E402
+from worker.model import attention_backend as paged_attention_backend  # noqa: E402
+from worker.model import decoder_loop, process_preloads  # noqa: E402
+from worker.model.loader import load_model, resolve_model_dir  # noqa: E402
+from worker.model.routing import resolve_device, resolve_dtype, route_cpu_kernels  # noqa: E402
 
 
 @dataclass(slots=True)
@@ -188,10 +192,14 @@ def run_hf_cb(model: Any, work: Workload, max_batch_tokens: int, max_requests: i
     # times slower than this.
     page_size = 256
     pages = sum(-(-(len(p) + n) // page_size) for p, n in zip(work.prompts, work.output_lens))
-    cb_config = ContinuousBatchingConfig(
-        page_size=page_size, num_blocks=pages + 8, max_batch_tokens=max_batch_tokens,
-        max_requests_per_batch=max_requests,
-    )
+    # Its page size was called block_size before transformers 5.2x (5.17 on the GPU check's machine).
+    accepted = inspect.signature(ContinuousBatchingConfig).parameters
+    size_name = "page_size" if "page_size" in accepted else "block_size"
+    sizes = {size_name: page_size, "num_blocks": pages + 8, "max_batch_tokens": max_batch_tokens,
+             "max_requests_per_batch": max_requests}
+    if dropped := [name for name in sizes if name not in accepted]:
+        print(f"  hf-cb: this transformers' ContinuousBatchingConfig takes no {', '.join(dropped)}", flush=True)
+    cb_config = ContinuousBatchingConfig(**{name: value for name, value in sizes.items() if name in accepted})
     manager = model.init_continuous_batching(generation_config=config, continuous_batching_config=cb_config)
     manager.start()
     try:
