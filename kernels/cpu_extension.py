@@ -1,9 +1,9 @@
 """Builds and loads Carpool's CPU kernels (C++ with AVX2 + FMA, in kernels/csrc/) as one extension.
 
 The command-line flags target AVX2 + FMA only, so the build runs on any AVX2 CPU whatever CPU built
-it; the AVX-512 paths are compiled in their own translation units (`#pragma GCC target`) and
-picked at run time from CPUID (kernels.cpu_isa). CARPOOL_CPU_ISA=avx2 in the environment pins
-the AVX2 paths on an AVX-512 CPU.
+it; the AVX-512 and AMX paths are compiled in their own translation units (`#pragma GCC target`)
+and picked at run time from CPUID (kernels.cpu_isa). CARPOOL_CPU_ISA=avx2 (or avx512_bf16) in the
+environment pins the paths below the CPU's best.
 
 Compiled on first use (10-20 s, once per machine and source version, cached under
 ~/.cache/carpool/kernels; torch rebuilds it when a source changes), loaded from that cache in
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).with_name("csrc") / name
            for name in ("bindings.cpp", "cpu_isa.cpp", "skinny_linear.cpp", "paged_attention_cpu.cpp",
                         "paged_attention_avx512.cpp", "layer_ops_cpu.cpp", "layer_ops_avx512.cpp",
-                         "decoder_layer_cpu.cpp")]
+                        "amx_linear.cpp", "decoder_layer_cpu.cpp")]
 ISA_ENV_VAR = "CARPOOL_CPU_ISA"  # "avx2": the AVX2 paths even on an AVX-512 CPU; unset or "auto": the best
 EXTENSION_NAME = "carpool_cpu_kernels"
 CPU_CAPABILITIES = ("AVX2", "AVX512")  # torch's names for CPUs that have AVX2 and FMA

@@ -2,9 +2,11 @@
 
 The extension is built with AVX2 + FMA flags only (so it runs on any AVX2 CPU, whichever machine
 built it); kernels that pay for it also have an AVX-512 path (F/BW/VL/DQ and AVX512_BF16), in its
-own translation unit, taken where CPUID reports those features. Benchmarks print `active_isa()`;
-tests run both paths on an AVX-512 machine with `forced_isa("avx2")`, so AVX2 machines stay
-covered. CARPOOL_CPU_ISA=avx2 in the environment pins the AVX2 paths for a whole process.
+own translation unit, taken where CPUID reports those features. Where the CPU has AMX and the OS
+grants it, bf16 linear layers also run on AMX tiles (ISA "amx", which includes the AVX-512 paths).
+Benchmarks print `active_isa()`; tests run every path on the best machine with `forced_isa(...)`,
+so smaller CPUs stay covered. CARPOOL_CPU_ISA=avx2 (or avx512_bf16) in the environment pins the
+paths below the CPU's best for a whole process.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from kernels import cpu_extension
 
 AVX2 = "avx2"
 AVX512_BF16 = "avx512_bf16"
-ISAS = (AVX2, AVX512_BF16)
+AMX = "amx"  # the AVX-512 paths, and bf16 linear layers on AMX tiles (kernels.cpu_amx_linear)
+ISAS = (AVX2, AVX512_BF16, AMX)
 
 
 def cpu_features() -> dict[str, bool]:
@@ -27,19 +30,21 @@ def cpu_features() -> dict[str, bool]:
 
 
 def active_isa() -> str:
-    """'avx512_bf16' or 'avx2' for the C++ kernels; 'none' where they are not built (torch twins)."""
+    """'amx', 'avx512_bf16' or 'avx2' for the C++ kernels; 'none' where they are not built (torch twins)."""
     module = cpu_extension.load()
     return "none" if module is None else str(module.active_isa())
 
 
 def supported_isas() -> list[str]:
-    """The ISAs the kernels can run with on this CPU (AVX2 first)."""
+    """The ISAs the kernels can run with on this CPU (AVX2 first, the best last)."""
     features = cpu_features()
     if not features:
         return []
     avx512 = features.get("built_avx512", False) and all(
         features.get(name, False) for name in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512bf16"))
-    return [AVX2, AVX512_BF16] if avx512 else [AVX2]
+    if not avx512:
+        return [AVX2]
+    return [AVX2, AVX512_BF16, AMX] if features.get("amx", False) else [AVX2, AVX512_BF16]
 
 
 def set_isa(name: str) -> None:

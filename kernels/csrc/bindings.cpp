@@ -10,8 +10,10 @@ void set_active_isa(const std::string& name);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("cpu_features", &cpu_features, "the CPU features the kernels probe at run time (CPUID), and whether AVX-512 paths were built");
-    m.def("active_isa", &active_isa_name, "the ISA the kernels run with now: 'avx512_bf16' or 'avx2'");
-    m.def("set_active_isa", &set_active_isa, "run the kernels with 'avx2' or 'avx512_bf16' (ValueError where unsupported)");
+    m.def("active_isa", &active_isa_name, "the ISA the kernels run with now: 'amx', 'avx512_bf16' or 'avx2'");
+    m.def("set_active_isa", &set_active_isa, "run the kernels with 'avx2', 'avx512_bf16' or 'amx' (ValueError where unsupported)");
+    m.def("amx_pack_weight", &amx_pack_weight, "a bf16 weight [N, K] in AMX tile order [N/16, K/32, 16, 32]");
+    m.def("amx_linear", &amx_linear, "y = x @ weight.T (+ bias), bf16, on AMX tiles (weight from amx_pack_weight)");
     m.def("skinny_linear", &skinny_linear, "y = x @ weight.T (+ bias), fp32, few rows, AVX2+FMA");
     m.def("rms_norm_cpu", &rms_norm_cpu, "out = x * rsqrt(mean(x^2) + eps) * weight, fp32 or bf16, per row");
     m.def("fused_add_rms_norm_cpu", &fused_add_rms_norm_cpu,

@@ -28,16 +28,27 @@ bool cpu_has_avx512_bf16() {
 #endif
 }
 
+Isa best_isa() {
+    if (!cpu_has_avx512_bf16()) return Isa::kAvx2;
+    return amx_tiles_usable() ? Isa::kAmx : Isa::kAvx512Bf16;
+}
+
 std::atomic<int>& isa_slot() {
-    static std::atomic<int> slot{static_cast<int>(cpu_has_avx512_bf16() ? Isa::kAvx512Bf16 : Isa::kAvx2)};
+    static std::atomic<int> slot{static_cast<int>(best_isa())};
     return slot;
 }
 
-const char* isa_name(Isa isa) { return isa == Isa::kAvx512Bf16 ? "avx512_bf16" : "avx2"; }
+const char* isa_name(Isa isa) {
+    switch (isa) {
+        case Isa::kAmx: return "amx";
+        case Isa::kAvx512Bf16: return "avx512_bf16";
+        default: return "avx2";
+    }
+}
 
 }  // namespace
 
-bool isa_supported(Isa isa) { return isa == Isa::kAvx2 || cpu_has_avx512_bf16(); }
+bool isa_supported(Isa isa) { return static_cast<int>(isa) <= static_cast<int>(best_isa()); }
 
 Isa active_isa() { return static_cast<Isa>(isa_slot().load(std::memory_order_relaxed)); }
 
@@ -56,18 +67,20 @@ pybind11::dict cpu_features() {
     features["avx512dq"] = static_cast<bool>(__builtin_cpu_supports("avx512dq"));
     features["avx512bf16"] = static_cast<bool>(__builtin_cpu_supports("avx512bf16"));
 #endif
+    features["amx"] = carpool::amx_tiles_usable();  // AMX-TILE + AMX-BF16, granted by the OS, and built
     features["built_avx512"] = static_cast<bool>(CARPOOL_BUILD_AVX512);
     return features;
 }
 
 std::string active_isa_name() { return carpool::isa_name(carpool::active_isa()); }
 
-// Python: switch the kernels to `name` ("avx2" or "avx512_bf16"); refuses one this CPU lacks.
+// Python: switch the kernels to `name` ("avx2", "avx512_bf16" or "amx"); refuses one this CPU lacks.
 void set_active_isa(const std::string& name) {
     carpool::Isa isa;
     if (name == "avx2") isa = carpool::Isa::kAvx2;
     else if (name == "avx512_bf16") isa = carpool::Isa::kAvx512Bf16;
-    else throw std::invalid_argument("unknown ISA '" + name + "': expected 'avx2' or 'avx512_bf16'");
+    else if (name == "amx") isa = carpool::Isa::kAmx;
+    else throw std::invalid_argument("unknown ISA '" + name + "': expected 'avx2', 'avx512_bf16' or 'amx'");
     if (!carpool::isa_supported(isa))
         throw std::invalid_argument("this CPU (or the compiler that built the kernels) has no " + name);
     carpool::isa_slot().store(static_cast<int>(isa), std::memory_order_relaxed);

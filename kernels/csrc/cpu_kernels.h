@@ -19,7 +19,11 @@ void silu_and_mul_cpu(const at::Tensor& gate_up, at::Tensor& out);
 void rotary_embedding_cpu(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t num_heads);
 void write_kv_cache_cpu(const at::Tensor& key, const at::Tensor& value, at::Tensor& key_cache, at::Tensor& value_cache,
                         const at::Tensor& slot_mapping);
-// (weight, bias, oneDNN's packed copy of the weight): a projection, as kernels.linear takes it.
+// A weight [N, K] bf16 (N, K multiples of 32) in AMX tile order, and x [M, K] bf16 times it.
+at::Tensor amx_pack_weight(const at::Tensor& weight);
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias);
+// (weight, bias, the weight packed once: oneDNN's reordered copy, or 4-D AMX tiles from
+// amx_pack_weight): a projection, as kernels.linear takes it.
 using LinearArgs = std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>>;
 at::Tensor decoder_layer_cpu(const at::Tensor& hidden, const at::Tensor& input_norm, double input_eps,
                              const LinearArgs& qkv_proj, const LinearArgs& o_proj, const at::Tensor& post_norm,

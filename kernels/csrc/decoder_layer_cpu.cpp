@@ -1,9 +1,9 @@
-// A Llama-family decoder layer of one step as one call: the kernels of the other files and
-// oneDNN's GEMMs, in the order and on the tensors kernels' dispatchers use when
-// worker/model/decoder_loop.py calls them op by op (so the result is the same, bit for bit),
-// without a Python call per op. A small model's decode step makes eleven kernel calls per layer;
-// from Python each costs 3-20 us of interpreter, checks and argument parsing, which at a few
-// sequences is a fifth of the step.
+// A Llama-family decoder layer of one step as one call: the kernels of the other files and the
+// GEMMs (AMX tiles, oneDNN's packed weights or the skinny kernel), in the order and on the tensors
+// kernels' dispatchers use when worker/model/decoder_loop.py calls them op by op (so the result is
+// the same, bit for bit), without a Python call per op. A small model's decode step makes eleven
+// kernel calls per layer; from Python each costs 3-20 us of interpreter, checks and argument
+// parsing, which at a few sequences is a fifth of the step.
 //
 // The caller (StepOps.decoder_layer) has checked once per step what the dispatchers check per
 // call: contiguous fp32 or bf16 activations, the caches, the metadata, and that every sequence's
@@ -20,7 +20,7 @@ namespace {
 
 // The row counts of the step, as kernels/cpu_packed_linear.py and kernels/dispatch.py decide them.
 struct RowPlan {
-    int64_t packed_rows;  // rows handed to oneDNN (padded_rows)
+    int64_t packed_rows;  // rows handed to oneDNN (padded_rows; AMX tiles take the rows as they are)
     int64_t max_skinny_rows;  // fp32: the skinny kernel up to this many rows
 };
 
@@ -37,6 +37,7 @@ at::Tensor linear(const at::Tensor& x, const LinearArgs& args, const RowPlan& pl
     const auto& [weight, bias, packed] = args;
     const int64_t rows = x.size(0);
     if (packed.has_value()) {
+        if (packed->dim() == 4) return amx_linear(x, *packed, bias);  // AMX tiles: any row count, no padding
         if (plan.packed_rows == rows) return packed_gemm(x, *packed, bias);
         at::Tensor padded = at::zeros({plan.packed_rows, x.size(1)}, x.options());
         padded.narrow(0, 0, rows).copy_(x);

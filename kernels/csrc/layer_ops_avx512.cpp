@@ -144,7 +144,7 @@ void rotary_rows(T* qkv, int64_t row_stride, const T* cos, const T* sin, int64_t
                                 static_cast<const T*>(sin), head_dim, num_heads, begin, end);                      \
     }
 
-#else  // no AVX-512 build: never called (active_isa() is never kAvx512Bf16)
+#else  // no AVX-512 build: never called (active_isa() is always kAvx2)
 
 #define CARPOOL_DEFINE_LAYER_OPS_AVX512(suffix, T)                                                                 \
     void rms_norm_rows_avx512_##suffix(const void*, const void*, void*, int64_t, float, int64_t, int64_t) {}       \

@@ -37,7 +37,7 @@ using carpool::to_float;
 // (an OpenMP fork costs more than normalising a few rows).
 constexpr int64_t ROWS_PER_TASK = 16;
 
-bool avx512_active() { return carpool::active_isa() == carpool::Isa::kAvx512Bf16; }
+bool avx512_active() { return carpool::active_isa() >= carpool::Isa::kAvx512Bf16; }
 
 // y = w * T(x / rms(x)): normalised in fp32, rounded to T, then scaled (Llama's order of rounding).
 template <typename T>

@@ -312,7 +312,7 @@ void paged_attention_task_avx512_fp32(const PagedAttentionArgs& args, int64_t ta
 
 CARPOOL_AVX512_END
 
-#else  // no AVX-512 build: never called (active_isa() is never kAvx512Bf16)
+#else  // no AVX-512 build: never called (active_isa() is always kAvx2)
 
 namespace carpool {
 int64_t avx512_attention_scratch_floats(int64_t) { return 0; }

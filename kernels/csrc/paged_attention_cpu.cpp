@@ -264,7 +264,7 @@ void paged_attention_avx512(const at::Tensor& query, const at::Tensor& key_cache
 
 // The AVX-512 path where this CPU has it (and it is not switched off) and the head fits its registers.
 bool use_avx512(int64_t head_dim) {
-    return carpool::active_isa() == carpool::Isa::kAvx512Bf16 && head_dim <= carpool::avx512_attention_max_head_dim();
+    return carpool::active_isa() >= carpool::Isa::kAvx512Bf16 && head_dim <= carpool::avx512_attention_max_head_dim();
 }
 
 }  // namespace
