@@ -19,12 +19,15 @@ Weights are far larger than the caches, as in a real step. kernels.dispatch.MAX_
 set from this table. With --bf16, a third column
 times F.linear on bf16 copies of the weights: on CPUs with AVX512-BF16 or AMX it beats both fp32
 paths, which is why worker.model.routing.resolve_dtype picks bf16 there. With --packed, a fourth
-times the same bf16 GEMMs on weights oneDNN reordered once (kernels/cpu_packed_linear.py).
+times the same bf16 GEMMs on weights oneDNN reordered once (kernels/cpu_packed_linear.py), and
+where the kernels run AMX a fifth times Carpool's AMX kernel on weights in tile order
+(kernels/cpu_amx_linear.py), which the engine packs for there instead of oneDNN's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -40,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import bench_kernels  # noqa: E402  (its cpu_model)
 
-from kernels import cpu_extension, cpu_isa, cpu_packed_linear, cpu_skinny_linear  # noqa: E402
+from kernels import cpu_amx_linear, cpu_extension, cpu_isa, cpu_packed_linear, cpu_skinny_linear  # noqa: E402
 
 NUM_LAYERS = 30
 SHAPES = {  # [out_features, in_features] of SmolLM2-135M
@@ -58,7 +61,7 @@ def make_pass(rows: int, weights: dict[str, list[torch.Tensor]], linear: Linear,
               dtype: torch.dtype | None = None) -> Callable[[], None]:
     """One pass over every weight of the set, as a step makes it."""
     # A packed weight's dtype is oneDNN's business: the caller names the input's.
-    inputs = {name: torch.randn(rows, copies[0].shape[1], dtype=dtype or copies[0].dtype)
+    inputs = {name: torch.randn(rows, in_features(copies[0]), dtype=dtype or copies[0].dtype)
               for name, copies in weights.items()}
 
     def one_pass() -> None:
@@ -67,6 +70,11 @@ def make_pass(rows: int, weights: dict[str, list[torch.Tensor]], linear: Linear,
                 linear(inputs[name], weight)
 
     return one_pass
+
+
+def in_features(weight: torch.Tensor) -> int:
+    """A plain or oneDNN-packed weight is [out, in]; AMX tiles are [out/16, in/32, 16, 32]."""
+    return weight.shape[1] * cpu_amx_linear.TILE_DEPTH if cpu_amx_linear.is_packed(weight) else weight.shape[1]
 
 
 def time_interleaved(passes: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
@@ -104,10 +112,16 @@ def main(argv: list[str] | None = None) -> int:
     weights = {name: [torch.randn(*shape) for _ in range(copies)] for name, shape in shapes.items()}
     bf16_weights = {name: [w.bfloat16() for w in ws] for name, ws in weights.items()} if args.bf16 else {}
     bf16_header = f"{'bf16 F.linear ms':>18}{'bf16 vs skinny':>16}" if args.bf16 else ""
-    packed_weights = {}
+    packed_weights, amx_weights = {}, {}
     if args.bf16 and args.packed:
-        packed_weights = {name: [cpu_packed_linear.pack_weight(w) for w in ws] for name, ws in bf16_weights.items()}
+        # oneDNN's reorder even where AMX runs (pack_weight would take AMX tiles there): both columns.
+        pinned = cpu_isa.forced_isa(cpu_isa.AVX512_BF16) if cpu_amx_linear.is_available() else contextlib.nullcontext()
+        with pinned:
+            packed_weights = {name: [cpu_packed_linear.pack_weight(w) for w in ws] for name, ws in bf16_weights.items()}
         bf16_header += f"{'bf16 packed ms':>16}{'packed vs F.linear':>20}"
+        if cpu_amx_linear.is_available():
+            amx_weights = {name: [cpu_amx_linear.pack(w) for w in ws] for name, ws in bf16_weights.items()}
+            bf16_header += f"{'amx ms':>9}{'amx vs packed':>15}"
     print(describe_machine())
     print(f"{'threads':>7}{'rows':>6}{'F.linear ms':>13}{'skinny ms':>11}{'speed-up':>10}{bf16_header}")
     for threads in (int(t) for t in args.threads.split(",")):
@@ -119,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                 passes["bf16"] = make_pass(rows, bf16_weights, F.linear)
             if packed_weights:
                 passes["packed"] = make_pass(rows, packed_weights, cpu_packed_linear.packed_linear, torch.bfloat16)
+            if amx_weights:
+                passes["amx"] = make_pass(rows, amx_weights, cpu_amx_linear.amx_linear, torch.bfloat16)
             times = time_interleaved(passes, args.repeats)
             reference, skinny = times["fp32"], times["skinny"]
             line = f"{threads:>7}{rows:>6}{reference * 1e3:>13.1f}{skinny * 1e3:>11.1f}{reference / skinny:>9.2f}x"
@@ -128,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
             if packed_weights:
                 packed = times["packed"]
                 line += f"{packed * 1e3:>16.1f}{bf16 / packed:>19.2f}x"
+            if amx_weights:
+                line += f"{times['amx'] * 1e3:>9.1f}{times['packed'] / times['amx']:>14.2f}x"
             print(line, flush=True)
     return 0
 
