@@ -18,7 +18,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_extension, cpu_layer_ops, cpu_packed_linear, cpu_paged_attention, cpu_skinny_linear
+from kernels import (
+    cpu_amx_linear,
+    cpu_extension,
+    cpu_layer_ops,
+    cpu_packed_linear,
+    cpu_paged_attention,
+    cpu_skinny_linear,
+)
 from kernels.torch_kv_cache_write import write_kv_cache_torch
 from kernels.torch_paged_attention import paged_attention_torch
 
@@ -97,9 +104,11 @@ def linear(
     """`F.linear`, through the skinny CPU kernel when x has few rows (fp32 on an AVX2 CPU), or
     through oneDNN's pre-reordered copy of the weight when one is given (bf16 on a CPU,
     `cpu_packed_linear.pack_weight(weight)`)."""
-    if packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-        return cpu_packed_linear.packed_linear(x, packed, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        if cpu_amx_linear.is_packed(packed) and rows > cpu_amx_linear.MAX_ROWS:
+            return F.linear(x, weight, bias)  # a long prefill chunk: oneDNN wins there (cpu_amx_linear.MAX_ROWS)
+        return cpu_packed_linear.packed_linear(x, packed, bias)
     if (0 < rows <= MAX_SKINNY_ROWS and x.dtype == torch.float32 and weight.dtype == torch.float32
             and x.device.type == "cpu" and weight.is_contiguous()
             and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))

@@ -22,6 +22,7 @@ namespace {
 struct RowPlan {
     int64_t packed_rows;  // rows handed to oneDNN (padded_rows; AMX tiles take the rows as they are)
     int64_t max_skinny_rows;  // fp32: the skinny kernel up to this many rows
+    int64_t max_amx_rows;  // AMX tiles up to this many rows, oneDNN on the plain weight above
 };
 
 at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
@@ -37,7 +38,8 @@ at::Tensor linear(const at::Tensor& x, const LinearArgs& args, const RowPlan& pl
     const auto& [weight, bias, packed] = args;
     const int64_t rows = x.size(0);
     if (packed.has_value()) {
-        if (packed->dim() == 4) return amx_linear(x, *packed, bias);  // AMX tiles: any row count, no padding
+        if (packed->dim() == 4)  // AMX tiles: no padding; a long prefill chunk goes to oneDNN (see cpu_amx_linear.py)
+            return rows <= plan.max_amx_rows ? amx_linear(x, *packed, bias) : at::linear(x, weight, bias);
         if (plan.packed_rows == rows) return packed_gemm(x, *packed, bias);
         at::Tensor padded = at::zeros({plan.packed_rows, x.size(1)}, x.options());
         padded.narrow(0, 0, rows).copy_(x);
@@ -60,8 +62,8 @@ at::Tensor decoder_layer_cpu(const at::Tensor& hidden, const at::Tensor& input_n
                              const at::Tensor& sin, at::Tensor& key_cache, at::Tensor& value_cache,
                              const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t max_query_rows,
-                             int64_t packed_rows, int64_t max_skinny_rows) {
-    const RowPlan plan{packed_rows, max_skinny_rows};
+                             int64_t packed_rows, int64_t max_skinny_rows, int64_t max_amx_rows) {
+    const RowPlan plan{packed_rows, max_skinny_rows, max_amx_rows};
     const int64_t tokens = hidden.size(0), head_dim = cos.size(1);
     const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
 

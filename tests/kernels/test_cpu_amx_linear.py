@@ -78,6 +78,20 @@ def test_pack_weight_takes_amx_tiles_where_they_run_and_onednn_elsewhere() -> No
 
 
 @needs_amx
+def test_kernels_linear_gives_amx_tiles_up_to_max_rows_and_onednn_past_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    amx = cpu_amx_linear.amx_linear
+    monkeypatch.setattr(cpu_amx_linear, "amx_linear", lambda x, *args: calls.append(x.shape[0]) or amx(x, *args))
+    generator = torch.Generator().manual_seed(3)
+    weight = (torch.randn(64, 96, generator=generator) / 96 ** 0.5).bfloat16()
+    packed = pack_weight(weight)
+    few = torch.randn(cpu_amx_linear.MAX_ROWS, 96, generator=generator).bfloat16()
+    assert torch.equal(linear(few, weight, None, packed), amx(few, packed)) and calls == [cpu_amx_linear.MAX_ROWS]
+    many = torch.randn(cpu_amx_linear.MAX_ROWS + 1, 96, generator=generator).bfloat16()
+    assert torch.equal(linear(many, weight, None, packed), F.linear(many, weight)) and len(calls) == 1
+
+
+@needs_amx
 def test_no_rows_give_an_empty_result() -> None:
     packed = cpu_amx_linear.pack(torch.randn(32, 32).bfloat16())
     out = cpu_amx_linear.amx_linear(torch.empty(0, 32, dtype=torch.bfloat16), packed)

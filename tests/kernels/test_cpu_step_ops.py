@@ -15,7 +15,7 @@ from kernels.cpu_paged_attention import MAX_QUERY_ROWS
 pytestmark = pytest.mark.skipif(cpu_extension.load() is None, reason="the C++ CPU kernels are not built here")
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 16, 64
-BLOCK_SIZE, NUM_BLOCKS = 4, 160
+BLOCK_SIZE, NUM_BLOCKS = 4, 320
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     not runs_fast_here(), reason="packed bf16 weights need AVX512-BF16 or AMX"))]
 
@@ -79,9 +79,13 @@ def _per_op_layer(hidden: torch.Tensor, layer: dict, cos: torch.Tensor, sin: tor
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("query_lens", [[1, 1, 1], [3, 1, 16], [1] * 70], ids=["decodes", "chunks", "70-padded"])
-def test_a_whole_layer_in_one_call_equals_the_layer_op_by_op(dtype: torch.dtype, query_lens: list[int]) -> None:
-    seq_lens = [9, 5, 30] if len(query_lens) == 3 else [1 + i % 5 for i in range(70)]
+@pytest.mark.parametrize(("query_lens", "seq_lens"), [
+    ([1, 1, 1], [9, 5, 30]), ([3, 1, 16], [9, 5, 30]), ([1] * 70, [1 + i % 5 for i in range(70)]),
+    # More rows than kernels.linear gives AMX tiles (cpu_amx_linear.MAX_ROWS): oneDNN on the plain weight.
+    ([MAX_QUERY_ROWS] * 9, [MAX_QUERY_ROWS + 3] * 9),
+], ids=["decodes", "chunks", "70-padded", "past-amx-rows"])
+def test_a_whole_layer_in_one_call_equals_the_layer_op_by_op(dtype: torch.dtype, query_lens: list[int],
+                                                               seq_lens: list[int]) -> None:
     step = _step(dtype, query_lens, seq_lens)
     ops = _ops(step)
     assert ops is not None
