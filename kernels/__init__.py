@@ -1,7 +1,8 @@
 """Paged attention and KV-cache writes (Triton kernels on CUDA, C++ kernels on AVX2 CPUs, pure-torch
-twins elsewhere), few-row linear layers (a C++ kernel on AVX2 CPUs, `F.linear` elsewhere), and the
-small per-layer ops RMSNorm (alone or after the residual add), SiLU-and-multiply and the rotary
-embedding (C++ on CPUs, torch elsewhere). kernels.cpu_isa says which CPU paths run (AVX2 or AVX-512).
+twins elsewhere), linear layers (fp32: a few-row C++ kernel on AVX2 CPUs; bf16: AMX tiles where the
+CPU has them, oneDNN on weights packed once elsewhere; `F.linear` otherwise), and the small per-layer
+ops RMSNorm (alone or after the residual add), SiLU-and-multiply and the rotary embedding (C++ on
+CPUs, torch elsewhere). kernels.cpu_isa says which CPU paths run (AVX2, AVX-512 or AMX).
 
 The engine calls only these dispatchers, and StepOps: a decode step's CPU decoder layers, each in
 one C++ call, with the step's arguments checked once. The twins are
