@@ -69,7 +69,8 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
 
 
 def _extension():  # noqa: ANN202 (the compiled module)
+    # Packing needs no AMX; the product refuses (RuntimeError) where the CPU or OS has none.
     extension = cpu_extension.load()
-    if extension is None or not extension.cpu_features().get("amx", False):
-        raise RuntimeError("AMX tiles are unavailable here; check is_available() first")
+    if extension is None:
+        raise RuntimeError("the CPU kernels are not built here; check is_available() first")
     return extension
