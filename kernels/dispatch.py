@@ -102,8 +102,9 @@ def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`F.linear`, through the skinny CPU kernel when x has few rows (fp32 on an AVX2 CPU), or
-    through oneDNN's pre-reordered copy of the weight when one is given (bf16 on a CPU,
-    `cpu_packed_linear.pack_weight(weight)`)."""
+    through the weight's packed copy when one is given (bf16 on a CPU,
+    `cpu_packed_linear.pack_weight(weight)`: AMX tiles up to cpu_amx_linear.MAX_ROWS rows, or
+    oneDNN's pre-reordered copy)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
         if cpu_amx_linear.is_packed(packed) and rows > cpu_amx_linear.MAX_ROWS:

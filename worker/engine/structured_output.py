@@ -19,12 +19,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import llguidance
 import torch
 
 from protocol.generation import StructuredOutput, StructuredOutputKind
 
 if TYPE_CHECKING:
+    import llguidance
     from llguidance._lib import JsonCompileOptions  # declared in the stubs only
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,10 @@ class StructuredOutputs:
         return done
 
     def _compile(self, constraint: StructuredOutput) -> llguidance.LLMatcher:
+        # Imported once a constraint arrives: an engine that never sees one runs without llguidance
+        # (the GPU check's offline machine has none).
+        import llguidance
+
         compiled = self._compiled.get(constraint)
         if compiled is not None:
             self._compiled.move_to_end(constraint)
