@@ -4,9 +4,10 @@ order; for every row count a step brings, decode steps and prefill chunks alike.
 Where: CPUs with AMX (Sapphire Rapids and later Xeons) whose OS grants this process the tiles,
 with the kernels' ISA at "amx" (kernels.cpu_isa; CARPOOL_CPU_ISA=avx512_bf16 pins it lower). There
 `cpu_packed_linear.pack_weight` packs into this format instead of oneDNN's, because oneDNN's packed
-GEMM streams few-row steps' weights well below memory speed: over SmolLM2's 30 layers, 2 threads
-of a Sapphire Rapids VM, 14.2 -> 8.1 ms at 1 row, 16.4 -> 10.0 at 32, 19.6 -> 12.7 at 64,
-24.5 -> 18.2 at 128, 31.3 -> 30.0 at 256 (`python scripts/bench_cpu_linear.py --bf16 --packed`).
+GEMM streams few-row steps' weights well below memory speed: all 30 layers' projections of SmolLM2,
+2 threads of a Sapphire Rapids VM, each call from Python, 15.1 -> 10.6 ms at 1 row, 17.6 -> 12.3 at
+32, 20.0 -> 15.7 at 64, 26.5 -> 22.1 at 128, 40.8 -> 37.0 at 256 (`python scripts/bench_cpu_linear.py
+--bf16 --packed --rows 1,8,32,64,128,256 --threads 2`).
 
 Its twin is `torch.nn.functional.linear` on the unpacked weight: both accumulate in fp32 and round to
 bf16 once, so they agree up to the order of the fp32 additions. A row's result never depends on
@@ -53,9 +54,14 @@ def is_packed(packed: torch.Tensor) -> bool:
     return packed.dim() == 4
 
 
+def weight_shape(packed: torch.Tensor) -> tuple[int, int]:
+    """The [out_features, in_features] of the weight `pack` made these tiles of."""
+    return packed.shape[0] * TILE_COLUMNS, packed.shape[1] * TILE_DEPTH
+
+
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x: [..., in_features] bf16 on the CPU, packed = pack(weight)."""
-    out_features, in_features = packed.shape[0] * TILE_COLUMNS, packed.shape[1] * TILE_DEPTH
+    out_features, in_features = weight_shape(packed)
     if x.dtype != torch.bfloat16 or x.device.type != "cpu":
         raise ValueError(f"x must be a bf16 CPU tensor, got {x.dtype} on {x.device}")
     if x.shape[-1] != in_features:

@@ -74,7 +74,7 @@ def make_pass(rows: int, weights: dict[str, list[torch.Tensor]], linear: Linear,
 
 def in_features(weight: torch.Tensor) -> int:
     """A plain or oneDNN-packed weight is [out, in]; AMX tiles are [out/16, in/32, 16, 32]."""
-    return weight.shape[1] * cpu_amx_linear.TILE_DEPTH if cpu_amx_linear.is_packed(weight) else weight.shape[1]
+    return cpu_amx_linear.weight_shape(weight)[1] if cpu_amx_linear.is_packed(weight) else weight.shape[1]
 
 
 def time_interleaved(passes: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
