@@ -71,7 +71,10 @@ def test_every_final_status_is_delivered_signed_and_once(stack: Fleet, receiver:
     submit_jobs(stack.redis, [completed, failed, expired, running, undeliverable])
     submit_jobs(stack.redis, [queued])
     assert cancel_job(stack.redis, queued.job_id) is JobStatus.CANCELED
-    wait_until(lambda: stack.redis.xlen(KEYS.stream(running.job_id)) >= 3, 120, "tokens",
+    # Its first token: it runs (and has most of its 600 tokens to go). Not a later entry: the
+    # worker writes a job's stream every CARPOOL_DURABLE_INTERVAL_MS, by which time a loaded box
+    # may have seen the tiny model finish it.
+    wait_until(lambda: stack.redis.xlen(KEYS.stream(running.job_id)) >= 1, 120, "tokens",
                stack.logs)
     assert cancel_job(stack.redis, running.job_id) is JobStatus.RUNNING
     job_ids = [completed.job_id, failed.job_id, expired.job_id, running.job_id,
