@@ -72,8 +72,12 @@ class JobStream:
         entries = cast("list[RawEntry]", await self._streams.xrange(self._keys.stream(self.job_id)))
         return [_event(entry_id, fields) for entry_id, fields in expand_runs(entries)]
 
-    async def follow(self, after_id: str = STREAM_START) -> AsyncIterator[StreamEvent | None]:
+    async def follow(self, after_id: str = STREAM_START,
+                     fresh: bool = False) -> AsyncIterator[StreamEvent | None]:
         """Yield each entry after `after_id`, and None whenever a wait of `block_ms` brought nothing.
+
+        `fresh`: the caller saw the job with nothing generated yet, so the hub may skip reading
+        its stream at first (StreamHub.subscribe).
 
         The Nones let the caller send keep-alives and notice a gone client. Ends after the final
         entry, or when the job's state hash is gone (expired). A job whose state says it ended
@@ -81,7 +85,8 @@ class JobStream:
         """
         key = self._keys.stream(self.job_id)
         last_id = after_id
-        subscription = await self._hub.subscribe(key, after_id) if self._hub is not None else None
+        subscription = (await self._hub.subscribe(key, after_id, fresh)
+                        if self._hub is not None else None)
         try:
             while True:
                 if subscription is None:

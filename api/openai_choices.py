@@ -28,6 +28,7 @@ class ChoiceJob:
     job_id: str
     echo: str = ""  # put before the choice's text (`echo`: the prompt; on chat the last assistant message)
     prompt_tokens: int = 0  # the API's count (0: unknown), for usage before the job ends
+    is_new: bool = False  # submitted by this request (not an Idempotency-Key replay): no tokens yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +52,7 @@ async def merged_events(
 
     async def follow(job: ChoiceJob) -> None:
         try:
-            async for event in ctx.stream(job.job_id).follow():
+            async for event in ctx.stream(job.job_id).follow(fresh=job.is_new):
                 await queue.put((job, event))
             await queue.put((job, _End()))
         except Exception as exc:  # handed to the reader, which raises it in the route's task

@@ -158,7 +158,7 @@ async def stream_job(
     after: Annotated[str | None, Query(
         description="Same as Last-Event-ID, for clients that cannot set headers.")] = None,
 ) -> Response:
-    await ctx.jobs.state(job_id, owner)  # 404 before any byte of the stream is sent
+    state = await ctx.jobs.state(job_id, owner)  # 404 before any byte of the stream is sent
     resume_from = last_event_id or after or STREAM_START
     if not is_entry_id(resume_from):
         name, location = ("Last-Event-ID", "header") if last_event_id else ("after", "query")
@@ -172,7 +172,11 @@ async def stream_job(
         if last is not None and last.is_done \
                 and entry_id_key(last.entry_id) <= entry_id_key(resume_from):
             return Response(status_code=204)  # tells EventSource to stop reconnecting
-    return EventStreamResponse(_job_events(stream, resume_from, ctx.settings.sse_keepalive_s),
+    # Nothing generated yet (the first token writes first_token_at with it): the hub need not
+    # read the stream first.
+    fresh = not state.status.is_final and not state.first_token_at
+    return EventStreamResponse(_job_events(stream, resume_from, ctx.settings.sse_keepalive_s,
+                                           fresh),
                                headers={"X-Carpool-Job-Id": job_id})
 
 
@@ -187,10 +191,11 @@ async def cancel_job(job_id: JobId, owner: Owner, ctx: Context) -> JSONResponse:
     return JSONResponse(body.model_dump(mode="json"), status_code=202 if pending else 200)
 
 
-async def _job_events(stream: JobStream, after: str, keepalive_s: float) -> AsyncIterator[bytes]:
+async def _job_events(stream: JobStream, after: str, keepalive_s: float,
+                      fresh: bool) -> AsyncIterator[bytes]:
     last_sent = time.monotonic()
     try:
-        async for event in stream.follow(after):
+        async for event in stream.follow(after, fresh):
             if event is None:
                 if time.monotonic() - last_sent >= keepalive_s:
                     last_sent = time.monotonic()

@@ -129,7 +129,7 @@ async def _answer(ctx: AppContext, request: Request,
     """`echoes`: per accepted job, the text its choice starts with ("" for none)."""
     first = accepted[0].spec
     jobs = [ChoiceJob(index=index, prompt_number=index // body.n, job_id=job.spec.job_id,
-                      echo=echo, prompt_tokens=job.prompt_tokens or 0)
+                      echo=echo, prompt_tokens=job.prompt_tokens or 0, is_new=not job.is_replay)
             for index, (job, echo) in enumerate(zip(accepted, echoes, strict=True))]
     writer = ChunkWriter(is_chat=is_chat,
                          response_id=("chatcmpl-" if is_chat else "cmpl-") + first.job_id,

@@ -7,8 +7,9 @@ stream.
 
 What it waits on: the step notifications (`Keys.stream_steps`, protocol/stream_steps.py), one Pub/Sub
 message per worker step on one channel. A notification that carries its step's tokens (the usual
-one) is handed out as it is, after the entries this hub delivered for each stream; one that names
-streams instead (final entries, a step whose append was partly refused), or tokens after a gap,
+one) is handed out as it is, after the entries this hub delivered for each stream, and so is a
+job's final entry (`f`); one that names streams instead (a step whose append was partly refused,
+final entries from a shard or a queued job's cancel), or tokens after a gap,
 makes the hub read just those streams, in one non-blocking XREAD. (It used to block on one XREAD
 over every watched stream: Redis registered and unregistered each of them as a blocked key, re-ran
 the read over all of them at every wake-up whichever had changed, and encoded every entry for it;
@@ -54,7 +55,7 @@ from redis.asyncio.connection import Connection
 from protocol.job_reader import XReadReply
 from protocol.keys import Keys
 from protocol.stream_ids import entry_id_key
-from protocol.stream_steps import note_fields, notified_streams, notified_tokens
+from protocol.stream_steps import note_fields, notified_final, notified_streams, notified_tokens
 from protocol.token_runs import RawEntry
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,18 @@ log = logging.getLogger(__name__)
 # The longest the hub waits for a notification before it looks for newly watched streams (no
 # request to Redis: the wait is on the subscribed connection's socket).
 _WAIT_SLICE_S = 0.02
+# [redis-cost] How long a new stream whose job is fresh (`subscribe(..., fresh=True)`) waits for
+# a notification that makes its first read needless, before it is read anyway, with every other
+# fresh stream still unread: one XREAD per this interval at most, where each new stream cost one
+# at the next turn (every 20 ms or sooner under load). The read is also the safety net for
+# entries written before the hub followed the stream (a first token, or a job that ended,
+# between the caller's look and its subscription), which then come up to this much later than
+# at the next turn. Short, so that race costs little time to first token.
+_FRESH_READ_DELAY_S = 0.05
+# How long the hub stays subscribed with nothing to follow before it stops: a next subscriber
+# within it costs Redis no new connection and subscription, and its fresh stream no first read
+# ([redis-cost]: one job at a time, each had the hub start over: HELLO, SUBSCRIBE and a read).
+_LINGER_S = 5.0
 
 
 class Subscription:
@@ -146,6 +159,10 @@ class StreamHub:
         self._keys = keys or Keys()
         self._watches: dict[str, _Watch] = {}
         self._dirty: set[str] = set()  # watched streams to read at the next turn
+        # Fresh streams not read yet: when each is read at the latest (monotonic), unless a
+        # notification that follows the subscriber's position comes first.
+        self._unread: dict[str, float] = {}
+        self._listening = False  # subscribed to the notifications: every later one comes here
         self._task: asyncio.Task[None] | None = None
         self._is_closed = False
         self._pubsub: PubSub | None = None  # the reader's subscription to the step notifications
@@ -155,7 +172,14 @@ class StreamHub:
     def num_streams(self) -> int:
         return len(self._watches)
 
-    async def subscribe(self, key: str, after_id: str) -> Subscription:
+    async def subscribe(self, key: str, after_id: str, fresh: bool = False) -> Subscription:
+        """Entries of `key` after `after_id`, from now on. `fresh`: the caller saw the job with
+        nothing generated yet (just submitted, or its state had no first token): a new stream is
+        then not read at once ([redis-cost]: it was one XREAD a job) when the hub is listening,
+        since every entry written from then on comes with a notification; the first one that
+        follows `after_id` shows nothing was missed, one after a gap has it read, and with none
+        within _FRESH_READ_DELAY_S it is read anyway (entries written before the hub followed
+        it, the job maybe ended)."""
         if self._is_closed:
             raise redis.exceptions.ConnectionError("the stream hub is closed")
         watch = self._watches.get(key)
@@ -167,7 +191,10 @@ class StreamHub:
                                     self._max_pending)
         watch.subscribers.add(subscription)
         if is_new:
-            self._dirty.add(key)
+            if fresh and self._listening:
+                self._unread[key] = time.monotonic() + _FRESH_READ_DELAY_S
+            else:
+                self._dirty.add(key)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="stream-hub")
         return subscription
@@ -178,7 +205,8 @@ class StreamHub:
             return
         watch.subscribers.discard(subscription)
         if not watch.subscribers:
-            del self._watches[subscription.key]  # the reader stops once nothing is watched
+            del self._watches[subscription.key]  # the reader stops _LINGER_S after the last
+            self._unread.pop(subscription.key, None)
 
     async def close(self) -> None:
         self._is_closed = True
@@ -193,6 +221,7 @@ class StreamHub:
 
     def _fail_all(self, error: BaseException) -> None:
         watches, self._watches = self._watches, {}
+        self._unread.clear()
         for watch in watches.values():
             for subscription in watch.subscribers:
                 subscription.fail(error)
@@ -225,12 +254,23 @@ class StreamHub:
         try:
             # Subscribed before any stream is read: see the module's docstring.
             pubsub = await self._subscribe()
+            self._listening = True
             full_read_at = -float("inf")
-            while self._watches and not self._is_closed:
+            idle_since = None  # monotonic time the last stream was left, while none is followed
+            while not self._is_closed:
                 started = time.monotonic()
+                if self._watches:
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = started
+                elif started - idle_since >= _LINGER_S:
+                    break
                 if started - full_read_at >= self._block_ms / 1000:
                     full_read_at = started
                     self._dirty.update(self._watches)
+                if self._unread and min(self._unread.values()) <= started:
+                    # Every fresh stream still unread goes in the same XREAD as the one due.
+                    self._dirty.update(self._unread)
                 brought = bool(self._dirty) and await self._read_dirty()
                 # Wait only when nothing is left to read (a stream with more than a page is).
                 wait_s = 0.0 if self._dirty else max(0.0, min(
@@ -243,6 +283,9 @@ class StreamHub:
                     fields = note_fields(message["data"])
                     for key, entries in notified_tokens(fields):
                         self._deliver_notified(key, entries)
+                    final = notified_final(fields)
+                    if final is not None:
+                        self._deliver_notified(final[0], [final[1]])
                     for key in notified_streams(fields):
                         if key in self._watches:
                             self._dirty.add(key)
@@ -263,9 +306,16 @@ class StreamHub:
                 with contextlib.suppress(Exception):
                     await self._reader.connection.disconnect()
         finally:
+            self._listening = False
+            # Nothing comes for them now: whoever runs the hub next reads them first.
+            self._dirty.update(key for key in self._unread if key in self._watches)
+            self._unread.clear()
             if pubsub is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(pubsub.aclose())
+            if self._watches and not self._is_closed:
+                # Subscribers came while this run was ending (`subscribe` saw it not done yet).
+                self._task = asyncio.create_task(self._run(), name="stream-hub")
 
     async def _on_reconnect(self, connection: Connection) -> None:
         """redis-py reconnects a subscription that lost its connection and subscribes again: the
@@ -279,6 +329,8 @@ class StreamHub:
         """One non-blocking XREAD of the streams marked to read; whether it brought entries."""
         request = {key: self._watches[key] for key in self._dirty if key in self._watches}
         self._dirty.clear()
+        for key in request:
+            self._unread.pop(key, None)
         if not request:
             return False
         reply = cast(XReadReply, await self._reader.xread(
@@ -292,7 +344,7 @@ class StreamHub:
         return bool(reply)
 
     def _deliver_notified(self, key: str, entries: list[RawEntry]) -> None:
-        """Tokens a notification carried: handed out when they follow the stream's cursor; after
+        """Entries a notification carried: handed out when they follow the stream's cursor; after
         a gap (entries this hub did not see, e.g. from before it watched the stream) the stream
         is read instead."""
         watch = self._watches.get(key)
@@ -306,6 +358,8 @@ class StreamHub:
             if entry_ms != ms or entry_seq != seq + 1:
                 self._dirty.add(key)
                 return
+            # The entry right after the cursor: nothing before it is missing (ids are dense).
+            self._unread.pop(key, None)
             watch.cursor, seq = entry_id, entry_seq
             for subscription in watch.subscribers:
                 subscription.deliver((entry_id, fields))

@@ -13,9 +13,14 @@ subscriber in the publisher's own turn. A message is one letter, then its value:
   tokens and the append script (worker/jobs/shard_scripts.XADD_TOKEN) adds them as they are, after
   its fence checks and XADDs, and only when every one of them was written; the hub hands them out
   without reading the streams (reading them cost Redis about as much as writing them).
+- `f`: one final entry itself, as a JSON list [stream key, entry id, field, value, ...]: from the
+  finish script, which decides the entry's fields (a cancel turns a finish into `canceled`) and
+  writes them in the same turn. [redis-cost] The hub hands it out as it does an `e`'s tokens: a
+  job's end costs the hub no read (with a `k` it cost one XREAD a job, about a ninth of the
+  requests a 50-token job sent Redis).
 - `k`: stream keys to read (space-separated): from the append script when it did not write every
-  token it got (a refused job, a resent round trip), and from `notify_steps` for final entries,
-  after them in the same transaction.
+  token it got (a refused job, a resent round trip), and from `notify_steps` for the final entries
+  other writers add (a shard's, a queued job's cancel), after them in the same transaction.
 
 Live tokens ([redis-cost], `CARPOOL_DURABLE_INTERVAL_MS`, worker/jobs/settings.py): a worker may
 write a job's tokens into its stream only every so often (one entry for several tokens: Redis'
@@ -60,6 +65,7 @@ LIVE_WINDOW_MS = 5_000
 LIVE_JOURNAL_TTL_MS = 24 * 3600 * 1000
 _STREAMS_FIELD = "k"
 _TOKENS_FIELD = "e"
+_FINAL_FIELD = "f"
 
 
 def notify_steps(pipe: Redis | Pipeline | AsyncPipeline, keys: Keys, job_ids: Iterable[str]) -> None:
@@ -74,7 +80,8 @@ def note_fields(payload: bytes | str) -> dict[object, object]:
     """One notification's message (the field's letter, then its value) as the fields
     `notified_streams` and `notified_tokens` read."""
     text = payload.decode() if isinstance(payload, bytes) else payload
-    return {text[:1]: text[1:]} if text[:1] in (_STREAMS_FIELD, _TOKENS_FIELD) else {}
+    return ({text[:1]: text[1:]} if text[:1] in (_STREAMS_FIELD, _TOKENS_FIELD, _FINAL_FIELD)
+            else {})
 
 
 def encode_tokens(runs: list[tuple[str, list[str]]]) -> str:
@@ -95,6 +102,16 @@ def _field(fields: dict[object, object], name: str) -> str:
 def notified_streams(fields: dict[object, object]) -> list[str]:
     """The stream keys one notification names to read (`k`)."""
     return _field(fields, _STREAMS_FIELD).split()
+
+
+def notified_final(fields: dict[object, object]) -> tuple[str, RawEntry] | None:
+    """The final entry one notification carries (`f`): its stream key and the entry as XREAD
+    returns it (id and fields, strings); None for a notification of another kind."""
+    raw = _field(fields, _FINAL_FIELD)
+    if not raw:
+        return None
+    stream, entry_id, *flat = json.loads(raw)
+    return stream, (entry_id, dict(zip(flat[::2], flat[1::2])))
 
 
 def notified_tokens(fields: dict[object, object]) -> list[tuple[str, list[RawEntry]]]:

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import openai  # noqa: E402
+from redis import Redis  # noqa: E402
 
 from loadgen.workload import WorkloadItem, build_workload  # noqa: E402
 
@@ -65,6 +66,7 @@ class Server:
     model: str
     processes: list[subprocess.Popen]
     workdir: Path
+    redis_url: str = ""  # Carpool's private Redis: its CPU per token is reported per load
 
     def stop(self) -> None:
         # One at a time, last started first: a worker shutting down still needs its Redis.
@@ -123,7 +125,7 @@ def start_carpool(model: str, workdir: Path) -> Server:
     processes.append(_spawn([sys.executable, "-m", "worker", "--model", model, "--redis-url",
                              redis_url, "--name", "bench-serve"], logs[2]))
     url = f"http://127.0.0.1:{api_port}"
-    server = Server("carpool", url, "", processes, workdir)
+    server = Server("carpool", url, "", processes, workdir, redis_url)
     try:
         server.model = _wait_ready(url, processes, logs)
     except BaseException:
@@ -225,6 +227,14 @@ def summarize(records: list[Record], items: list[WorkloadItem]) -> dict[str, obj
             "first_error": next((r.error for r in records if r.error), "")}
 
 
+def redis_cpu_s(server: Server) -> float | None:
+    """Redis' own CPU seconds so far (INFO: used_cpu_sys + used_cpu_user), None for a peer."""
+    if not server.redis_url:
+        return None
+    info = Redis.from_url(server.redis_url).info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
 def greedy_texts(server: Server) -> list[str]:
     items = [WorkloadItem(i.messages, CHECK_TOKENS) for i in build_workload(CHECK_PROMPTS)]
     records = asyncio.run(run_load(server, items, None))
@@ -286,7 +296,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for load in loads:
                     num, rate = LOADS[load]
                     items = build_workload(num)
+                    cpu_before = redis_cpu_s(server)
                     summary = summarize(asyncio.run(run_load(server, items, rate)), items)
+                    cpu_after = redis_cpu_s(server)
+                    if cpu_before is not None and cpu_after is not None:
+                        # The issue's measure: Redis' CPU per token a subscriber received.
+                        summary["redis_cpu_us_per_token"] = round(
+                            (cpu_after - cpu_before) * 1e6 / max(int(summary["chunks"]), 1), 2)
                     results[f"{system}/{load}"] = summary
                     print(f"  {system:8s} {load:9s} {json.dumps(summary)}", flush=True)
             finally:
@@ -301,14 +317,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"  {system}'s output is not Carpool's greedy output: no ratio reported")
                     systems.remove(system)
     print(f"\n{'load':10s} {'system':8s} {'tok/s':>7s} {'TTFT p50':>9s} {'TTFT p99':>9s} "
-          f"{'ITL ms':>7s} {'e2e p99':>8s} {'vs vllm':>8s}")
+          f"{'ITL ms':>7s} {'e2e p99':>8s} {'vs vllm':>8s} {'Redis us/tok':>12s}")
     for load in loads:
         base = results.get(f"vllm/{load}") if "vllm" in systems else None
         for system in systems:
             row = results[f"{system}/{load}"]
             ratio = f"{row['tok_s'] / base['tok_s']:.2f}x" if base else "-"  # type: ignore[operator]
             print(f"{load:10s} {system:8s} {row['tok_s']:>7} {row['ttft_p50_s']:>9} "
-                  f"{row['ttft_p99_s']:>9} {row['itl_mean_ms']:>7} {row['e2e_p99_s']:>8} {ratio:>8s}")
+                  f"{row['ttft_p99_s']:>9} {row['itl_mean_ms']:>7} {row['e2e_p99_s']:>8} {ratio:>8s} "
+                  f"{row.get('redis_cpu_us_per_token', '-'):>12}")
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_name(), "results": results,
                                          "greedy_texts": texts}, indent=1))

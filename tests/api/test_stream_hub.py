@@ -20,6 +20,7 @@ import redis.asyncio as aioredis
 import uvicorn
 from api_support import MODEL, word_tokenizer
 
+from api import stream_hub
 from api.app import create_app
 from api.settings import ApiSettings
 from api.stream_hub import StreamHub, Subscription
@@ -472,3 +473,149 @@ async def test_a_resume_behind_live_tokens_waits_for_the_stream_without_gap_or_d
         await _all_ended([first, resumed])
     assert first.events == _expected(8)
     assert resumed.events == _expected(8, after=1)
+
+
+def _publish_final(sync: redis.Redis, job_id: str, num_tokens: int) -> None:
+    """The final entry as the worker's finish script writes it: into the stream, then whole in
+    its notification (`f`, protocol/stream_steps.py)."""
+    entry_id = stream_ids.done_entry_id(num_tokens)
+    fields = {"kind": "done", "finish_reason": "stop", "prompt_tokens": "2",
+              "completion_tokens": str(num_tokens), "error": "", "cached_tokens": "0"}
+    sync.xadd(KEYS.stream(job_id), fields, id=entry_id)  # type: ignore[arg-type]
+    flat = [part for pair in fields.items() for part in pair]
+    sync.publish(KEYS.stream_steps(), "f" + json.dumps([KEYS.stream(job_id), entry_id, *flat]))
+
+
+async def test_a_final_entry_a_notification_carries_ends_the_stream_without_a_read(
+        open_hub: OpenHub, sync: redis.Redis) -> None:
+    """[redis-cost] A job's end costs the hub no XREAD: the finish script's notification holds
+    the entry. One that does not follow the hub's cursor (a gap) has the stream read instead."""
+    hub = open_hub(block_ms=10_000)
+    ended = await hub.subscribe(KEYS.stream("a"), "0-0")
+    gapped = await hub.subscribe(KEYS.stream("b"), "0-0")
+    await asyncio.sleep(0.1)
+    read = _record_reads(hub)
+    _publish_step(sync, "a", 0, 2)
+    _publish_final(sync, "a", 2)
+    received: list[tuple[str, dict[str, str]]] = []
+    deadline = time.monotonic() + 2.0  # a hub that needs a read for it waits 10 s
+    while len(received) < 3 and time.monotonic() < deadline:
+        received += await ended.next(0.5)
+    assert received[2] == ("0-3", {"kind": "done", "finish_reason": "stop", "prompt_tokens": "2",
+                                   "completion_tokens": "2", "error": "", "cached_tokens": "0"})
+    assert [entry_id for entry_id, _ in received] == ["0-1", "0-2", "0-3"]
+    assert read == []
+    _publish(sync, "b", 0, 1, notify=False)  # a token no notification announced
+    _publish_final(sync, "b", 1)
+    assert await _ids(gapped) == ["0-1", "0-2"]
+    assert read == [[KEYS.stream("b")]]
+
+
+async def test_a_fresh_stream_is_read_only_when_its_notifications_cannot_show_it_complete(
+        open_hub: OpenHub, sync: redis.Redis) -> None:
+    """[redis-cost] A stream whose job had nothing generated when its subscriber came (`fresh`)
+    costs the hub no first read when its first notification follows the subscriber's position.
+    A gap has it read at once; with no notification it is read after _FRESH_READ_DELAY_S (the
+    job may have ended before the hub followed it), far less than the block interval."""
+    hub = open_hub(block_ms=10_000)
+    listening = await hub.subscribe(KEYS.stream("busy"), "0-0")
+    await asyncio.sleep(0.1)  # the hub listens to the notifications
+    read = _record_reads(hub)
+
+    fresh = await hub.subscribe(KEYS.stream("a"), "0-0", fresh=True)
+    _publish_step(sync, "a", 0, 2)
+    _publish_final(sync, "a", 2)
+    received: list[str] = []
+    deadline = time.monotonic() + 2.0
+    while len(received) < 3 and time.monotonic() < deadline:
+        received += await _ids(fresh)
+    assert received == ["0-1", "0-2", "0-3"]
+    await asyncio.sleep(stream_hub._FRESH_READ_DELAY_S + 0.1)
+    assert read == []  # neither a first read nor one after the notifications
+
+    _publish_step(sync, "b", 0, 2)  # before anyone here followed b
+    await asyncio.sleep(0.1)  # its notification came and went
+    gapped = await hub.subscribe(KEYS.stream("b"), "0-0", fresh=True)
+    _publish_step(sync, "b", 2, 3)
+    assert await _ids(gapped) == ["0-1", "0-2", "0-3"]
+    assert read == [[KEYS.stream("b")]]
+
+    _publish_step(sync, "c", 0, 1)
+    _publish_final(sync, "c", 1)  # c ended before anyone here followed it
+    await asyncio.sleep(0.1)
+    started = time.monotonic()
+    ended = await hub.subscribe(KEYS.stream("c"), "0-0", fresh=True)
+    assert await _ids(ended) == ["0-1", "0-2"]
+    waited = time.monotonic() - started
+    assert stream_hub._FRESH_READ_DELAY_S - 0.05 <= waited < 1.0
+    assert read == [[KEYS.stream("b")], [KEYS.stream("c")]]
+    assert listening.key == KEYS.stream("busy")
+
+
+async def test_a_fresh_stream_is_read_at_once_while_the_hub_is_not_listening_yet(
+        open_hub: OpenHub, sync: redis.Redis) -> None:
+    """The first subscriber starts the hub: notifications before its subscription was confirmed
+    are lost to it, so even a fresh stream is read first."""
+    hub = open_hub(block_ms=10_000)
+    _publish_step(sync, "a", 0, 1)
+    _publish_final(sync, "a", 1)
+    started = time.monotonic()
+    subscription = await hub.subscribe(KEYS.stream("a"), "0-0", fresh=True)
+    assert await _ids(subscription) == ["0-1", "0-2"]
+    assert time.monotonic() - started < stream_hub._FRESH_READ_DELAY_S
+
+
+async def test_the_job_stream_of_a_job_with_no_token_yet_costs_no_first_read(
+        redis_url: str, sync: redis.Redis) -> None:
+    """GET /v1/jobs/{id}/stream subscribes `fresh` while the job's state has no first token: no
+    XREAD for it while its notifications follow each other. A job that has one is read at once."""
+    async for client, job_id in _served_job(redis_url, sync):
+        first = Reader(client, job_id)  # starts the hub: read at once, the hub not listening yet
+        await asyncio.sleep(0.2)
+        sync.config_resetstat()
+        fresh_id = (await client.post("/v1/jobs", json={"prompt": "hello"})).json()["job_id"]
+        fresh = Reader(client, fresh_id)
+        await asyncio.sleep(0.05)  # it subscribed (a first token written before then: a gap)
+        for index in range(3):
+            _publish_step(sync, job_id, index, index + 1)
+            _publish_step(sync, fresh_id, index, index + 1)
+        _publish_final(sync, job_id, 3)
+        _publish_final(sync, fresh_id, 3)
+        await _all_ended([first, fresh])
+        assert sync.info("commandstats").get("cmdstat_xread", {}).get("calls", 0) == 0
+
+        started_id = (await client.post("/v1/jobs", json={"prompt": "hello"})).json()["job_id"]
+        _publish(sync, started_id, 0, 2, notify=False)
+        sync.hset(KEYS.state(started_id), "first_token_at", time.time())
+        started = Reader(client, started_id)
+        await started.wait_for(2)  # read at once, no notification needed
+        assert sync.info("commandstats")["cmdstat_xread"]["calls"] == 1
+        _publish_final(sync, started_id, 2)
+        await _all_ended([started])
+    assert first.events == _expected(3)
+    assert fresh.events == _expected(3)
+    assert started.events == _expected(2)
+
+
+async def test_the_hub_stays_subscribed_a_while_after_its_last_stream(
+        open_hub: OpenHub, sync: redis.Redis) -> None:
+    """One job at a time: the next subscriber within _LINGER_S finds the hub still listening (no
+    new connection or subscription), so its fresh stream costs no read either."""
+    hub = open_hub(block_ms=10_000)
+    first = await hub.subscribe(KEYS.stream("a"), "0-0", fresh=True)
+    await asyncio.sleep(0.1)
+    hub.unsubscribe(first)
+    await asyncio.sleep(0.3)  # past a few turns with nothing followed
+    read = _record_reads(hub)
+    sync.config_resetstat()
+    second = await hub.subscribe(KEYS.stream("b"), "0-0", fresh=True)
+    _publish_step(sync, "b", 0, 1)
+    _publish_final(sync, "b", 1)
+    received: list[str] = []
+    deadline = time.monotonic() + 2.0
+    while len(received) < 2 and time.monotonic() < deadline:
+        received += await _ids(second)
+    assert received == ["0-1", "0-2"]
+    assert read == []
+    commands = sync.info("commandstats")
+    assert "cmdstat_subscribe" not in commands and "cmdstat_hello" not in commands

@@ -300,7 +300,8 @@ return {results, canceled, notified and 1 or 0, now, live, canceled_ids}
 
 # KEYS: lease, stream, leases, state, canceled, rq job, rq results, rq execution,
 #       rq executions, started registry, finished registry, failed registry, canceled registry,
-#       worker executions, rq worker hash, fence, webhook events, the model's fair-share vtimes.
+#       worker executions, rq worker hash, fence, webhook events, the model's fair-share vtimes,
+#       the step notifications (Keys.stream_steps: the final entry goes there too, `f`).
 # ARGV: token, job_id, outcome (finished|failed|canceled), finish_reason, error, prompt_tokens,
 #       completion_tokens, text, token_ids (JSON), result_ttl, failure_ttl, composite,
 #       execution_id, rq_now, now_s, working_seconds, exc_info, cached_tokens, stream_here ('1':
@@ -325,9 +326,13 @@ local now_s = tonumber(ARGV[15])
 local stream_here = ARGV[19] == '1'
 if stream_here then
   local done = next_index(KEYS[2])
-  redis.call('XADD', KEYS[2], '0-' .. (done + 1), 'kind', 'done', 'finish_reason', reason,
-             'prompt_tokens', ARGV[6], 'completion_tokens', ARGV[7], 'error', ARGV[5],
-             'cached_tokens', ARGV[18])
+  local id = '0-' .. (done + 1)
+  local fields = {'kind', 'done', 'finish_reason', reason, 'prompt_tokens', ARGV[6],
+                  'completion_tokens', ARGV[7], 'error', ARGV[5], 'cached_tokens', ARGV[18]}
+  redis.call('XADD', KEYS[2], id, unpack(fields))
+  -- [redis-cost] The entry itself to the stream hubs (protocol/stream_steps.py, `f`): they hand
+  -- it out without reading the stream.
+  redis.call('PUBLISH', KEYS[19], 'f' .. cjson.encode({KEYS[2], id, unpack(fields)}))
 end
 redis.call('HSET', KEYS[4], 'status', outcome, 'finish_reason', reason, 'error', ARGV[5],
            'prompt_tokens', ARGV[6], 'completion_tokens', ARGV[7], 'text', ARGV[8],

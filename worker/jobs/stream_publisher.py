@@ -202,9 +202,6 @@ class StreamPublisher:
         self._live: dict[str, RunningJob] = {}
         self._renew: bool | None = None  # whether this flush renews the leases (once asked)
         self._append_ids: list[str] = []
-        # Jobs whose main-Redis stream gets a final entry this flush (the append script notifies
-        # its tokens itself).
-        self._notify_ids: list[str] = []
         self._append_keys: list[str] = []
         self._append_args: list[EncodableT] = []
         # Jobs streaming to a shard: their main-Redis part (lease check and renewal, first-token
@@ -321,7 +318,8 @@ class StreamPublisher:
                 RQKeys.worker_executions(self.worker_name), RQKeys.worker(self.worker_name),
                 self.keys.fence(lease.job_id), self.keys.webhook_events(),
                 # The owner's fair-share counter of the job's model, settled to what it generated.
-                self.keys.fair_vtimes(self.keys.model_of_queue(queue) or "")]
+                self.keys.fair_vtimes(self.keys.model_of_queue(queue) or ""),
+                self.keys.stream_steps()]
         args: list[EncodableT] = [
             lease.token, lease.job_id, end.status.value, end.finish_reason.value, end.error,
             job.num_prompt_tokens, job.num_tokens, job.text,
@@ -339,9 +337,8 @@ class StreamPublisher:
             job.failure_ttl if end.status == JobStatus.FAILED else job.result_ttl,
             end.finish_reason.value, job.num_prompt_tokens, job.num_tokens, end.error,
             job.num_cached_tokens)
+        # The finish script notifies the final entry it writes (`f`); a shard's comes with its END.
         self._calls.append(_ScriptCall("finish", lease.job_id, "finish", keys, args, marker))
-        if shard is None:
-            self._notify_ids.append(lease.job_id)  # its final entry
         self._counters["prompt_tokens_total"] += job.num_prompt_tokens
         # vLLM's prefix cache counters count tokens: the prompt's, and those found cached.
         self._counters["prefix_cache_queries_total"] += job.num_prompt_tokens
@@ -510,8 +507,6 @@ class StreamPublisher:
         watched = self._watched
         for queue_key in watched:
             pipe.llen(queue_key)
-        # After the scripts: a stream hub that reads this notification finds the entries there.
-        notify_steps(pipe, self.keys, self._notify_ids)
         for command, args, kwargs in self._extra:
             getattr(pipe, command)(*args, **kwargs)
         if self.presence is not None:

@@ -10,6 +10,7 @@ from rq import Worker
 
 from protocol import FinishReason, JobStatus, WorkerStats
 from protocol.messages import HISTOGRAM_BUCKETS
+from protocol.stream_steps import notified_final
 from tests.step_notes import notes_of
 from tests.worker.jobs.job_support import (
     KEYS,
@@ -193,7 +194,7 @@ def test_an_iteration_is_kept_when_redis_drops_while_its_scripts_are_reloaded(
 
 
 def _notifications(redis) -> list[dict[str, object]]:
-    return [{str(k): json.loads(str(v)) if k == "e" else v for k, v in fields.items()}
+    return [{str(k): json.loads(str(v)) if k in ("e", "f") else v for k, v in fields.items()}
             for fields in notes_of(redis)]
 
 
@@ -217,7 +218,7 @@ def test_a_step_notifies_its_tokens_only_when_every_one_was_written() -> None:
     pub.append(a)
     pub.append(b)
     assert pub.flush().refused == {"b"}
-    # Step three: a's final entry (named from Python, after it).
+    # Step three: a's final entry, carried whole by the finish script's notification (`f`).
     a.unpublished.clear()
     pub.finish(a, JobEnd(JobStatus.FINISHED, FinishReason.STOP))
     pub.flush()
@@ -225,5 +226,11 @@ def test_a_step_notifies_its_tokens_only_when_every_one_was_written() -> None:
         {"e": [KEYS.stream("a"), ["0", "7", "<7>", "", "1", "8", "<8>", ""],
                KEYS.stream("b"), ["0", "9", "<9>", ""]]},
         {"k": KEYS.stream("a")},  # not b's refused token: the hub reads a's stream instead
-        {"k": KEYS.stream("a")}]
+        {"f": [KEYS.stream("a"), "0-4", "kind", "done", "finish_reason", "stop",
+               "prompt_tokens", "3", "completion_tokens", "3", "error", "", "cached_tokens", "0"]}]
+    # What the hub hands out is the entry the stream holds.
+    final = notified_final(notes_of(redis)[-1])
+    done_id, done_fields = redis.xrange(KEYS.stream("a"))[-1]
+    assert final == (KEYS.stream("a"), (done_id.decode(), {
+        k.decode(): v.decode() for k, v in done_fields.items()}))
     assert [f[b"token_id"] for _, f in redis.xrange(KEYS.stream("b"))] == [b"9"]

@@ -15,7 +15,7 @@ from redis import Redis
 
 from protocol import FinishReason, JobReader, JobStatus, TokenEntry
 from protocol.generation import TokenLogprobs
-from protocol.stream_steps import LIVE_WINDOW_MS, notified_streams, notified_tokens
+from protocol.stream_steps import LIVE_WINDOW_MS, notified_final, notified_tokens
 from tests.step_notes import listen, notes_of
 from tests.worker.jobs.job_support import (
     KEYS,
@@ -110,7 +110,9 @@ def test_an_end_writes_the_live_tokens_before_the_final_entry() -> None:
     assert raw[2][0] == b"0-4" and raw[2][1][b"kind"] == b"done"
     assert raw[2][1][b"completion_tokens"] == b"3"
     assert _notified(redis)[-2] == [(STREAM, [("0-3", "2", "13")])]  # 12 went live before
-    assert notified_streams(notes_of(redis)[-1]) == [STREAM]
+    # The final entry goes to the hubs whole (`f`), after the step's tokens.
+    assert notified_final(notes_of(redis)[-1]) == (STREAM, ("0-4", {
+        k.decode(): v.decode() for k, v in raw[2][1].items()}))
 
 
 def test_a_preempted_live_job_takes_its_tokens_into_the_stream() -> None:
