@@ -475,6 +475,16 @@ async def test_a_resume_behind_live_tokens_waits_for_the_stream_without_gap_or_d
     assert resumed.events == _expected(8, after=1)
 
 
+async def _collect(subscription: Subscription, count: int,
+                   within_s: float = 2.0) -> list[tuple[str, dict[str, str]]]:
+    """The subscription's entries until `count` came or `within_s` passed."""
+    received: list[tuple[str, dict[str, str]]] = []
+    deadline = time.monotonic() + within_s
+    while len(received) < count and time.monotonic() < deadline:
+        received += await subscription.next(0.5)
+    return received
+
+
 def _publish_final(sync: redis.Redis, job_id: str, num_tokens: int) -> None:
     """The final entry as the worker's finish script writes it: into the stream, then whole in
     its notification (`f`, protocol/stream_steps.py)."""
@@ -497,10 +507,7 @@ async def test_a_final_entry_a_notification_carries_ends_the_stream_without_a_re
     read = _record_reads(hub)
     _publish_step(sync, "a", 0, 2)
     _publish_final(sync, "a", 2)
-    received: list[tuple[str, dict[str, str]]] = []
-    deadline = time.monotonic() + 2.0  # a hub that needs a read for it waits 10 s
-    while len(received) < 3 and time.monotonic() < deadline:
-        received += await ended.next(0.5)
+    received = await _collect(ended, 3)  # a hub that needs a read for the end waits 10 s
     assert received[2] == ("0-3", {"kind": "done", "finish_reason": "stop", "prompt_tokens": "2",
                                    "completion_tokens": "2", "error": "", "cached_tokens": "0"})
     assert [entry_id for entry_id, _ in received] == ["0-1", "0-2", "0-3"]
@@ -525,11 +532,7 @@ async def test_a_fresh_stream_is_read_only_when_its_notifications_cannot_show_it
     fresh = await hub.subscribe(KEYS.stream("a"), "0-0", fresh=True)
     _publish_step(sync, "a", 0, 2)
     _publish_final(sync, "a", 2)
-    received: list[str] = []
-    deadline = time.monotonic() + 2.0
-    while len(received) < 3 and time.monotonic() < deadline:
-        received += await _ids(fresh)
-    assert received == ["0-1", "0-2", "0-3"]
+    assert [entry_id for entry_id, _ in await _collect(fresh, 3)] == ["0-1", "0-2", "0-3"]
     await asyncio.sleep(stream_hub._FRESH_READ_DELAY_S + 0.1)
     assert read == []  # neither a first read nor one after the notifications
 
@@ -611,11 +614,7 @@ async def test_the_hub_stays_subscribed_a_while_after_its_last_stream(
     second = await hub.subscribe(KEYS.stream("b"), "0-0", fresh=True)
     _publish_step(sync, "b", 0, 1)
     _publish_final(sync, "b", 1)
-    received: list[str] = []
-    deadline = time.monotonic() + 2.0
-    while len(received) < 2 and time.monotonic() < deadline:
-        received += await _ids(second)
-    assert received == ["0-1", "0-2"]
+    assert [entry_id for entry_id, _ in await _collect(second, 2)] == ["0-1", "0-2"]
     assert read == []
     commands = sync.info("commandstats")
     assert "cmdstat_subscribe" not in commands and "cmdstat_hello" not in commands
