@@ -43,7 +43,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -54,7 +54,7 @@ from redis.asyncio.connection import Connection
 
 from protocol.job_reader import XReadReply
 from protocol.keys import Keys
-from protocol.stream_ids import entry_id_key
+from protocol.stream_ids import STREAM_START, entry_id_key, next_entry_id, token_entry_id
 from protocol.stream_steps import note_fields, notified_final, notified_streams, notified_tokens
 from protocol.token_runs import RawEntry
 
@@ -71,6 +71,12 @@ _WAIT_SLICE_S = 0.02
 # between the caller's look and its subscription), which then come up to this much later than
 # at the next turn. Short, so that race costs little time to first token.
 _FRESH_READ_DELAY_S = 0.05
+# [redis-cost] A stream's first entries that notifications brought before anyone here followed
+# it, kept this long (and this many at most): a fresh subscriber that comes right after (its
+# first token raced its subscription) gets them from here, with no read and no wait.
+_RECENT_S = 1.0
+_RECENT_MAX_ENTRIES = 16
+_FIRST_ENTRY_ID = token_entry_id(0)
 # How long the hub stays subscribed with nothing to follow before it stops: a next subscriber
 # within it costs Redis no new connection and subscription, and its fresh stream no first read
 # ([redis-cost]: one job at a time, each had the hub start over: HELLO, SUBSCRIBE and a read).
@@ -162,6 +168,9 @@ class StreamHub:
         # Fresh streams not read yet: when each is read at the latest (monotonic), unless a
         # notification that follows the subscriber's position comes first.
         self._unread: dict[str, float] = {}
+        # Streams nobody here follows whose notified entries start at the first (0-1): when the
+        # first came (monotonic) and the entries since, consecutive (_RECENT_S).
+        self._recent: OrderedDict[str, tuple[float, list[RawEntry]]] = OrderedDict()
         self._listening = False  # subscribed to the notifications: every later one comes here
         self._task: asyncio.Task[None] | None = None
         self._is_closed = False
@@ -191,7 +200,13 @@ class StreamHub:
                                     self._max_pending)
         watch.subscribers.add(subscription)
         if is_new:
-            if fresh and self._listening:
+            recent = self._recent.pop(key, None)
+            if fresh and self._listening and recent is not None and after_id == STREAM_START:
+                # Its entries from the first on came before it was followed: complete.
+                for entry in recent[1]:
+                    subscription.deliver(entry)
+                watch.cursor = recent[1][-1][0]
+            elif fresh and self._listening:
                 self._unread[key] = time.monotonic() + _FRESH_READ_DELAY_S
             else:
                 self._dirty.add(key)
@@ -222,6 +237,7 @@ class StreamHub:
     def _fail_all(self, error: BaseException) -> None:
         watches, self._watches = self._watches, {}
         self._unread.clear()
+        self._recent.clear()
         for watch in watches.values():
             for subscription in watch.subscribers:
                 subscription.fail(error)
@@ -268,6 +284,8 @@ class StreamHub:
                 if started - full_read_at >= self._block_ms / 1000:
                     full_read_at = started
                     self._dirty.update(self._watches)
+                while self._recent and next(iter(self._recent.values()))[0] < started - _RECENT_S:
+                    self._recent.popitem(last=False)
                 if self._unread and min(self._unread.values()) <= started:
                     # Every fresh stream still unread goes in the same XREAD as the one due.
                     self._dirty.update(self._unread)
@@ -289,6 +307,8 @@ class StreamHub:
                     for key in notified_streams(fields):
                         if key in self._watches:
                             self._dirty.add(key)
+                        else:
+                            self._recent.pop(key, None)  # written past what was notified
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
                 if self._subscription_lost:
                     raise redis.exceptions.ConnectionError(
@@ -310,6 +330,7 @@ class StreamHub:
             # Nothing comes for them now: whoever runs the hub next reads them first.
             self._dirty.update(key for key in self._unread if key in self._watches)
             self._unread.clear()
+            self._recent.clear()  # what comes meanwhile is not heard
             if pubsub is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(pubsub.aclose())
@@ -349,7 +370,8 @@ class StreamHub:
         is read instead."""
         watch = self._watches.get(key)
         if watch is None:
-            return  # a stream nobody here follows
+            self._remember(key, entries)  # a stream nobody here follows (yet)
+            return
         ms, seq = entry_id_key(watch.cursor)
         for entry_id, fields in entries:
             entry_ms, entry_seq = entry_id_key(entry_id)
@@ -363,6 +385,23 @@ class StreamHub:
             watch.cursor, seq = entry_id, entry_seq
             for subscription in watch.subscribers:
                 subscription.deliver((entry_id, fields))
+
+    def _remember(self, key: str, entries: list[RawEntry]) -> None:
+        """Keep a stream's notified entries from its first on (_RECENT_S), while consecutive."""
+        recent = self._recent.get(key)
+        for entry in entries:
+            position = entry_id_key(entry[0])
+            if recent is None:
+                if entry[0] != _FIRST_ENTRY_ID:
+                    return
+                recent = self._recent[key] = (time.monotonic(), [])
+            elif position <= entry_id_key(recent[1][-1][0]):
+                continue
+            elif (entry[0] != next_entry_id(recent[1][-1][0])
+                  or len(recent[1]) >= _RECENT_MAX_ENTRIES):
+                del self._recent[key]  # a gap, or too long to keep: it is read when followed
+                return
+            recent[1].append(entry)
 
     def _dispatch(self, request: dict[str, _Watch], reply: XReadReply) -> None:
         for raw_key, entries in reply:

@@ -521,9 +521,10 @@ async def test_a_final_entry_a_notification_carries_ends_the_stream_without_a_re
 async def test_a_fresh_stream_is_read_only_when_its_notifications_cannot_show_it_complete(
         open_hub: OpenHub, sync: redis.Redis) -> None:
     """[redis-cost] A stream whose job had nothing generated when its subscriber came (`fresh`)
-    costs the hub no first read when its first notification follows the subscriber's position.
-    A gap has it read at once; with no notification it is read after _FRESH_READ_DELAY_S (the
-    job may have ended before the hub followed it), far less than the block interval."""
+    costs the hub no first read when its first notification follows the subscriber's position,
+    or when the hub heard its entries from the first on just before. A gap has it read at once;
+    with no notification it is read after _FRESH_READ_DELAY_S, far less than the block
+    interval."""
     hub = open_hub(block_ms=10_000)
     listening = await hub.subscribe(KEYS.stream("busy"), "0-0")
     await asyncio.sleep(0.1)  # the hub listens to the notifications
@@ -536,22 +537,28 @@ async def test_a_fresh_stream_is_read_only_when_its_notifications_cannot_show_it
     await asyncio.sleep(stream_hub._FRESH_READ_DELAY_S + 0.1)
     assert read == []  # neither a first read nor one after the notifications
 
-    _publish_step(sync, "b", 0, 2)  # before anyone here followed b
-    await asyncio.sleep(0.1)  # its notification came and went
+    _publish(sync, "b", 0, 2, notify=False)  # its first tokens: no notification heard
     gapped = await hub.subscribe(KEYS.stream("b"), "0-0", fresh=True)
     _publish_step(sync, "b", 2, 3)
     assert await _ids(gapped) == ["0-1", "0-2", "0-3"]
     assert read == [[KEYS.stream("b")]]
 
+    # c ran whole before anyone here followed it (its first token raced the subscription): the
+    # hub kept its notified entries from the first on, so they come at once, with no read.
     _publish_step(sync, "c", 0, 1)
-    _publish_final(sync, "c", 1)  # c ended before anyone here followed it
+    _publish_final(sync, "c", 1)
     await asyncio.sleep(0.1)
+    raced = await hub.subscribe(KEYS.stream("c"), "0-0", fresh=True)
+    assert await _ids(raced) == ["0-1", "0-2"]
+    assert read == [[KEYS.stream("b")]]
+
+    # d was written with no notification the hub heard: read once _FRESH_READ_DELAY_S passed.
+    _publish(sync, "d", 0, 1, notify=False)
     started = time.monotonic()
-    ended = await hub.subscribe(KEYS.stream("c"), "0-0", fresh=True)
-    assert await _ids(ended) == ["0-1", "0-2"]
-    waited = time.monotonic() - started
-    assert stream_hub._FRESH_READ_DELAY_S - 0.05 <= waited < 1.0
-    assert read == [[KEYS.stream("b")], [KEYS.stream("c")]]
+    unheard = await hub.subscribe(KEYS.stream("d"), "0-0", fresh=True)
+    assert await _ids(unheard) == ["0-1"]
+    assert stream_hub._FRESH_READ_DELAY_S - 0.01 <= time.monotonic() - started < 1.0
+    assert read == [[KEYS.stream("b")], [KEYS.stream("d")]]
     assert listening.key == KEYS.stream("busy")
 
 
@@ -618,3 +625,23 @@ async def test_the_hub_stays_subscribed_a_while_after_its_last_stream(
     assert read == []
     commands = sync.info("commandstats")
     assert "cmdstat_subscribe" not in commands and "cmdstat_hello" not in commands
+
+
+async def test_the_hub_forgets_unfollowed_entries_it_cannot_vouch_for(
+        open_hub: OpenHub, sync: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the hub keeps of streams nobody follows yet is dropped when a `k` says the stream
+    got more than was notified, and once _RECENT_S passed: a fresh subscriber then reads."""
+    monkeypatch.setattr(stream_hub, "_RECENT_S", 0.2)
+    hub = open_hub(block_ms=10_000)
+    await hub.subscribe(KEYS.stream("busy"), "0-0")
+    await asyncio.sleep(0.1)
+    read = _record_reads(hub)
+    _publish_step(sync, "k", 0, 1)
+    _publish(sync, "k", 1, 2)  # written, then named by a `k`
+    _publish_step(sync, "old", 0, 1)
+    await asyncio.sleep(0.4)  # past _RECENT_S
+    named = await hub.subscribe(KEYS.stream("k"), "0-0", fresh=True)
+    aged = await hub.subscribe(KEYS.stream("old"), "0-0", fresh=True)
+    assert [entry_id for entry_id, _ in await _collect(named, 2)] == ["0-1", "0-2"]
+    assert await _ids(aged) == ["0-1"]
+    assert read == [[KEYS.stream("k"), KEYS.stream("old")]]  # together, after the delay
