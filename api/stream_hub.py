@@ -29,7 +29,8 @@ the stream has; the tokens after it come with the stream's next write.
 
 Joining: a stream nobody here watches yet is read by the hub from the subscriber's own id at its
 next turn: within `_WAIT_SLICE_S`, the longest it waits for a message before looking (on its own
-socket: no request). A subscriber that
+socket: no request); for a `fresh` subscriber (a job with nothing generated yet) only when its
+notifications cannot show the stream complete (`subscribe`). A subscriber that
 joins a watched stream behind the hub's cursor reads the entries in between itself (`catch_up_to`,
 an XRANGE, waiting for the stream to get there: api/job_stream.py) and gets everything after the
 cursor from the hub: no gap. Entries can reach a
