@@ -68,9 +68,8 @@ _WAIT_SLICE_S = 0.02
 # a notification that makes its first read needless, before it is read anyway, with every other
 # fresh stream still unread: one XREAD per this interval at most, where each new stream cost one
 # at the next turn (every 20 ms or sooner under load). The read is also the safety net for
-# entries written before the hub followed the stream (a first token, or a job that ended,
-# between the caller's look and its subscription), which then come up to this much later than
-# at the next turn. Short, so that race costs little time to first token.
+# entries written before the hub followed the stream whose notifications it did not hear (those
+# it heard it keeps: _RECENT_S), which then come up to this much later than at the next turn.
 _FRESH_READ_DELAY_S = 0.05
 # [redis-cost] A stream's first entries that notifications brought before anyone here followed
 # it, kept this long (and this many at most): a fresh subscriber that comes right after (its
