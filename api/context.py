@@ -16,15 +16,15 @@ from api.auth import ApiKeyAuth
 from api.batch_files import FileStore
 from api.batch_store import BatchStore
 from api.job_service import JobService
-from api.job_stream import JobStream
+from api.job_stream import JobStream, StreamShard
 from api.key_policies import KeyPolicies, KeyPolicy
 from api.model_registry import ModelRegistry
 from api.settings import ApiSettings
 from api.state_reads import SharedStateReads
 from api.stream_hub import StreamHub
 from api.tokenizer_cache import TokenizerCache
-from protocol import Keys
-from protocol.stream_shards import shard_urls, stream_shard
+from protocol import JobState, Keys
+from protocol.stream_shards import placed_shard, shard_urls
 
 # No retries, pinned: Redis down answers 503 at once and a hung Redis after one socket timeout.
 # redis-py's constructor defaults to 10 retries backing off up to 1 s (a hung Redis would hold a
@@ -85,10 +85,21 @@ class AppContext:
                    hub=shard_hubs[0], shard_clients=shard_clients, shard_hubs=shard_hubs,
                    state_reads=SharedStateReads(aio, settings.stream_block_ms / 1000 / 2))
 
-    def stream(self, job_id: str) -> JobStream:
+    def stream(self, job_id: str, state: JobState | None = None) -> JobStream:
+        """The reader of `job_id`'s stream, on its shard: the one `state` records (or, for a job
+        started before shards were recorded, its job id's). Without a state (a job this request
+        just submitted) or for one no worker started yet, the reader waits for the stream on
+        every shard (protocol/stream_shards.py)."""
         if not self.shard_clients:  # a context built by hand, without shards
             return JobStream(self.aio, self.keys, job_id, self.settings.stream_block_ms, self.hub)
-        index = stream_shard(job_id, len(self.shard_clients))
+        num_shards = len(self.shard_clients)
+        if num_shards > 1 and (state is None or (state.stream_shard < 0 and not state.started_at)):
+            hubs = self.shard_hubs or [None] * num_shards
+            return JobStream(self.aio, self.keys, job_id, self.settings.stream_block_ms,
+                             state_reads=self.state_reads,
+                             unplaced=[StreamShard(client, hub)
+                                       for client, hub in zip(self.shard_clients, hubs)])
+        index = placed_shard(job_id, state.stream_shard if state else -1, num_shards)
         return JobStream(self.aio, self.keys, job_id, self.settings.stream_block_ms,
                          self.shard_hubs[index], stream_redis=self.shard_clients[index],
                          state_reads=self.state_reads)

@@ -20,9 +20,12 @@ from api.stream_hub import StreamHub, Subscription
 from protocol import FinishReason, JobState, JobStatus, Keys, StreamEntry
 from protocol.job_reader import XReadReply
 from protocol.stream_ids import STREAM_START, entry_id_key, next_entry_id
+from protocol.stream_shards import placed_shard
 from protocol.token_runs import RawEntry, expand_runs
 
 _COUNT = 256  # entries per read
+# How often a reader without a hub looks whether a job not started yet got its stream's shard.
+_PLACEMENT_POLL_S = 0.05
 # How often a reader behind the hub's live tokens looks whether the stream got them (a worker
 # writes it at least every CARPOOL_DURABLE_INTERVAL_MS).
 _CATCH_UP_POLL_S = 0.02
@@ -48,12 +51,26 @@ def done_from_state(state: JobState) -> StreamEntry:
                        completion_tokens=state.completion_tokens, error=state.error)
 
 
+@dataclass(frozen=True, slots=True)
+class StreamShard:
+    """One server a stream may be on: its client, and this process' hub for it (None: readers
+    block on XREADs of their own)."""
+
+    redis: aioredis.Redis
+    hub: StreamHub | None
+
+
 class JobStream:
-    """Reads `Keys.stream(job_id)` after a given entry id until the final entry."""
+    """Reads `Keys.stream(job_id)` after a given entry id until the final entry.
+
+    `unplaced`: the stream shards, for a job not started yet: the worker that starts it picks
+    the shard (protocol/stream_shards.py), so `follow` waits for its stream on all of them and
+    stays on the one its first entries come from (or its state names)."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, job_id: str, block_ms: int,
                  hub: StreamHub | None = None, stream_redis: aioredis.Redis | None = None,
-                 state_reads: SharedStateReads | None = None) -> None:
+                 state_reads: SharedStateReads | None = None,
+                 unplaced: list[StreamShard] | None = None) -> None:
         self._redis = redis  # the main Redis: the job's state
         self._state_reads = state_reads  # shared by this process' readers of the job
         # The job's stream shard (protocol.stream_shards); the main Redis when not sharded.
@@ -62,15 +79,26 @@ class JobStream:
         self.job_id = job_id
         self._block_ms = block_ms
         self._hub = hub  # None: this reader blocks on an XREAD (and a connection) of its own
+        self._shards = unplaced
+        self._placed = False if unplaced else True
 
     async def last_event(self) -> StreamEvent | None:
+        if not self._placed:
+            return None  # not started when its state was read: nothing generated
         entries = expand_runs(cast("list[RawEntry]", await self._streams.xrevrange(
             self._keys.stream(self.job_id), count=1)))
         return _event(*entries[-1]) if entries else None
 
     async def read_all(self) -> list[StreamEvent]:
+        if not self._placed:
+            return []
         entries = cast("list[RawEntry]", await self._streams.xrange(self._keys.stream(self.job_id)))
         return [_event(entry_id, fields) for entry_id, fields in expand_runs(entries)]
+
+    def _place(self, index: int) -> None:
+        assert self._shards is not None
+        self._streams, self._hub = self._shards[index].redis, self._shards[index].hub
+        self._placed = True
 
     async def follow(self, after_id: str = STREAM_START,
                      fresh: bool = False) -> AsyncIterator[StreamEvent | None]:
@@ -85,11 +113,27 @@ class JobStream:
         """
         key = self._keys.stream(self.job_id)
         last_id = after_id
-        subscription = (await self._hub.subscribe(key, after_id, fresh)
-                        if self._hub is not None else None)
+        subscription: Subscription | None = None
+        # Not started yet: one subscription per shard's hub until the stream shows on one.
+        waiting: dict[int, Subscription] = {}
+        if not self._placed:
+            assert self._shards is not None
+            for index, shard in enumerate(self._shards):
+                if shard.hub is not None:
+                    waiting[index] = await shard.hub.subscribe(key, after_id, fresh)
+        elif self._hub is not None:
+            subscription = await self._hub.subscribe(key, after_id, fresh)
         try:
             while True:
-                if subscription is None:
+                if not self._placed:
+                    found, entries = await self._next_unplaced(waiting)
+                    if found is not None:
+                        self._place(found)
+                        subscription = waiting.pop(found, None)
+                        self._leave(waiting)
+                        if not entries:
+                            continue  # read there now
+                elif subscription is None:
                     reply = cast(XReadReply, await self._streams.xread(
                         {key: last_id}, block=self._block_ms, count=_COUNT))
                     entries = reply[0][1] if reply else []
@@ -114,6 +158,18 @@ class JobStream:
                 if not state_fields:
                     return
                 state = JobState.from_fields(state_fields)
+                if not self._placed and (state.stream_shard >= 0 or state.started_at):
+                    assert self._shards is not None
+                    index = placed_shard(self.job_id, state.stream_shard, len(self._shards))
+                    self._place(index)
+                    # Its hub has followed the stream from this reader's position all along.
+                    subscription = waiting.pop(index, None)
+                    self._leave(waiting)
+                    continue
+                if state.status.is_final and not self._placed:
+                    # Ended before any worker started it (canceled while queued).
+                    yield StreamEvent(next_entry_id(last_id), done_from_state(state))
+                    return
                 if state.status.is_final:
                     # Whatever was written with the final status is visible now; read once more.
                     tail = await self._streams.xread({key: last_id}, count=_COUNT)
@@ -127,6 +183,52 @@ class JobStream:
         finally:
             if subscription is not None and self._hub is not None:
                 self._hub.unsubscribe(subscription)
+            self._leave(waiting)
+
+    def _leave(self, waiting: dict[int, Subscription]) -> None:
+        assert self._shards is not None or not waiting
+        for index, subscription in waiting.items():
+            hub = self._shards[index].hub if self._shards is not None else None
+            if hub is not None:
+                hub.unsubscribe(subscription)
+        waiting.clear()
+
+    async def _next_unplaced(self, waiting: dict[int, Subscription]
+                             ) -> tuple[int | None, list[RawEntry]]:
+        """Wait (a block interval at most) for the stream of a job not started yet on every
+        shard: the shard its first entries came from (or whose hub has seen them: the reader
+        then catches up there), with those entries; (None, []) when nothing came. Without hubs,
+        look at its state until it names the shard."""
+        assert self._shards is not None
+        if not waiting:
+            deadline = time.monotonic() + self._block_ms / 1000
+            while time.monotonic() < deadline:
+                shard, started_at = await self._redis.hmget(
+                    self._keys.state(self.job_id), ["stream_shard", "started_at"])
+                recorded = int(shard) if shard not in (None, "") else -1
+                if recorded >= 0 or float(started_at or 0):
+                    return placed_shard(self.job_id, recorded, len(self._shards)), []
+                await asyncio.sleep(_PLACEMENT_POLL_S)
+            return None, []
+        for index, subscription in waiting.items():
+            if subscription.catch_up_to is not None:
+                # Its hub followed the stream past this reader already (the reader catches up
+                # there), unless another reader's position is all it had (no stream there).
+                if await self._shards[index].redis.exists(self._keys.stream(self.job_id)):
+                    return index, []
+                subscription.take_catch_up()
+        nexts = {asyncio.ensure_future(subscription.next(self._block_ms / 1000)): index
+                 for index, subscription in waiting.items()}
+        done, pending = await asyncio.wait(nexts, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()  # its subscription keeps anything delivered meanwhile
+        await asyncio.gather(*pending, return_exceptions=True)
+        found: tuple[int | None, list[RawEntry]] = (None, [])
+        for task in done:
+            entries = task.result()  # a hub's failure ends the reader, as when placed
+            if entries:
+                found = (nexts[task], entries)
+        return found
 
     async def _next_from_hub(self, subscription: Subscription, key: str,
                              last_id: str) -> list[RawEntry]:

@@ -119,7 +119,7 @@ async def list_jobs(
             responses=_ERRORS)
 async def get_job(job_id: JobId, request: Request, owner: Owner, ctx: Context) -> JobView:
     state = await ctx.jobs.state(job_id, owner)
-    stream = ctx.stream(job_id)
+    stream = ctx.stream(job_id, state)
     logprobs = None
     if state.status.is_final and (state.text or not state.completion_tokens) and state.logprobs < 0:
         text, num_tokens = state.text, state.completion_tokens
@@ -166,7 +166,7 @@ async def stream_job(
             f"'{name}' must be an event id of this stream such as '0-3' (got {resume_from!r})",
             # FastAPI's own errors name a header as it is sent: last-event-id.
             param="last-event-id" if last_event_id else "after", location=location)
-    stream = ctx.stream(job_id)
+    stream = ctx.stream(job_id, state)
     if resume_from != STREAM_START:  # (from the start, some event always follows)
         last = await stream.last_event()
         if last is not None and last.is_done \

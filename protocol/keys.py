@@ -88,6 +88,11 @@ class Keys:
         of blocking on every stream it follows."""
         return f"{self.prefix}:stream-steps"
 
+    def stream_shard_turns(self) -> str:
+        """Counter on the main Redis: worker starts that took a stream shard in turn (each
+        takes the next; protocol/stream_shards.py)."""
+        return f"{self.prefix}:stream-shard-turns"
+
     def live_journal(self, worker_name: str) -> str:
         """Stream with a TTL, on the main Redis: the token notifications of a worker's steps that
         carried tokens not yet in their streams (live tokens, protocol/stream_steps.py), trimmed

@@ -253,6 +253,9 @@ class JobState:
     # RQ's execution record of the current claim ("job_id:execution_id"), so recovery can
     # remove it from the StartedJobRegistry when it requeues a job whose worker died.
     execution: str = ""
+    # The stream shard holding its token stream: the one of the worker that first started it
+    # (protocol/stream_shards.py). -1: not started yet, or the streams are not sharded.
+    stream_shard: int = -1
 
     def to_fields(self) -> dict[str, str]:
         out = {}

@@ -22,6 +22,9 @@ def _parser() -> argparse.ArgumentParser:
     add("--served-model-name", help="the model name jobs use (default: --model, or its dir name)")
     add("--redis-url")
     add("--stream-redis-urls", help="stream shards, comma-separated (default: --redis-url)")
+    add("--stream-shard", type=int,
+        help="this worker's stream shard, an index into --stream-redis-urls: the jobs it starts "
+             "stream there (default: the next in turn over the fleet's worker starts)")
     add("--name", help="worker name (rq info, stats); default host-pid-random")
     add("--mode", choices=["continuous", "static", "sequential"])
     add("--max-num-seqs", type=int)

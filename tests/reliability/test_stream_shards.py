@@ -4,7 +4,7 @@ and SSE subscribers; one shard is SIGKILLed and restarted while jobs stream thro
 
 Every job must finish with every token exactly once, in order, in its subscriber's events (which
 reconnect with Last-Event-ID when the API ends their stream), and its stream must be on the shard
-its id hashes to and nowhere else.
+of the worker that started it (its state records which) and nowhere else.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import pytest
 from redis import Redis
 
 from protocol import JobReader, JobStatus, Keys
-from protocol.stream_shards import stream_shard
 from tests.conftest import RedisServer
 from tests.reliability.api_support import ApiProcess, start_redis, stop_redis
 from worker.engine.synthetic_engine import SYNTHETIC_TEXT, SyntheticEngine, synthetic_token_id
@@ -82,7 +81,7 @@ async def _follow(client: httpx.AsyncClient, job_id: str, reconnects: dict[str, 
     raise AssertionError(f"job {job_id}: no final event within 120 s ({len(events)} events)")
 
 
-async def _run(api: ApiProcess, shards: list[RedisServer]) -> tuple[dict[str, list[dict[str, str]]],
+async def _run(api: ApiProcess, shards: list[RedisServer], main_url: str) -> tuple[dict[str, list[dict[str, str]]],
                                                                     dict[str, int], int]:
     reconnects: dict[str, int] = {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -95,12 +94,16 @@ async def _run(api: ApiProcess, shards: list[RedisServer]) -> tuple[dict[str, li
             job_ids.append(response.json()["job_id"])
         followers = {job_id: asyncio.create_task(_follow(client, job_id, reconnects))
                      for job_id in job_ids}
-        # The shard with the most jobs dies mid-stream (append-only file: it comes back whole).
+        # The shard with the most running jobs dies mid-stream (append-only file: it comes
+        # back whole).
+        await asyncio.sleep(1.0)
+        reader = JobReader(Redis.from_url(main_url))
         counts = [0, 0]
         for job_id in job_ids:
-            counts[stream_shard(job_id, 2)] += 1
+            recorded = reader.state(job_id).stream_shard
+            if recorded >= 0:
+                counts[recorded] += 1
         victim = 0 if counts[0] >= counts[1] else 1
-        await asyncio.sleep(1.0)
         shards[victim].kill()
         await asyncio.sleep(1.5)
         shards[victim].start(appendonly=True)
@@ -126,10 +129,11 @@ def test_streams_on_two_shards_survive_a_shard_restart(tmp_path: Path,
         deadline = time.monotonic() + 60
         while not main_redis.hexists(KEYS.models(), "synthetic") and time.monotonic() < deadline:
             time.sleep(0.05)
-        results, reconnects, victim = asyncio.run(_run(api, shards))
+        results, reconnects, victim = asyncio.run(_run(api, shards, main.url))
 
         reader = JobReader(main_redis)
         shard_redis = [Redis.from_url(url) for url in shard_urls]
+        homes: list[int] = []
         for job_id, events in results.items():
             tokens = [(e["id"], json.loads(e["data"])) for e in events if e["event"] == "token"]
             assert tokens == [(f"0-{i + 1}", {"index": i, "token_id": synthetic_token_id(i),
@@ -140,13 +144,16 @@ def test_streams_on_two_shards_survive_a_shard_restart(tmp_path: Path,
                     done["usage"]["completion_tokens"]) == (
                 "done", f"0-{NUM_TOKENS + 1}", "length", NUM_TOKENS)
             assert reader.state(job_id).status == JobStatus.FINISHED
-            home = stream_shard(job_id, 2)
+            home = reader.state(job_id).stream_shard
+            homes.append(home)
             home_read = JobReader(shard_redis[home]).read(job_id)
             assert [t.index for t in home_read.tokens] == list(range(NUM_TOKENS))
             assert (home_read.is_done, home_read.last_id) == (True, f"0-{NUM_TOKENS + 1}")
             assert shard_redis[1 - home].exists(KEYS.stream(job_id)) == 0
             assert main_redis.exists(KEYS.stream(job_id)) == 0
-        victims = [job_id for job_id in results if stream_shard(job_id, 2) == victim]
+        # Each worker streams to a shard of its own (dealt in turn): both carry jobs.
+        assert sorted(set(homes)) == [0, 1], homes
+        victims = [job_id for job_id, home in zip(results, homes) if home == victim]
         # The restart hit live subscribers: they were cut off and resumed.
         assert any(reconnects.get(job_id, 0) for job_id in victims), reconnects
         print(f"RELIABILITY stream shards ({stream_interval_ms} ms stream interval): "

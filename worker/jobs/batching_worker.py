@@ -129,6 +129,10 @@ class BatchingWorker:
         self._warm_up()
         self.scripts.load(self.redis)
         self.shards.load_scripts()
+        self.queue.home_shard = self.shards.choose_home(self.settings.stream_shard)
+        if self.queue.home_shard is not None:
+            log.info("worker %s: the jobs it starts stream to shard %d", self.name,
+                     self.queue.home_shard)
         if self.presence is not None:
             self.presence.register_birth()
         self._publish_model()

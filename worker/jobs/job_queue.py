@@ -95,6 +95,9 @@ class JobQueue:
         self.lease_ms = lease_ms
         self.execution_ttl_s = execution_ttl_s
         self.block_size = block_size
+        # The stream shard of the jobs this worker starts (protocol/stream_shards.py); None
+        # while the streams are not sharded.
+        self.home_shard: int | None = None
         # Only the served model's queues: another model's jobs are never taken here.
         self.queue_names = keys.queue_names(model)
         self.queue_keys = [RQKeys.queue(name) for name in self.queue_names]
@@ -128,7 +131,7 @@ class JobQueue:
             adopt_id, adopt_index + 1 if adopt else 0, self.execution_ttl_s,
             utcformat(rq_now()), repr(now), uuid.uuid4().hex[:12] + "-", len(self.queue_names),
             *self._template_args, RQKeys.composite_separator(),
-            DEFAULT_CHARGE_TOKENS,
+            DEFAULT_CHARGE_TOKENS, "" if self.home_shard is None else self.home_shard,
         ]
         try:
             reply = self.scripts.call(self.redis, "claim", self._script_keys, args)
@@ -147,15 +150,15 @@ class JobQueue:
         job_id, queue_index, fence, execution_id, data, result_ttl, failure_ttl, state_flat, \
             entries, canceled = row
         job_id = _text(job_id)
-        lease = Lease(job_id=job_id, token=_text(fence),
-                      queue_name=self.queue_names[int(queue_index) - 1],
-                      execution_id=_text(execution_id))
         state_fields = dict(zip(state_flat[::2], state_flat[1::2]))
         try:
             state = JobState.from_fields(state_fields)
         except (KeyError, ValueError):
             # A job enqueued without its JobState (not through submit_job): start one.
             state = JobState(job_id=job_id, status=JobStatus.RUNNING)
+        lease = Lease(job_id=job_id, token=_text(fence),
+                      queue_name=self.queue_names[int(queue_index) - 1],
+                      execution_id=_text(execution_id), stream_shard=state.stream_shard)
         spec: JobSpec | None = None
         error = ""
         try:

@@ -67,7 +67,8 @@ end
 #       execution_ttl_s, rq_now (rq's UTC format), now_s (epoch float), execution_id_prefix, P,
 #       templates (prefix, suffix): state 13, stream 15, lease 17, fence 19, rq job 21,
 #       rq execution 23 (over the composite key), rq executions 25; composite separator 27;
-#       fair-share default charge 28.
+#       fair-share default charge 28; this worker's stream shard 29 ('': the streams are not
+#       sharded), recorded in the state of a job starting for the first time.
 # Returns, per claimed job: {job_id, queue_index, fence, execution_id, rq data, result_ttl,
 #       failure_ttl, JobState fields (flat), stream entries, is_canceled}.
 CLAIM = _COMMON + """
@@ -145,7 +146,12 @@ local function claim(job_id, qi)
              'worker_name', ARGV[1])
   redis.call('PERSIST', rq_job)
   local started_at = tonumber(redis.call('HGET', state, 'started_at') or '0') or 0
-  if started_at == 0 then redis.call('HSET', state, 'started_at', ARGV[10]) end
+  if started_at == 0 then
+    redis.call('HSET', state, 'started_at', ARGV[10])
+    -- [redis-cost] Its stream's shard: this worker's (protocol/stream_shards.py), recorded at
+    -- its first start only (a resumed job keeps the shard its stream is on).
+    if ARGV[29] ~= '' then redis.call('HSET', state, 'stream_shard', ARGV[29]) end
+  end
   redis.call('HSET', state, 'status', 'running', 'worker', ARGV[1], 'execution', composite)
   redis.call('HSETNX', state, 'job_id', job_id)  -- a job enqueued without submit_job
   fair_charge(state)  -- [fair-share]

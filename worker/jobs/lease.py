@@ -17,6 +17,8 @@ class Lease:
     token: str
     queue_name: str  # the RQ queue the job came from (its origin)
     execution_id: str  # RQ's execution record of this claim
+    # The stream shard its state records (protocol/stream_shards.py); -1: none recorded.
+    stream_shard: int = -1
 
     @property
     def composite(self) -> str:

@@ -46,9 +46,13 @@ class WorkerSettings(BaseSettings):
     # NoDecode: the variable is a comma-separated list ("redis://a,redis://b"), not JSON.
     stream_redis_urls: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Stream shards: Redis servers for the token streams, a job's chosen by a hash "
-                    "of its id (protocol.stream_shards); empty: the streams stay on redis_url. "
-                    "List redis_url itself to keep its share of streams there.")
+        description="Stream shards: Redis servers for the token streams, a job's on the shard of "
+                    "the worker that first started it (protocol.stream_shards); empty: the "
+                    "streams stay on redis_url. List redis_url itself to keep its share of "
+                    "streams there.")
+    stream_shard: int = Field(
+        -1, ge=-1, description="This worker's stream shard (an index into stream_redis_urls): "
+        "the jobs it starts stream there. -1: the next in turn over the fleet's worker starts.")
     keys_prefix: str = Field("carpool", description="Prefix of every Carpool key (protocol.Keys).")
     name: str = Field("", description="Worker name in rq info and stats; default host-pid-random.")
     mode: BatchingMode = BatchingMode.CONTINUOUS
@@ -118,6 +122,9 @@ class WorkerSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> WorkerSettings:
+        if self.stream_shard >= max(1, len(self.stream_redis_urls)):
+            raise ValueError(f"stream_shard {self.stream_shard} is not an index into "
+                             f"stream_redis_urls ({len(self.stream_redis_urls)} listed)")
         if self.idle_block_seconds >= self.lease_seconds:
             # An idle wait longer than the lease would let recovery and heartbeats fall behind.
             self.idle_block_seconds = max(0.05, self.lease_seconds / 4)

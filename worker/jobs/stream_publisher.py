@@ -242,7 +242,7 @@ class StreamPublisher:
         return (self.durable_interval_s > 0 and job.stream_complete_ms > 0
                 and bool(job.unpublished) and job.unpublished[0].index > 0
                 and time.monotonic() - job.stream_complete_at < self.durable_interval_s
-                and self.shards.remote(job.job_id) is None and not self._renews())
+                and self.shards.remote(job.lease) is None and not self._renews())
 
     def _renews(self) -> bool:
         """Whether this flush renews the leases (decided once, at the first ask): a few times a
@@ -261,7 +261,7 @@ class StreamPublisher:
         tokens = _token_args(job.unpublished[job.num_notified:])
         is_first = bool(job.unpublished) and job.unpublished[0].index == 0
         prompt_logprobs = job.prompt_logprobs if is_first else ""
-        shard = self.shards.remote(lease.job_id)
+        shard = self.shards.remote(lease)
         append_keys = [self.keys.lease(lease.job_id), self.keys.stream(lease.job_id),
                        self.keys.state(lease.job_id)]
         if shard is None:
@@ -328,7 +328,7 @@ class StreamPublisher:
             repr(max(0.0, now - (job.claimed_at or now))),
             zlib.compress(end.error.encode()) if end.status == JobStatus.FAILED else b"",
             job.num_cached_tokens]
-        shard = self.shards.remote(lease.job_id)
+        shard = self.shards.remote(lease)
         args.append("1" if shard is None else "0")
         for name, value in rq_result.serialize().items():
             args += [name, value]

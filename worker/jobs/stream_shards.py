@@ -15,9 +15,10 @@ from redis.typing import EncodableT
 
 from protocol.job_reader import parse_entries
 from protocol.keys import Keys
-from protocol.stream_shards import stream_shard
+from protocol.stream_shards import placed_shard
 from worker.jobs.job_queue import ClaimedJob
 from worker.jobs.job_scripts import JobScripts
+from worker.jobs.lease import Lease
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +28,9 @@ STREAM_KEEP_MS = 24 * 3600 * 1000
 
 
 class StreamShards:
-    """`clients[i]` holds the streams of the jobs `stream_shard` sends to i. A client that *is*
-    the main one keeps its jobs on the single-server path (one script per transition)."""
+    """`clients[i]` holds the streams of the jobs whose state records shard i (those of a job
+    started before shards were recorded: `stream_shard`'s pick). A client that *is* the main
+    one keeps its jobs on the single-server path (one script per transition)."""
 
     def __init__(self, main: Redis, clients: list[Redis], scripts: JobScripts, keys: Keys) -> None:
         self.main = main
@@ -36,10 +38,23 @@ class StreamShards:
         self.scripts = scripts
         self.keys = keys
 
-    def remote(self, job_id: str) -> int | None:
-        """The shard index of `job_id`'s stream, or None when it is on the main Redis."""
-        index = stream_shard(job_id, len(self.clients))
+    def remote(self, lease: Lease) -> int | None:
+        """The shard index of the leased job's stream, or None when it is on the main Redis."""
+        index = placed_shard(lease.job_id, lease.stream_shard, len(self.clients))
         return None if self.clients[index] is self.main else index
+
+    def choose_home(self, pinned: int) -> int | None:
+        """This worker's shard: where the streams of the jobs it starts go (the claim records
+        it in their state), so each of its steps writes one shard, not every shard ([redis-
+        cost]: a step's transaction and notification cost a shard about as much as its tokens).
+        `pinned` (0 or more) if given, else the next in turn over the fleet's worker starts (a
+        counter on the main Redis); None while the streams are not sharded."""
+        if len(self.clients) <= 1:
+            return None
+        if pinned >= 0:
+            return pinned % len(self.clients)
+        turn = int(self.main.incr(self.keys.stream_shard_turns()))
+        return (turn - 1) % len(self.clients)
 
     @property
     def has_remote(self) -> bool:
@@ -64,7 +79,7 @@ class StreamShards:
         newer claim adopted, is left out: its lease lapses and recovery hands it on."""
         by_shard: dict[int, list[int]] = {}
         for position, claim in enumerate(claims):
-            index = self.remote(claim.lease.job_id)
+            index = self.remote(claim.lease)
             if index is not None:
                 by_shard.setdefault(index, []).append(position)
         if not by_shard:

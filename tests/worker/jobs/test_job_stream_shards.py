@@ -7,9 +7,11 @@ import json
 import time
 
 import fakeredis
+import pytest
+from pydantic import ValidationError
 
 from protocol import FinishReason, JobReader, JobStatus, StreamEntry, cancel_job
-from protocol.stream_shards import shard_urls, stream_shard
+from protocol.stream_shards import placed_shard, shard_urls, stream_shard
 from protocol.token_runs import expand_runs
 from tests.step_notes import notes_of
 from tests.worker.jobs.job_support import (
@@ -22,6 +24,7 @@ from tests.worker.jobs.job_support import (
     submit,
 )
 from worker.jobs.job_queue import JobQueue
+from worker.jobs.lease import Lease
 from worker.jobs.stream_publisher import JobEnd, StreamPublisher
 from worker.jobs.stream_shards import StreamShards
 
@@ -44,13 +47,73 @@ def _claim(queue: JobQueue, shards: StreamShards, n: int = 1):
     return [running(claim) for claim in shards.adopt(queue.claim(n))]
 
 
-def test_the_shard_is_a_stable_hash_of_the_job_id_and_defaults_to_the_main_redis() -> None:
+def _lease(job_id: str, stream_shard: int = -1) -> Lease:
+    return Lease(job_id, "1", "q", "e", stream_shard=stream_shard)
+
+
+def test_a_jobs_shard_is_the_one_its_state_records_else_a_stable_hash_of_its_id() -> None:
     assert shard_urls("redis://main", []) == ["redis://main"]
     assert shard_urls("redis://main", ["redis://a", "redis://b"]) == ["redis://a", "redis://b"]
     assert [stream_shard(f"job-{i}", 3) for i in range(8)] == [1, 2, 0, 0, 2, 0, 0, 1]
     assert stream_shard("job-1", 1) == 0
-    main = fake_redis()
-    assert StreamShards(main, [], None, KEYS).remote("job-1") is None  # type: ignore[arg-type]
+    assert [placed_shard("job-1", recorded, 3) for recorded in (-1, 0, 1, 2)] == [2, 0, 1, 2]
+    assert placed_shard("job-1", 2, 1) == 0
+    main, a, b = fake_redis(), fake_redis(), fake_redis()
+    assert StreamShards(main, [], None, KEYS).remote(_lease("job-1")) is None  # type: ignore[arg-type]
+    shards = StreamShards(main, [main, a, b], None, KEYS)  # type: ignore[arg-type]
+    assert [shards.remote(_lease("job-1", recorded)) for recorded in (-1, 0, 1, 2)] == [
+        2, None, 1, 2]
+
+
+def test_a_worker_takes_its_pinned_shard_or_the_next_in_turn() -> None:
+    main, a, b = fake_redis(), fake_redis(), fake_redis()
+    assert StreamShards(main, [], None, KEYS).choose_home(-1) is None  # type: ignore[arg-type]
+    assert StreamShards(main, [a], None, KEYS).choose_home(-1) is None  # type: ignore[arg-type]
+    shards = StreamShards(main, [a, b], None, KEYS)  # type: ignore[arg-type]
+    assert [shards.choose_home(-1) for _ in range(5)] == [0, 1, 0, 1, 0]
+    assert main.get(KEYS.stream_shard_turns()) == b"5"
+    assert shards.choose_home(1) == 1
+    assert shards.choose_home(3) == 1
+
+
+def test_a_job_streams_to_the_shard_of_the_worker_that_first_started_it_for_good() -> None:
+    main, shard_0, shard_1 = fake_redis(), fake_redis(), fake_redis()
+    for job_id in ("job-1", "job-2"):
+        submit(main, job_id)
+    workers = {}
+    for name, home in (("a", 1), ("b", 0)):
+        queue = make_queue(main, worker=name)
+        shards = StreamShards(main, [shard_0, shard_1], queue.scripts, KEYS)
+        shards.load_scripts()
+        queue.home_shard = home
+        workers[name] = (queue, shards, StreamPublisher(main, queue.scripts, KEYS, name,
+                                                        10_000, shards=shards))
+    queue_a, shards_a, pub_a = workers["a"]
+    (job_a,) = _claim(queue_a, shards_a)
+    assert (job_a.lease.job_id, job_a.lease.stream_shard) == ("job-1", 1)
+    assert JobReader(main).state("job-1").stream_shard == 1
+    generate(job_a, 11)
+    pub_a.append(job_a)
+    assert pub_a.flush().refused == set()
+    # Worker b (shard 0) starts the next job there, and resumes job-1 on shard 1.
+    queue_b, shards_b, pub_b = workers["b"]
+    (job_2,) = _claim(queue_b, shards_b)
+    assert (job_2.lease.job_id, job_2.lease.stream_shard) == ("job-2", 0)
+    expire_lease(main, "job-1")
+    pub_b.recover()
+    assert pub_b.flush().recovered == ["job-1"]
+    (job_b,) = _claim(queue_b, shards_b)
+    assert (job_b.lease.job_id, job_b.lease.stream_shard, job_b.token_ids) == ("job-1", 1, [11])
+    generate(job_b, 12)
+    generate(job_2, 21)
+    pub_b.append(job_b)
+    pub_b.append(job_2)
+    assert pub_b.flush().refused == set()
+    assert [e.token_id for _, e in _stream(shard_1, "job-1")] == [11, 12]
+    assert [e.token_id for _, e in _stream(shard_0, "job-2")] == [21]
+    assert not shard_0.exists(KEYS.stream("job-1")) and not shard_1.exists(KEYS.stream("job-2"))
+    assert not main.exists(KEYS.stream("job-1")) and not main.exists(KEYS.stream("job-2"))
+    assert JobReader(main).state("job-1").stream_shard == 1
 
 
 def test_the_shard_list_is_a_comma_separated_setting_for_workers_and_the_api() -> None:
@@ -63,6 +126,14 @@ def test_the_shard_list_is_a_comma_separated_setting_for_workers_and_the_api() -
     assert ApiSettings(stream_redis_urls=urls).stream_redis_urls == [
         "redis://a:6379/0", "redis://b:6379/0"]
     assert WorkerSettings().stream_redis_urls == ApiSettings().stream_redis_urls == []
+    for settings in (WorkerSettings, ApiSettings):
+        with pytest.raises(ValidationError, match="'redis://a:6379/0' and 'redis://a/1' are on "
+                                                  "one Redis server"):
+            settings(stream_redis_urls="redis://a:6379/0,redis://b,redis://a/1")
+    assert WorkerSettings(stream_redis_urls=urls, stream_shard=1).stream_shard == 1
+    with pytest.raises(ValidationError, match="stream_shard 2 is not an index into "
+                                              r"stream_redis_urls \(2 listed\)"):
+        WorkerSettings(stream_redis_urls=urls, stream_shard=2)
 
 
 def test_tokens_and_the_final_entry_go_to_the_shard_the_records_stay_on_the_main_redis() -> None:
