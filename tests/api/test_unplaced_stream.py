@@ -47,6 +47,15 @@ class Fleet:
     async def queue(self) -> None:
         await self.main.hset(KEYS.state(JOB), mapping=JobState(JOB, JobStatus.QUEUED).to_fields())
 
+    async def follow_queued(self) -> tuple[JobStream, asyncio.Task[list[tuple[str, str, int]]]]:
+        """The job queued, and a reader following it from before its start (every hub watching
+        its stream once there are hubs)."""
+        await self.queue()
+        stream = self.stream()
+        reader = asyncio.create_task(_collect(stream))
+        await _until(lambda: all(hub.num_streams == 1 for hub in self.hubs if hub))
+        return stream, reader
+
     async def start(self, shard: int, start: int, stop: int) -> None:
         """The claim's record, then tokens start..stop-1 on `shard` with their notification."""
         await self.main.hset(KEYS.state(JOB), mapping={
@@ -98,10 +107,7 @@ async def _until(condition, timeout_s: float = 5.0) -> None:  # type: ignore[no-
 async def test_a_queued_jobs_reader_follows_the_shard_its_stream_shows_on(shard: int) -> None:
     fleet = Fleet()
     try:
-        await fleet.queue()
-        stream = fleet.stream()
-        reader = asyncio.create_task(_collect(stream))
-        await _until(lambda: all(hub.num_streams == 1 for hub in fleet.hubs if hub))
+        stream, reader = await fleet.follow_queued()
         await asyncio.sleep(0.1)  # past the hubs' first reads of a fresh stream: nothing there
         await fleet.start(shard, 0, 2)
         # Its first entries came from `shard`: the other hub no longer follows the stream.
@@ -120,9 +126,7 @@ async def test_a_queued_jobs_reader_follows_the_shard_its_stream_shows_on(shard:
 async def test_a_started_jobs_state_places_its_reader_before_any_token() -> None:
     fleet = Fleet()
     try:
-        await fleet.queue()
-        reader = asyncio.create_task(_collect(fleet.stream()))
-        await _until(lambda: all(hub.num_streams == 1 for hub in fleet.hubs if hub))
+        _, reader = await fleet.follow_queued()
         # Claimed on shard 1, no token yet: the reader's state check (after a block interval
         # with nothing) places it there.
         await fleet.main.hset(KEYS.state(JOB), mapping={"status": "running",
@@ -138,8 +142,7 @@ async def test_a_started_jobs_state_places_its_reader_before_any_token() -> None
 
 async def test_without_hubs_the_reader_looks_for_the_shard_in_the_state() -> None:
     fleet = Fleet(with_hubs=False)
-    await fleet.queue()
-    reader = asyncio.create_task(_collect(fleet.stream()))
+    _, reader = await fleet.follow_queued()
     await asyncio.sleep(0.1)
     await fleet.start(1, 0, 2)
     await fleet.finish(1, 2)
@@ -150,9 +153,7 @@ async def test_without_hubs_the_reader_looks_for_the_shard_in_the_state() -> Non
 async def test_a_job_canceled_before_any_start_ends_its_reader_canceled() -> None:
     fleet = Fleet()
     try:
-        await fleet.queue()
-        reader = asyncio.create_task(_collect(fleet.stream()))
-        await _until(lambda: all(hub.num_streams == 1 for hub in fleet.hubs if hub))
+        _, reader = await fleet.follow_queued()
         await fleet.main.hset(KEYS.state(JOB), mapping={"status": "canceled",
                                                         "finish_reason": "canceled"})
         assert await asyncio.wait_for(reader, 5) == [("0-1", "done", -1)]
