@@ -160,7 +160,8 @@ async def _job_slot(client: httpx.AsyncClient, args: argparse.Namespace, counts:
         counts.jobs_done += 1
 
 
-def _redis_cpu_s(redis: Redis) -> float:
+def redis_cpu_seconds(redis: Redis) -> float:
+    """Redis' own CPU seconds so far (INFO: used_cpu_sys + used_cpu_user)."""
     info = redis.info("cpu")
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
@@ -233,12 +234,12 @@ async def _measure(base_url: str, servers: dict[str, Redis],
                 redis.config_set("slowlog-log-slower-than", 0)
                 redis.config_set("slowlog-max-len", _SLOWLOG_LEN)
                 redis.slowlog_reset()
-        cpus0 = {name: _redis_cpu_s(redis) for name, redis in servers.items()}
+        cpus0 = {name: redis_cpu_seconds(redis) for name, redis in servers.items()}
         published0, trips0, jobs0 = _published(servers["main"]), _round_trips(servers), counts.jobs_done
         calls0, gen0, del0, t0 = (_sum_stats(servers), counts.generated, counts.delivered,
                                   time.monotonic())
         await asyncio.sleep(args.seconds)
-        cpus1 = {name: _redis_cpu_s(redis) for name, redis in servers.items()}
+        cpus1 = {name: redis_cpu_seconds(redis) for name, redis in servers.items()}
         published1, trips1, jobs1 = _published(servers["main"]), _round_trips(servers), counts.jobs_done
         calls1, gen1, del1, t1 = (_sum_stats(servers), counts.generated, counts.delivered,
                                   time.monotonic())

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import openai  # noqa: E402
+from bench_fleet import redis_cpu_seconds  # noqa: E402
 from redis import Redis  # noqa: E402
 
 from loadgen.workload import WorkloadItem, build_workload  # noqa: E402
@@ -231,8 +232,7 @@ def redis_cpu_s(server: Server) -> float | None:
     """Redis' own CPU seconds so far (INFO: used_cpu_sys + used_cpu_user), None for a peer."""
     if not server.redis_url:
         return None
-    info = Redis.from_url(server.redis_url).info("cpu")
-    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+    return redis_cpu_seconds(Redis.from_url(server.redis_url))
 
 
 def greedy_texts(server: Server) -> list[str]:
