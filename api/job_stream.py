@@ -80,7 +80,7 @@ class JobStream:
         self._block_ms = block_ms
         self._hub = hub  # None: this reader blocks on an XREAD (and a connection) of its own
         self._shards = unplaced
-        self._placed = False if unplaced else True
+        self._placed = not unplaced
 
     async def last_event(self) -> StreamEvent | None:
         if not self._placed:

@@ -21,8 +21,9 @@ class ApiSettings(BaseSettings):
     keys_prefix: str = Field("carpool", description="Prefix of every Carpool key (protocol.Keys).")
     stream_redis_urls: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
-        description="Stream shards, as the workers have them (CARPOOL_STREAM_REDIS_URLS=u1,u2): a "
-                    "job's stream is on the one a hash of its id picks; empty: on redis_url.")
+        description="Stream shards, as the workers have them (CARPOOL_STREAM_REDIS_URLS=u1,u2), "
+                    "one per Redis server: a job's stream is on the one its state records (its "
+                    "worker's); empty: on redis_url.")
     # NoDecode: the variable is a comma-separated list ("key1,key2"), not JSON.
     api_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list,

@@ -12,7 +12,7 @@ the claim that first starts a job records the claiming worker's in the job's sta
 live there, for good (a job resumed by another worker stays on it). [redis-cost] So a worker's
 step writes one shard, and each shard's cost grows with its own workers' steps only: a step's
 transaction and notification cost a shard about as much as the step's tokens, and when every
-step wrote every shard (streams spread by a hash of the job id), two shards carried 1.3-1.5x
+step wrote every shard (streams spread by a hash of the job id), two shards carried 1.2-1.5x
 what one did, not 2x (README, "Stream shards").
 
 Readers find the shard in the state; a job not started yet has none, and its readers wait for
