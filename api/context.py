@@ -24,7 +24,7 @@ from api.state_reads import SharedStateReads
 from api.stream_hub import StreamHub
 from api.tokenizer_cache import TokenizerCache
 from protocol import JobState, Keys
-from protocol.stream_shards import placed_shard, shard_urls
+from protocol.stream_shards import shard_urls, started_shard
 
 # No retries, pinned: Redis down answers 503 at once and a hung Redis after one socket timeout.
 # redis-py's constructor defaults to 10 retries backing off up to 1 s (a hung Redis would hold a
@@ -93,13 +93,15 @@ class AppContext:
         if not self.shard_clients:  # a context built by hand, without shards
             return JobStream(self.aio, self.keys, job_id, self.settings.stream_block_ms, self.hub)
         num_shards = len(self.shard_clients)
-        if num_shards > 1 and (state is None or (state.stream_shard < 0 and not state.started_at)):
+        index = (None if state is None
+                 else started_shard(job_id, state.stream_shard, state.started_at, num_shards))
+        if index is None and num_shards > 1:
             hubs = self.shard_hubs or [None] * num_shards
             return JobStream(self.aio, self.keys, job_id, self.settings.stream_block_ms,
                              state_reads=self.state_reads,
                              unplaced=[StreamShard(client, hub)
                                        for client, hub in zip(self.shard_clients, hubs)])
-        index = placed_shard(job_id, state.stream_shard if state else -1, num_shards)
+        index = index or 0  # one shard: all streams on it
         return JobStream(self.aio, self.keys, job_id, self.settings.stream_block_ms,
                          self.shard_hubs[index], stream_redis=self.shard_clients[index],
                          state_reads=self.state_reads)

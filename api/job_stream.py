@@ -20,7 +20,7 @@ from api.stream_hub import StreamHub, Subscription
 from protocol import FinishReason, JobState, JobStatus, Keys, StreamEntry
 from protocol.job_reader import XReadReply
 from protocol.stream_ids import STREAM_START, entry_id_key, next_entry_id
-from protocol.stream_shards import placed_shard
+from protocol.stream_shards import started_shard
 from protocol.token_runs import RawEntry, expand_runs
 
 _COUNT = 256  # entries per read
@@ -158,14 +158,16 @@ class JobStream:
                 if not state_fields:
                     return
                 state = JobState.from_fields(state_fields)
-                if not self._placed and (state.stream_shard >= 0 or state.started_at):
+                if not self._placed:
                     assert self._shards is not None
-                    index = placed_shard(self.job_id, state.stream_shard, len(self._shards))
-                    self._place(index)
-                    # Its hub has followed the stream from this reader's position all along.
-                    subscription = waiting.pop(index, None)
-                    self._leave(waiting)
-                    continue
+                    started = started_shard(self.job_id, state.stream_shard, state.started_at,
+                                            len(self._shards))
+                    if started is not None:
+                        self._place(started)
+                        # Its hub has followed the stream from this reader's position all along.
+                        subscription = waiting.pop(started, None)
+                        self._leave(waiting)
+                        continue
                 if state.status.is_final and not self._placed:
                     # Ended before any worker started it (canceled while queued).
                     yield StreamEvent(next_entry_id(last_id), done_from_state(state))
@@ -205,9 +207,10 @@ class JobStream:
             while time.monotonic() < deadline:
                 shard, started_at = await self._redis.hmget(
                     self._keys.state(self.job_id), ["stream_shard", "started_at"])
-                recorded = int(shard) if shard not in (None, "") else -1
-                if recorded >= 0 or float(started_at or 0):
-                    return placed_shard(self.job_id, recorded, len(self._shards)), []
+                index = started_shard(self.job_id, int(shard) if shard else -1,
+                                      float(started_at or 0), len(self._shards))
+                if index is not None:
+                    return index, []
                 await asyncio.sleep(_PLACEMENT_POLL_S)
             return None, []
         for index, subscription in waiting.items():

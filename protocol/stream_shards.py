@@ -44,6 +44,14 @@ def placed_shard(job_id: str, recorded: int, num_shards: int) -> int:
     return recorded % num_shards if recorded >= 0 else stream_shard(job_id, num_shards)
 
 
+def started_shard(job_id: str, recorded: int, started_at: float, num_shards: int) -> int | None:
+    """A job's stream shard as its state tells it (`recorded`: its `stream_shard`, and its
+    `started_at`); None while no worker has started it (the one that does picks the shard)."""
+    if recorded < 0 and not started_at:
+        return None
+    return placed_shard(job_id, recorded, num_shards)
+
+
 def parse_shard_urls(value: object) -> object:
     """CARPOOL_STREAM_REDIS_URLS as both the API's and the worker's settings read it: a
     comma-separated string becomes its list of URLs (blanks dropped); anything else is left to

@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from protocol import FinishReason, JobReader, JobStatus, StreamEntry, cancel_job
-from protocol.stream_shards import placed_shard, shard_urls, stream_shard
+from protocol.stream_shards import placed_shard, shard_urls, started_shard, stream_shard
 from protocol.token_runs import expand_runs
 from tests.step_notes import notes_of
 from tests.worker.jobs.job_support import (
@@ -58,6 +58,10 @@ def test_a_jobs_shard_is_the_one_its_state_records_else_a_stable_hash_of_its_id(
     assert stream_shard("job-1", 1) == 0
     assert [placed_shard("job-1", recorded, 3) for recorded in (-1, 0, 1, 2)] == [2, 0, 1, 2]
     assert placed_shard("job-1", 2, 1) == 0
+    # From a state: none before any start; the recorded one, or the hash for an unrecorded start.
+    assert [started_shard("job-1", recorded, started_at, 3)
+            for recorded, started_at in ((-1, 0.0), (1, 0.0), (1, 5.0), (-1, 5.0))] == [
+        None, 1, 1, 2]
     main, a, b = fake_redis(), fake_redis(), fake_redis()
     assert StreamShards(main, [], None, KEYS).remote(_lease("job-1")) is None  # type: ignore[arg-type]
     shards = StreamShards(main, [main, a, b], None, KEYS)  # type: ignore[arg-type]
