@@ -98,7 +98,8 @@ def test_cancel_a_running_job_frees_its_blocks(running: Running) -> None:
     (spec,) = _specs(running.worker.settings.served_model_name, 1, max_tokens=900)
     spec = dataclasses.replace(spec, sampling=dataclasses.replace(spec.sampling, ignore_eos=True))
     submit_jobs(running.redis, [spec])
-    wait_for(lambda: running.redis.xlen(KEYS.stream(spec.job_id)) >= 3)
+    # The first token shows the job running; later ones reach the stream every durable interval.
+    wait_for(lambda: running.redis.xlen(KEYS.stream(spec.job_id)) >= 1)
     assert cancel_job(running.redis, spec.job_id) is JobStatus.RUNNING
     reader = JobReader(running.redis)
     wait_for(lambda: reader.state(spec.job_id).status is JobStatus.CANCELED)
