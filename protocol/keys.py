@@ -80,6 +80,12 @@ class Keys:
         another token are refused there (see worker/jobs/shard_scripts.py)."""
         return f"{self.prefix}:job:{job_id}:stream-fence"
 
+    def stream_owner(self, job_id: str) -> str:
+        """String, beside `stream_fence` on a stream shard: the name of the worker whose claim
+        last adopted the stream, whose live journal on that shard may hold tokens the stream
+        lacks (the next adoption writes them in: worker/jobs/shard_scripts.py)."""
+        return f"{self.prefix}:job:{job_id}:stream-owner"
+
     def stream_steps(self) -> str:
         """Pub/Sub channel, on every Redis holding token streams (the main one and each stream
         shard): one message per worker step, published in the same script or transaction after
@@ -94,10 +100,11 @@ class Keys:
         return f"{self.prefix}:stream-shard-turns"
 
     def live_journal(self, worker_name: str) -> str:
-        """Stream with a TTL, on the main Redis: the token notifications of a worker's steps that
-        carried tokens not yet in their streams (live tokens, protocol/stream_steps.py), trimmed
-        to a few live windows, so that recovery can write a dead worker's live tokens into their
-        streams before anyone resumes its jobs."""
+        """Stream with a TTL, on the main Redis (and on each stream shard the worker streams to,
+        for the jobs there): the token notifications of a worker's steps that carried tokens not
+        yet in their streams (live tokens, protocol/stream_steps.py), trimmed to a few live
+        windows, so that recovery (a shard: the next adoption) can write a dead worker's live
+        tokens into their streams before anyone resumes its jobs."""
         return f"{self.prefix}:worker:{worker_name}:live"
 
     def live_fence(self, worker_name: str) -> str:
@@ -105,7 +112,8 @@ class Keys:
         its last renewal, expiring with those leases. The append script notifies that worker's
         live tokens only while it is there (one GET a step, none per job); recovery deletes it
         when it takes any job from the worker, whose next renewal sets it again if it still
-        holds the rest."""
+        holds the rest. On a stream shard, the same for the fence copies there, deleted by an
+        adoption of one of the worker's streams."""
         return f"{self.prefix}:worker:{worker_name}:live-fence"
 
     # Shared sets.

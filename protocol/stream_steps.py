@@ -30,7 +30,10 @@ within the live window (`LIVE_WINDOW_MS`): the append script refuses to notify a
 its stream was last complete longer ago than that, and the worker writes the stream first. The
 same notification goes to the worker's live journal (`Keys.live_journal`), from which recovery
 writes a dead worker's live tokens into their streams before its jobs go back to a queue, so what
-a subscriber got live is what the stream says, crash or not.
+a subscriber got live is what the stream says, crash or not. A job streaming to a stream shard
+works the same way on its shard (the worker's live fence and journal there); the main Redis'
+recovery cannot reach a shard, so the next claim's adoption of the stream writes them in
+(worker/jobs/shard_scripts.py).
 
 The streams stay the truth: a hub that finds a gap between what it delivered and an `e` message
 reads the stream, and its full read of every watched stream each block interval makes up for a

@@ -307,7 +307,7 @@ class BatchingWorker:
 
     # Boundary: jobs in.
     def _admit(self, claims: list[ClaimedJob]) -> None:
-        for claim in self.shards.adopt(claims):
+        for claim in self.shards.adopt(claims, self.name):
             job = RunningJob(lease=claim.lease, spec=claim.spec, state=claim.state,
                              result_ttl=claim.result_ttl, failure_ttl=claim.failure_ttl,
                              num_prompt_tokens=claim.state.prompt_tokens,

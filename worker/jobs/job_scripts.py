@@ -30,10 +30,17 @@ from redis import Redis
 from redis.client import Pipeline
 from redis.typing import EncodableT
 
-from protocol.stream_steps import LIVE_JOURNAL_TTL_MS, LIVE_WINDOW_MS
+from protocol.stream_steps import LIVE_WINDOW_MS
 from protocol.webhook_events import EMIT_JOB_EVENT_LUA
 from worker.jobs.fair_share import CLAIM_FAIR_PICK, requeue_to_owner_list, settle_owner_counter
-from worker.jobs.shard_scripts import SHARD_ADOPT, SHARD_APPEND, SHARD_END, XADD_TOKEN
+from worker.jobs.shard_scripts import (
+    JOURNAL_LIVE,
+    LIVE_REPLAY,
+    SHARD_ADOPT,
+    SHARD_APPEND,
+    SHARD_END,
+    XADD_TOKEN,
+)
 
 _COMMON = """
 local function is_final(status)
@@ -222,7 +229,7 @@ return claimed
 # Per job the hot path is GET (the fence) and one XADD; a live job costs nothing but its bytes
 # in the notification (the live fence is one GET a step). PEXPIRE and ZADD only on renewing
 # steps, SISMEMBER only while some job is canceled.
-APPEND = _COMMON + XADD_TOKEN + """
+APPEND = _COMMON + XADD_TOKEN + JOURNAL_LIVE + """
 local lease_ms = tonumber(ARGV[1])
 local renew = ARGV[2] == '1'
 local now = now_ms()
@@ -296,10 +303,7 @@ if any_canceled and num_live > 0 then canceled_ids = redis.call('SMEMBERS', KEYS
 local notified = send_notes(KEYS[#KEYS - 1], ARGV[3])
 if notified and num_live > 0 then
   -- What recovery writes into the streams of this worker's jobs if it dies (RECOVER).
-  local journal = KEYS[#KEYS]
-  redis.call('XADD', journal, 'MINID', '~', now - 2 * """ + str(LIVE_WINDOW_MS) + """, '*', 'e',
-             ARGV[3])
-  redis.call('PEXPIRE', journal, """ + str(LIVE_JOURNAL_TTL_MS) + """)
+  journal_live(KEYS[#KEYS], now, ARGV[3])
 end
 return {results, canceled, notified and 1 or 0, now, live, canceled_ids}
 """
@@ -413,54 +417,12 @@ return 1
 # are in its dead owner's journal: they go into the stream, as one run, before the job is queued,
 # so whoever resumes it continues after them; and the owner's live fence goes, so that it cannot
 # notify more (were it alive after all, its next append learns each job's fate from its lease).
-# The journal holds only what passed the owner's live fence; a later index replaces an earlier
-# one (an older claim's tokens at those indices are in the stream already, and skipped).
-RECOVER = _COMMON + XADD_TOKEN + """
+# (shard_scripts.LIVE_REPLAY; a job streaming to a shard has its live tokens there, written by
+# the next claim's adoption, shard_scripts.SHARD_ADOPT.)
+RECOVER = _COMMON + XADD_TOKEN + LIVE_REPLAY + """
 local function key(i, id) return ARGV[i] .. id .. ARGV[i + 1] end
 local now = now_ms()
 local recovered = {}
-local journals = {}  -- worker -> stream key -> index -> {token_id, text, logprobs}
-local function live_tokens(worker)
-  local by_stream = journals[worker]
-  if by_stream then return by_stream end
-  by_stream = {}
-  for _, entry in ipairs(redis.call('XRANGE', key(27, worker), '-', '+')) do
-    local notes = cjson.decode(entry[2][2])
-    for i = 1, #notes, 2 do
-      local tokens = by_stream[notes[i]] or {}
-      local values = notes[i + 1]
-      for v = 1, #values, 4 do
-        tokens[tonumber(values[v])] = {values[v + 1], values[v + 2], values[v + 3]}
-      end
-      by_stream[notes[i]] = tokens
-    end
-  end
-  journals[worker] = by_stream
-  return by_stream
-end
-local function write_live_tokens(worker, stream)
-  local tokens = live_tokens(worker)[stream]
-  if not tokens then return end
-  local first = next_index(stream)
-  local ids, texts, logprobs, has_logprobs = {}, {}, {}, false
-  local index = first
-  while tokens[index] do
-    local token = tokens[index]
-    ids[#ids + 1], texts[#texts + 1], logprobs[#logprobs + 1] = token[1], token[2], token[3]
-    if token[3] ~= '' then has_logprobs = true end
-    index = index + 1
-  end
-  if #ids == 0 then return end
-  -- A run (protocol/token_runs.py) at its last token's id; notified (`written`, XADD_TOKEN's),
-  -- so hubs read the stream at once.
-  local fields = {'kind', 'tokens', 'index', first, 'token_ids', table.concat(ids, ' '),
-                  'text', cjson.encode(texts)}
-  if has_logprobs then
-    fields[#fields + 1], fields[#fields + 2] = 'lp', cjson.encode(logprobs)
-  end
-  redis.call('XADD', stream, '0-' .. index, unpack(fields))
-  written[#written + 1] = stream
-end
 for _, job_id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, ARGV[1])) do
   local lease_ttl = redis.call('PTTL', key(6, job_id))
   local state = key(2, job_id)
@@ -477,7 +439,7 @@ for _, job_id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT
     local worker = redis.call('HGET', state, 'worker') or ''
     if worker ~= '' then
       redis.call('DEL', key(29, worker))
-      write_live_tokens(worker, key(4, job_id))
+      write_live_tokens(key(27, worker), key(4, job_id))
     end
     if composite ~= '' then
       local execution_id = string.sub(composite, #job_id + #ARGV[24] + 1)

@@ -3,10 +3,10 @@ to the main Redis, plus one to each stream shard that holds some of the batch's 
 
 Per job: the fenced append script (new tokens + lease renewal), or the finish/requeue script.
 A job whose stream lives on a shard (protocol.stream_shards) has its tokens appended there by
-the shard's fenced script (worker/jobs/shard_scripts.py), sent before the main round trip, and
-its lease checked and renewed on the main Redis as before; its final entry goes to the shard
-once the main Redis recorded the end (an extra round trip to that shard in a step where one of
-its jobs ended).
+the shard's fenced script (worker/jobs/shard_scripts.py), or notified live there between two
+writes of its stream, sent before the main round trip, and its lease checked and renewed on the
+main Redis as before; its final entry goes to the shard once the main Redis recorded the end
+(an extra round trip to that shard in a step where one of its jobs ended).
 For the batch: SMISMEMBER on the canceled set, the WorkerStats hash, metric counters and
 histograms, and, when due, RQ heartbeats and the recovery script. `flush()` sends it and
 reports what Redis refused or flagged, for the worker to act on at the next boundary.
@@ -236,13 +236,13 @@ class StreamPublisher:
             self._append_to_stream(job)
 
     def _goes_live(self, job: RunningJob) -> bool:
-        """Whether the job's new tokens go to subscribers only: its stream was complete less
-        than the durable interval ago, not on a shard, and they are not its first (the first
+        """Whether the job's new tokens go to subscribers only: its stream (wherever it lives)
+        was complete less than the durable interval ago, and they are not its first (the first
         token, with its state fields, goes to the stream at once)."""
         return (self.durable_interval_s > 0 and job.stream_complete_ms > 0
                 and bool(job.unpublished) and job.unpublished[0].index > 0
                 and time.monotonic() - job.stream_complete_at < self.durable_interval_s
-                and self.shards.remote(job.lease) is None and not self._renews())
+                and not self._renews())
 
     def _renews(self) -> bool:
         """Whether this flush renews the leases (decided once, at the first ask): a few times a
@@ -480,7 +480,14 @@ class StreamPublisher:
                 append_args += sharded.args
             else:
                 flag_only.append(sharded.job_id)
-        live = list(self._live.values())
+        # Live jobs streaming here; those on shards went live in their shards' round trips and
+        # only need their cancel flags.
+        live = []
+        for job in self._live.values():
+            if self.shards.remote(job.lease) is None:
+                live.append(job)
+            else:
+                flag_only.append(job.job_id)
         notified = list(self._notified)
         for job in live:
             tokens = _token_args(job.unpublished[job.num_notified:])
@@ -563,19 +570,29 @@ class StreamPublisher:
         return report
 
     def _flush_shards(self, report: PublishReport) -> None:
-        """Each shard's appends (and final entries still owed to it) as one MULTI/EXEC; raises
-        on a shard that cannot be reached, keeping everything queued for the retry."""
+        """Each shard's appends and live tokens (and final entries still owed to it) as one
+        MULTI/EXEC; raises on a shard that cannot be reached, keeping everything queued for the
+        retry."""
         ends_by_shard: dict[int, list[_EndMarker]] = defaultdict(list)
         for marker in self._pending_ends:
             ends_by_shard[marker.shard].append(marker)
+        live_by_shard: dict[int, list[RunningJob]] = defaultdict(list)
+        for job in self._live.values():
+            shard_of_job = self.shards.remote(job.lease)
+            if shard_of_job is not None:
+                live_by_shard[shard_of_job].append(job)
+        carried_by_shard: dict[int, list[RunningJob]] = defaultdict(list)
+        for job in self._carried.values():
+            shard_of_job = self.shards.remote(job.lease)
+            if shard_of_job is not None:
+                carried_by_shard[shard_of_job].append(job)
+        started = time.monotonic()
         sent_ends: list[_EndMarker] = []
-        for shard in sorted(set(self._shard_ids) | set(ends_by_shard)):
+        for shard in sorted(set(self._shard_ids) | set(live_by_shard) | set(ends_by_shard)):
             calls: list[_ScriptCall] = []
-            if self._shard_ids.get(shard):
-                calls.append(_ScriptCall("append", "", "shard_append",
-                                         [*self._shard_keys[shard], self.keys.stream_steps()],
-                                         [encode_tokens(self._shard_notified[shard]),
-                                          *self._shard_args[shard]]))
+            live = live_by_shard[shard]
+            if self._shard_ids.get(shard) or live:
+                calls.append(self._shard_append_call(shard, live))
             calls += [self._end_call(marker) for marker in ends_by_shard[shard]]
             client = self.shards.clients[shard]
             pipe = client.pipeline(transaction=True)
@@ -585,12 +602,31 @@ class StreamPublisher:
             replies = self._retry_missing_scripts(client, calls, pipe.execute(raise_on_error=False))
             for call, reply in zip(calls, replies):
                 if call.kind == "append":
-                    self._read_shard_appends(self._shard_ids[shard], reply, report)
+                    self._read_shard_appends(self._shard_ids[shard], live,
+                                             carried_by_shard[shard], started, reply, report)
                 elif reply != 1:
                     log.warning("job %s: final entry refused by its stream shard (%s)",
                                 call.job_id, reply)
             sent_ends += ends_by_shard[shard]
         self._pending_ends = [m for m in self._pending_ends if m not in sent_ends]
+
+    def _shard_append_call(self, shard: int, live: list[RunningJob]) -> _ScriptCall:
+        """The shard's append script for this flush: the jobs written to their streams there,
+        and the live jobs whose tokens only go into its notification (and this worker's live
+        journal there), as the main append takes them."""
+        notified = list(self._shard_notified[shard])
+        for job in live:
+            tokens = _token_args(job.unpublished[job.num_notified:])
+            if tokens:
+                notified.append((self.keys.stream(job.job_id), tokens))
+        oldest_complete_ms = min((job.stream_complete_ms for job in live), default=0)
+        return _ScriptCall("append", "", "shard_append",
+                           [*self._shard_keys[shard], self.keys.stream_steps(),
+                            self.keys.live_fence(self.worker_name),
+                            self.keys.live_journal(self.worker_name)],
+                           [encode_tokens(notified), self.lease_ms, int(self._renews()),
+                            len(live), oldest_complete_ms, self._live_epoch,
+                            *self._shard_args[shard]])
 
     def _end_call(self, marker: _EndMarker) -> _ScriptCall:
         return _ScriptCall("end", marker.job_id, "shard_end",
@@ -608,18 +644,40 @@ class StreamPublisher:
             log.warning("stream shard unreachable, %d final entries kept for the next flush: %s",
                         len(self._pending_ends), exc)
 
-    def _read_shard_appends(self, job_ids: list[str], reply: object,
+    def _read_shard_appends(self, job_ids: list[str], live: list[RunningJob],
+                            carried: list[RunningJob], started: float, reply: object,
                             report: PublishReport) -> None:
+        """A shard append's reply: `job_ids` were written to their streams there (`carried`,
+        the same jobs), `live` only notified. As `_read_appends`, with the shard's clock for
+        when their streams were complete (the script's window check is by that clock)."""
         if isinstance(reply, ResponseError):
             log.error("shard append script failed: %s", reply)
             report.refused.update(job_ids)
+            self._read_live(live, 2, 0)
             return
-        for job_id, result in zip(job_ids, cast("list[int]", reply)):
+        results, notified, now_ms, live_result = cast("list[Any]", reply)
+        for job_id, result in zip(job_ids, results):
             if result != 1:
                 report.refused.add(job_id)
                 if result == -1:
                     log.error("job %s: its tokens refused by the stream shard (not as a "
                               "duplicate): dropped", job_id)
+        written = {job_id for job_id, result in zip(job_ids, results) if result == 1}
+        for job in carried:
+            if job.job_id in written:
+                job.stream_complete_ms, job.stream_complete_at = int(now_ms), started
+        self._read_live(live, live_result, notified)
+
+    def _read_live(self, live: list[RunningJob], live_result: int, notified: int) -> None:
+        """What the live jobs' tokens became: notified (counted), or refused by the live fence
+        or window (their streams next)."""
+        for job in live:
+            if live_result == 1 and notified:
+                job.num_notified = len(job.unpublished)
+            elif live_result == 2:
+                # The live fence is gone (a lease or stream of this worker was taken) or the
+                # window passed: its stream next, where its own fence decides.
+                job.stream_complete_at = -math.inf
 
     def _read_appends(self, job_ids: list[str], live: list[RunningJob],
                       carried: list[RunningJob], started: float, reply: object,
@@ -639,19 +697,13 @@ class StreamPublisher:
         for job in carried:
             job.unpublished.clear()  # in their streams now (or refused: the job leaves)
             job.num_notified = 0
-            if result_of.get(job.job_id) == 1:
+            # A sharded job's stream_complete is its shard's (_read_shard_appends).
+            if result_of.get(job.job_id) == 1 and self.shards.remote(job.lease) is None:
                 job.stream_complete_ms, job.stream_complete_at = int(now_ms), started
+        self._read_live(live, live_result, notified)
         live_canceled = {raw.decode() if isinstance(raw, bytes) else str(raw)
                          for raw in canceled_ids}
-        for job in live:
-            if live_result == 1 and notified:
-                job.num_notified = len(job.unpublished)
-            elif live_result == 2:
-                # The live fence is gone (a lease of this worker was taken) or the window
-                # passed: its stream next, where its own lease decides.
-                job.stream_complete_at = -math.inf
-            if job.job_id in live_canceled:
-                report.canceled.add(job.job_id)
+        report.canceled.update(job.job_id for job in live if job.job_id in live_canceled)
         for job_id, result, flag in zip(job_ids, results, canceled):
             if result != 1:
                 report.refused.add(job_id)
@@ -671,6 +723,7 @@ class StreamPublisher:
                               self.keys.live_fence(self.worker_name))
         except (RedisConnectionError, RedisTimeoutError) as exc:
             log.warning("could not delete the live journal: %s", exc)
+        self.shards.forget_live(self.worker_name)
 
     def discard(self) -> None:
         """Forget what is queued (the worker gave up on Redis and dropped its jobs); final

@@ -15,6 +15,7 @@ from redis.typing import EncodableT
 
 from protocol.job_reader import parse_entries
 from protocol.keys import Keys
+from protocol.rq_keys import KeyTemplate
 from protocol.stream_shards import placed_shard
 from worker.jobs.job_queue import ClaimedJob
 from worker.jobs.job_scripts import JobScripts
@@ -37,6 +38,9 @@ class StreamShards:
         self.clients = clients or [main]
         self.scripts = scripts
         self.keys = keys
+        journal, fence = KeyTemplate.of(keys.live_journal("\x00")), KeyTemplate.of(
+            keys.live_fence("\x00"))
+        self._live_templates = [journal.prefix, journal.suffix, fence.prefix, fence.suffix]
 
     def remote(self, lease: Lease) -> int | None:
         """The shard index of the leased job's stream, or None when it is on the main Redis."""
@@ -65,6 +69,17 @@ class StreamShards:
             if client is not self.main:
                 self.scripts.load(client)
 
+    def forget_live(self, worker_name: str) -> None:
+        """A worker stopping with no job left: its live journal and fence on every shard go
+        (best effort: otherwise they expire)."""
+        for index, client in enumerate(self.clients):
+            if client is self.main:
+                continue
+            try:
+                client.delete(self.keys.live_journal(worker_name), self.keys.live_fence(worker_name))
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                log.warning("could not delete the live journal on stream shard %d: %s", index, exc)
+
     def call(self, index: int, name: str, keys: list[str], args: list[EncodableT]) -> Any:
         client = self.clients[index]
         try:
@@ -73,10 +88,12 @@ class StreamShards:
             self.scripts.load(client)  # the shard restarted (or its script cache was flushed)
             return self.scripts.call(client, name, keys, args)
 
-    def adopt(self, claims: list[ClaimedJob]) -> list[ClaimedJob]:
-        """Raise each sharded claim's fence on its shard and read its stream there (what a
-        resumed job continues after). A claim whose shard cannot be reached, or whose stream a
-        newer claim adopted, is left out: its lease lapses and recovery hands it on."""
+    def adopt(self, claims: list[ClaimedJob], worker_name: str) -> list[ClaimedJob]:
+        """Raise each sharded claim's fence on its shard, with the previous owner's live tokens
+        written into its stream there, and read the stream (what a resumed job continues after);
+        `worker_name` (the claimer) is recorded as the stream's owner. A claim whose shard cannot
+        be reached, or whose stream a newer claim adopted, is left out: its lease lapses and
+        recovery hands it on."""
         by_shard: dict[int, list[int]] = {}
         for position, claim in enumerate(claims):
             index = self.remote(claim.lease)
@@ -87,11 +104,13 @@ class StreamShards:
         adopted: list[ClaimedJob | None] = list(claims)
         for index, positions in by_shard.items():
             keys: list[str] = []
-            args: list[EncodableT] = [STREAM_KEEP_MS]
+            args: list[EncodableT] = [STREAM_KEEP_MS, worker_name, *self._live_templates]
             for position in positions:
                 job_id = claims[position].lease.job_id
-                keys += [self.keys.stream_fence(job_id), self.keys.stream(job_id)]
+                keys += [self.keys.stream_fence(job_id), self.keys.stream(job_id),
+                         self.keys.stream_owner(job_id)]
                 args.append(claims[position].lease.token)
+            keys.append(self.keys.stream_steps())
             try:
                 replies = cast("list[list[Any]]", self.call(index, "shard_adopt", keys, args))
             except (RedisConnectionError, RedisTimeoutError) as exc:

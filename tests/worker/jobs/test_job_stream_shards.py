@@ -44,7 +44,7 @@ def _worker(main, shard, name: str = "w1", lease_ms: int = 10_000):
 
 
 def _claim(queue: JobQueue, shards: StreamShards, n: int = 1):
-    return [running(claim) for claim in shards.adopt(queue.claim(n))]
+    return [running(claim) for claim in shards.adopt(queue.claim(n), queue.worker_name)]
 
 
 def _lease(job_id: str, stream_shard: int = -1) -> Lease:
@@ -181,7 +181,7 @@ def test_a_zombie_cannot_append_once_a_new_owner_adopted_and_what_it_wrote_befor
     generate(job_a, 12)  # the zombie's last step lands between the two: it is part of the stream
     pub_a.append(job_a)
     pub_a.flush()
-    (job_b,) = [running(c) for c in shards_b.adopt(claim_b)]
+    (job_b,) = [running(c) for c in shards_b.adopt(claim_b, "b")]
     assert job_b.token_ids == [11, 12]
     generate(job_a, 13)
     pub_a.append(job_a)
@@ -201,8 +201,8 @@ def test_an_old_claim_cannot_lower_the_shards_fence() -> None:
     queue_b, shards_b, pub_b = _worker(main, shard, "b")
     pub_b.recover()
     pub_b.flush()
-    assert len(shards_b.adopt(queue_b.claim(1))) == 1
-    assert shards_a.adopt(old_claim) == []  # its adopt came late: refused, left to lapse
+    assert len(shards_b.adopt(queue_b.claim(1), queue_b.worker_name)) == 1
+    assert shards_a.adopt(old_claim, "a") == []  # its adopt came late: refused, left to lapse
 
 
 def test_a_cancel_during_the_last_step_ends_the_shards_stream_canceled() -> None:

@@ -84,7 +84,7 @@ def test_a_stream_shard_takes_runs_too() -> None:
     shards = StreamShards(main, [shard], queue.scripts, KEYS)
     shards.load_scripts()
     pub = StreamPublisher(main, queue.scripts, KEYS, "w1", queue.lease_ms, shards=shards)
-    (job,) = [running(claim) for claim in shards.adopt(queue.claim(1))]
+    (job,) = [running(claim) for claim in shards.adopt(queue.claim(1), queue.worker_name)]
     generate(job, 21, 22, 23)
     pub.append(job)
     assert pub.flush().refused == set()
