@@ -8,6 +8,7 @@ script, so a worker taking the job at the same moment sees either the job or the
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import cast
@@ -52,14 +53,19 @@ class DuplicateSubmission(Exception):
 
 # How many of an owner's oldest indexed jobs each submission checks (and drops when their state
 # has expired): the index loses entries faster than submissions add them, so it stays about
-# the size of what retention keeps, without a sweeper.
+# the size of what retention keeps, without a sweeper. Only jobs created longer ago than the
+# submission's own retention are checked: a younger one cannot have expired yet (a state's TTL
+# starts at the job's end), so in the steady state the check reads nothing. [redis-cost] It
+# read 16 live states a submission, about 6 % of a 50-token job's Redis CPU.
 TRIM_OLDEST = 16
 
 # KEYS: the owner's index. ARGV: prefix and suffix of a JobState key around the job id, how many
-# of the oldest entries to check. Returns how many it dropped.
+# of the oldest entries to check, the created_at before which they may have expired. Returns
+# how many it dropped.
 _TRIM_INDEX_LUA = """
 local gone = {}
-for _, job_id in ipairs(redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)) do
+for _, job_id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[4], 'LIMIT', 0,
+                                   tonumber(ARGV[3]))) do
   if redis.call('EXISTS', ARGV[1] .. job_id .. ARGV[2]) == 0 then gone[#gone + 1] = job_id end
 end
 if #gone > 0 then redis.call('ZREM', KEYS[1], unpack(gone)) end
@@ -176,10 +182,11 @@ def _submit_once(redis: Redis, specs: list[JobSpec], keys: Keys, result_ttl: int
             # Every owner, "" (an open API) too: GET /v1/jobs lists from it.
             pipe.zadd(keys.jobs_by_owner(spec.owner), {spec.job_id: spec.created_at})
         state_template = KeyTemplate.of(keys.state("\x00"))
+        expired_before = time.time() - min(result_ttl, failure_ttl)
         for owner in sorted({spec.owner for spec in specs}):
             # The jobs whose retention ended leave their owner's index with them.
             pipe.eval(_TRIM_INDEX_LUA, 1, keys.jobs_by_owner(owner), state_template.prefix,
-                      state_template.suffix, TRIM_OLDEST)
+                      state_template.suffix, TRIM_OLDEST, repr(expired_before))
         if admission:
             admissions = [admission] if isinstance(admission, str) else admission
             for model in {spec.model for spec in specs}:

@@ -5,6 +5,7 @@ a 4xx naming the field or header."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import httpx
@@ -132,8 +133,15 @@ async def test_retention_defaults_come_from_the_settings() -> None:
 async def test_the_owner_index_drops_jobs_whose_retention_ended(
         harness: Harness, client: httpx.AsyncClient) -> None:
     ids = [(await client.post("/v1/jobs", json={"prompt": "hi"})).json()["job_id"]
-           for _ in range(3)]
-    harness.sync.delete(harness.keys.state(ids[0]), harness.keys.state(ids[1]))  # expired
+           for _ in range(4)]
+    index = harness.keys.jobs_by_owner("")
+    # Created more than a retention (24 h) ago, but for the last one; all four gone now.
+    day_ago = time.time() - 24 * 3600
+    harness.sync.zadd(index, {ids[0]: day_ago - 3, ids[1]: day_ago - 2, ids[2]: day_ago - 1})
+    harness.sync.delete(*(harness.keys.state(job_id) for job_id in ids))
     newest = (await client.post("/v1/jobs", json={"prompt": "hi"})).json()["job_id"]
-    # The next submission trimmed them, without anyone listing.
-    assert harness.sync.zrange(harness.keys.jobs_by_owner(""), 0, -1) == [ids[2], newest]
+    # The next submission trimmed the old ones, without anyone listing; a job younger than its
+    # retention cannot have expired, and is not looked at.
+    assert harness.sync.zrange(index, 0, -1) == [ids[3], newest]
+    (await client.post("/v1/jobs", json={"prompt": "hi", "retention_s": 60})).json()
+    assert harness.sync.zcard(index) == 3  # 60 s: ids[3] (a second old) is still not looked at
