@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import fakeredis
 from redis import Redis
 
@@ -72,3 +74,18 @@ def expire_lease(redis: Redis, job_id: str) -> None:
     """The owner went silent: its lease key and its deadline in the leases set both lapse."""
     redis.delete(KEYS.lease(job_id))
     redis.zadd(KEYS.leases(), {job_id: 1})
+
+
+def token_entry(index: int, token_id: int) -> tuple[bytes, dict[bytes, bytes]]:
+    """One token's stream entry as Redis returns it (text: the id in brackets, as `generate`)."""
+    return (f"0-{index + 1}".encode(), {b"kind": b"token", b"index": str(index).encode(),
+                                        b"token_id": str(token_id).encode(),
+                                        b"text": f"<{token_id}>".encode()})
+
+
+def run_entry(first: int, *token_ids: int) -> tuple[bytes, dict[bytes, bytes]]:
+    """A run's stream entry (protocol/token_runs.py) as Redis returns it."""
+    return (f"0-{first + len(token_ids)}".encode(), {
+        b"kind": b"tokens", b"index": str(first).encode(),
+        b"token_ids": " ".join(map(str, token_ids)).encode(),
+        b"text": json.dumps([f"<{t}>" for t in token_ids], separators=(",", ":")).encode()})

@@ -5,7 +5,6 @@ journal when recovery requeues the job."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import fakeredis
@@ -23,8 +22,10 @@ from tests.worker.jobs.job_support import (
     fake_redis,
     generate,
     make_queue,
+    run_entry,
     running,
     submit,
+    token_entry,
 )
 from worker.jobs.job_queue import JobQueue
 from worker.jobs.running_job import RunningJob
@@ -57,28 +58,15 @@ def _notified(redis: Redis) -> list[list[tuple[str, list[tuple[str, str, str]]]]
             for raw in notes_of(redis)]
 
 
-def _token(index: int, token_id: int) -> tuple[bytes, dict[bytes, bytes]]:
-    return (f"0-{index + 1}".encode(), {b"kind": b"token", b"index": str(index).encode(),
-                                        b"token_id": str(token_id).encode(),
-                                        b"text": f"<{token_id}>".encode()})
-
-
-def _run(first: int, *token_ids: int) -> tuple[bytes, dict[bytes, bytes]]:
-    return (f"0-{first + len(token_ids)}".encode(), {
-        b"kind": b"tokens", b"index": str(first).encode(),
-        b"token_ids": " ".join(map(str, token_ids)).encode(),
-        b"text": json.dumps([f"<{t}>" for t in token_ids], separators=(",", ":")).encode()})
-
-
 def test_live_tokens_are_notified_at_each_publish_and_written_to_the_stream_once_due() -> None:
     redis = fake_redis()
     submit(redis, "job-1")
     job, pub = _claim(redis)
     _publish(pub, job, 11)  # the first token goes to the stream at once
-    assert redis.xrange(STREAM) == [_token(0, 11)]
+    assert redis.xrange(STREAM) == [token_entry(0, 11)]
     _publish(pub, job, 12)
     _publish(pub, job, 13)
-    assert redis.xrange(STREAM) == [_token(0, 11)]  # not yet due: notified only
+    assert redis.xrange(STREAM) == [token_entry(0, 11)]  # not yet due: notified only
     assert _notified(redis) == [[(STREAM, [("0-1", "0", "11")])], [(STREAM, [("0-2", "1", "12")])],
                                 [(STREAM, [("0-3", "2", "13")])]]
     assert redis.xlen(KEYS.live_journal("w1")) == 2
@@ -86,11 +74,11 @@ def test_live_tokens_are_notified_at_each_publish_and_written_to_the_stream_once
     job.stream_complete_at -= 61  # due
     _publish(pub, job, 14)
     # One entry for the live tokens and the new one; the notification carries only the new one.
-    assert redis.xrange(STREAM) == [_token(0, 11), _run(1, 12, 13, 14)]
+    assert redis.xrange(STREAM) == [token_entry(0, 11), run_entry(1, 12, 13, 14)]
     assert _notified(redis)[-1] == [(STREAM, [("0-4", "3", "14")])]
     assert redis.xlen(KEYS.live_journal("w1")) == 2  # a publish with no live job adds nothing
     _publish(pub, job, 15)  # live again: the stream is complete as of the last publish
-    assert redis.xrange(STREAM)[-1] == _run(1, 12, 13, 14)
+    assert redis.xrange(STREAM)[-1] == run_entry(1, 12, 13, 14)
     assert [t.token_id for t in JobReader(redis).tokens("job-1")] == [11, 12, 13, 14]
 
 
@@ -106,7 +94,7 @@ def test_an_end_writes_the_live_tokens_before_the_final_entry() -> None:
     report = pub.flush()
     assert report.ended == {"job-1": JobStatus.FINISHED}
     raw = redis.xrange(STREAM)
-    assert raw[:2] == [_token(0, 11), _run(1, 12, 13)]
+    assert raw[:2] == [token_entry(0, 11), run_entry(1, 12, 13)]
     assert raw[2][0] == b"0-4" and raw[2][1][b"kind"] == b"done"
     assert raw[2][1][b"completion_tokens"] == b"3"
     assert _notified(redis)[-2] == [(STREAM, [("0-3", "2", "13")])]  # 12 went live before
@@ -123,7 +111,7 @@ def test_a_preempted_live_job_takes_its_tokens_into_the_stream() -> None:
     _publish(pub, job, 12)
     pub.requeue(job, count_as_preemption=True)
     assert pub.flush().requeued == {"job-1"}
-    assert redis.xrange(STREAM) == [_token(0, 11), _token(1, 12)]
+    assert redis.xrange(STREAM) == [token_entry(0, 11), token_entry(1, 12)]
     resumed, _ = _claim(redis, "w2")
     assert resumed.token_ids == [11, 12]
 
@@ -141,7 +129,7 @@ def test_tokens_past_the_live_window_are_not_notified_and_go_to_the_stream_next(
     assert len(_notified(redis)) == 1
     assert job.stream_complete_at == -math.inf
     _publish(pub, job, 13)
-    assert redis.xrange(STREAM) == [_token(0, 11), _run(1, 12, 13)]
+    assert redis.xrange(STREAM) == [token_entry(0, 11), run_entry(1, 12, 13)]
     assert _notified(redis)[-1] == [(STREAM, [("0-2", "1", "12"), ("0-3", "2", "13")])]
 
 
@@ -211,7 +199,7 @@ def test_recovery_skips_journal_tokens_the_stream_already_holds() -> None:
     survivor = _publisher(make_queue(redis, worker="survivor"))
     survivor.recover()
     assert survivor.flush().recovered == ["job-1"]
-    assert redis.xrange(STREAM) == [_token(0, 11), _run(1, 12, 13), _run(3, 14)]
+    assert redis.xrange(STREAM) == [token_entry(0, 11), run_entry(1, 12, 13), run_entry(3, 14)]
 
 
 def test_a_worker_stopping_cleanly_deletes_its_journal_but_not_after_dropping_jobs() -> None:

@@ -5,7 +5,6 @@ the next claim's adoption writes a dead owner's live tokens into the stream firs
 
 from __future__ import annotations
 
-import json
 import math
 
 import fakeredis
@@ -22,8 +21,10 @@ from tests.worker.jobs.job_support import (
     fake_redis,
     generate,
     make_queue,
+    run_entry,
     running,
     submit,
+    token_entry,
 )
 from worker.jobs.job_queue import JobQueue
 from worker.jobs.running_job import RunningJob
@@ -56,19 +57,6 @@ class _Worker:
         return self.publisher.flush()
 
 
-def _token(index: int, token_id: int) -> tuple[bytes, dict[bytes, bytes]]:
-    return (f"0-{index + 1}".encode(), {b"kind": b"token", b"index": str(index).encode(),
-                                        b"token_id": str(token_id).encode(),
-                                        b"text": f"<{token_id}>".encode()})
-
-
-def _run(first: int, *token_ids: int) -> tuple[bytes, dict[bytes, bytes]]:
-    return (f"0-{first + len(token_ids)}".encode(), {
-        b"kind": b"tokens", b"index": str(first).encode(),
-        b"token_ids": " ".join(map(str, token_ids)).encode(),
-        b"text": json.dumps([f"<{t}>" for t in token_ids], separators=(",", ":")).encode()})
-
-
 def _notified(redis: Redis) -> list[list[tuple[str, list[tuple[str, str]]]]]:
     """Each step notification's tokens: per stream, (index, token id)."""
     return [[(stream, [(fields["index"], fields["token_id"]) for _, fields in entries])
@@ -84,7 +72,7 @@ def test_live_tokens_go_through_the_shard_and_into_its_stream_once_due() -> None
     assert shard.get(KEYS.live_fence("w1")) is not None
     worker.publish([job], 12)
     worker.publish([job], 13)
-    assert shard.xrange(STREAM) == [_token(0, 11)]  # not yet due: notified only
+    assert shard.xrange(STREAM) == [token_entry(0, 11)]  # not yet due: notified only
     assert _notified(shard) == [[(STREAM, [("0", "11")])], [(STREAM, [("1", "12")])],
                                 [(STREAM, [("2", "13")])]]
     assert shard.xlen(KEYS.live_journal("w1")) == 2
@@ -94,7 +82,7 @@ def test_live_tokens_go_through_the_shard_and_into_its_stream_once_due() -> None
     assert notes_of(main) == []
     job.stream_complete_at -= 61  # due
     worker.publish([job], 14)
-    assert shard.xrange(STREAM) == [_token(0, 11), _run(1, 12, 13, 14)]
+    assert shard.xrange(STREAM) == [token_entry(0, 11), run_entry(1, 12, 13, 14)]
     assert _notified(shard)[-1] == [(STREAM, [("3", "14")])]
     assert shard.xlen(KEYS.live_journal("w1")) == 2  # a step with no live job journals nothing
     generate(job, 15)
@@ -102,7 +90,7 @@ def test_live_tokens_go_through_the_shard_and_into_its_stream_once_due() -> None
     worker.publisher.finish(job, JobEnd(JobStatus.FINISHED, FinishReason.LENGTH))
     assert worker.publisher.flush().ended == {"job-1": JobStatus.FINISHED}
     raw = shard.xrange(STREAM)
-    assert raw[:3] == [_token(0, 11), _run(1, 12, 13, 14), _token(4, 15)]
+    assert raw[:3] == [token_entry(0, 11), run_entry(1, 12, 13, 14), token_entry(4, 15)]
     assert raw[3][0] == b"0-6" and raw[3][1][b"kind"] == b"done"
     assert [t.token_id for t in JobReader(shard).tokens("job-1")] == [
         11, 12, 13, 14, 15]
@@ -117,7 +105,7 @@ def test_the_next_claim_writes_a_dead_owners_live_tokens_into_the_shards_stream(
     dead.publish(jobs, 11, 21)
     dead.publish(jobs, 12, 22)
     dead.publish(jobs, 13, 23)  # 12, 13 and 22, 23 live: in the journal on the shard only
-    assert shard.xrange(STREAM) == [_token(0, 11)]
+    assert shard.xrange(STREAM) == [token_entry(0, 11)]
     expire_lease(main, "job-1")
     survivor = _Worker(main, shard, "survivor")
     survivor.publisher.recover()
@@ -125,7 +113,7 @@ def test_the_next_claim_writes_a_dead_owners_live_tokens_into_the_shards_stream(
     before = len(notes_of(shard))
     (resumed,) = survivor.claim()
     assert resumed.token_ids == [11, 12, 13]
-    assert shard.xrange(STREAM) == [_token(0, 11), _run(1, 12, 13)]
+    assert shard.xrange(STREAM) == [token_entry(0, 11), run_entry(1, 12, 13)]
     # Hubs are told to read it; the dead owner's live fence on the shard is gone.
     assert [notified_streams(raw) for raw in notes_of(shard)[before:]] == [[STREAM]]
     assert shard.exists(KEYS.live_fence("dead")) == 0
@@ -139,8 +127,8 @@ def test_the_next_claim_writes_a_dead_owners_live_tokens_into_the_shards_stream(
     for job in jobs:
         dead.publisher.append(job)  # no new token: the stream writes the live fence sent back
     assert dead.publisher.flush().refused == {"job-1"}
-    assert shard.xrange(STREAM)[-1] == _run(1, 12, 13)
-    assert shard.xrange(KEYS.stream("job-2"))[-1] == _run(1, 22, 23, 24)
+    assert shard.xrange(STREAM)[-1] == run_entry(1, 12, 13)
+    assert shard.xrange(KEYS.stream("job-2"))[-1] == run_entry(1, 22, 23, 24)
     # The survivor continues after the tokens the subscribers got.
     assert survivor.publish([resumed], 14).refused == set()
     assert [t.token_id for t in JobReader(shard).tokens("job-1")] == [
@@ -181,7 +169,7 @@ def test_tokens_past_the_live_window_are_not_notified_and_go_to_the_shards_strea
     assert job.stream_complete_at == -math.inf
     assert len(notes_of(shard)) == 1
     worker.publish([job], 13)
-    assert shard.xrange(STREAM) == [_token(0, 11), _run(1, 12, 13)]
+    assert shard.xrange(STREAM) == [token_entry(0, 11), run_entry(1, 12, 13)]
     assert _notified(shard)[-1] == [(STREAM, [("1", "12"), ("2", "13")])]
 
 
