@@ -7,7 +7,8 @@ import json
 import fakeredis
 from redis import Redis
 
-from protocol import JobSpec, Keys, Priority, TokenEntry, submit_job
+from protocol import JobReader, JobSpec, Keys, Priority, TokenEntry, submit_job
+from protocol.generation import TokenLogprobs
 from tests.step_notes import listen
 from worker.jobs.job_queue import ClaimedJob, JobQueue
 from worker.jobs.job_scripts import JobScripts
@@ -89,3 +90,29 @@ def run_entry(first: int, *token_ids: int) -> tuple[bytes, dict[bytes, bytes]]:
         b"kind": b"tokens", b"index": str(first).encode(),
         b"token_ids": " ".join(map(str, token_ids)).encode(),
         b"text": json.dumps([f"<{t}>" for t in token_ids], separators=(",", ":")).encode()})
+
+
+# Texts whose JSON must carry through Lua unchanged (quotes, slashes, non-ASCII, an escape), and
+# the logprobs job-2 asks for: what the live-token tests publish and then read back.
+AWKWARD_TEXTS = ['"a/b"', " é", "字", "\\n"]
+AWKWARD_LOGPROBS = TokenLogprobs(-0.25, ((7, -0.25), (8, -1.5)))
+
+
+def publish_awkward_texts(publisher: StreamPublisher, jobs: list[RunningJob]) -> None:
+    """One step per text, every job a token of it (ids 100 + step; job-2's with logprobs)."""
+    for step, text in enumerate(AWKWARD_TEXTS):
+        for job in jobs:
+            logprobs = AWKWARD_LOGPROBS if job.job_id == "job-2" else None
+            job.add_tokens([TokenEntry(step, 100 + step, text, logprobs)], now=2000.0)
+            publisher.append(job)
+        publisher.flush()
+
+
+def assert_awkward_texts(reader: JobReader, jobs: list[RunningJob]) -> None:
+    """Each job's stream holds exactly what publish_awkward_texts published."""
+    for job in jobs:
+        tokens = reader.tokens(job.job_id)
+        assert [(t.index, t.token_id, t.text) for t in tokens] == [
+            (i, 100 + i, text) for i, text in enumerate(AWKWARD_TEXTS)]
+        expected = AWKWARD_LOGPROBS if job.job_id == "job-2" else None
+        assert [t.logprobs for t in tokens] == [expected] * len(AWKWARD_TEXTS)

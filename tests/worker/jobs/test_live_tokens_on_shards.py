@@ -11,16 +11,17 @@ import fakeredis
 import pytest
 from redis import Redis
 
-from protocol import FinishReason, JobReader, JobStatus, TokenEntry
-from protocol.generation import TokenLogprobs
+from protocol import FinishReason, JobReader, JobStatus
 from protocol.stream_steps import LIVE_WINDOW_MS, notified_streams, notified_tokens
 from tests.step_notes import listen, notes_of
 from tests.worker.jobs.job_support import (
     KEYS,
+    assert_awkward_texts,
     expire_lease,
     fake_redis,
     generate,
     make_queue,
+    publish_awkward_texts,
     run_entry,
     running,
     submit,
@@ -188,15 +189,7 @@ def test_live_texts_and_logprobs_reach_the_shards_stream_exactly(servers) -> Non
     submit(main, "job-1", "job-2")
     dead = _Worker(main, shard, "dead")
     jobs = dead.claim(2)
-    # Texts JSON must carry through Lua: quotes, slashes, non-ASCII; and logprobs.
-    texts = ['"a/b"', " é", "字", "\\n"]
-    logprobs = TokenLogprobs(-0.25, ((7, -0.25), (8, -1.5)))
-    for step, text in enumerate(texts):
-        for job in jobs:
-            job.add_tokens([TokenEntry(step, 100 + step, text,
-                                       logprobs if job.job_id == "job-2" else None)], now=2000.0)
-            dead.publisher.append(job)
-        dead.publisher.flush()
+    publish_awkward_texts(dead.publisher, jobs)
     assert [shard.xlen(KEYS.stream(j.job_id)) for j in jobs] == [1, 1]  # the rest live
     for job in jobs:
         expire_lease(main, job.job_id)
@@ -205,13 +198,7 @@ def test_live_texts_and_logprobs_reach_the_shards_stream_exactly(servers) -> Non
     assert sorted(survivor.publisher.flush().recovered) == ["job-1", "job-2"]
     resumed = survivor.claim(2)
     assert [r.token_ids for r in resumed] == [[100, 101, 102, 103]] * 2
-    reader = JobReader(shard)
-    for job in jobs:
-        tokens = reader.tokens(job.job_id)
-        assert [(t.index, t.token_id, t.text) for t in tokens] == [
-            (i, 100 + i, text) for i, text in enumerate(texts)]
-        expected = logprobs if job.job_id == "job-2" else None
-        assert [t.logprobs for t in tokens] == [expected] * 4
+    assert_awkward_texts(JobReader(shard), jobs)
 
 
 def test_a_worker_stopping_cleanly_deletes_its_live_keys_on_the_shard() -> None:
