@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from protocol.generation import TokenEntry
@@ -53,6 +54,16 @@ class RunningJob:
     @property
     def text(self) -> str:
         return "".join(self.texts)
+
+    def record_live(self, live_result: int, notified: bool) -> None:
+        """What an append script made of this live job's tokens: notified (live_result 1, the
+        notification went out: counted), or not, the worker's live fence gone (a lease or
+        stream of this worker was taken) or the live window passed (2: its stream next, where
+        its own fence decides)."""
+        if live_result == 1 and notified:
+            self.num_notified = len(self.unpublished)
+        elif live_result == 2:
+            self.stream_complete_at = -math.inf
 
     def add_tokens(self, tokens: list[TokenEntry], now: float) -> list[float]:
         """Record new tokens; returns the inter-token latencies they close (for the histogram)."""

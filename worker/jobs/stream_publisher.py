@@ -3,8 +3,8 @@ to the main Redis, plus one to each stream shard that holds some of the batch's 
 
 Per job: the fenced append script (new tokens + lease renewal), or the finish/requeue script.
 A job whose stream lives on a shard (protocol.stream_shards) has its tokens appended there by
-the shard's fenced script (worker/jobs/shard_scripts.py), or notified live there between two
-writes of its stream, sent before the main round trip, and its lease checked and renewed on the
+the shard's fenced script, or notified live there between two writes of its stream, sent before
+the main round trip (worker/jobs/shard_publisher.py), and its lease checked and renewed on the
 main Redis as before; its final entry goes to the shard once the main Redis recorded the end
 (an extra round trip to that shard in a step where one of its jobs ended).
 For the batch: SMISMEMBER on the canceled set, the WorkerStats hash, metric counters and
@@ -30,7 +30,7 @@ from typing import Any, cast
 from redis import Redis
 from redis.client import Pipeline
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT
 from rq.results import Result
@@ -49,12 +49,14 @@ from protocol.messages import (
     finished_counter,
 )
 from protocol.rq_keys import KeyTemplate, RQKeys
-from protocol.stream_steps import encode_tokens, notify_steps
+from protocol.stream_steps import encode_tokens
 from protocol.token_runs import run_fields
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.lease import Lease
 from worker.jobs.rq_presence import RQPresence
 from worker.jobs.running_job import RunningJob
+from worker.jobs.script_calls import EndMarker, ScriptCall, retry_missing_scripts, token_args
+from worker.jobs.shard_publisher import ShardPublisher
 from worker.jobs.stream_shards import StreamShards
 
 log = logging.getLogger(__name__)
@@ -86,21 +88,6 @@ class PublishReport:
 
 
 @dataclass(frozen=True, slots=True)
-class _EndMarker:
-    """A sharded job's final stream entry, written to its shard after its end on the main Redis."""
-
-    shard: int
-    job_id: str
-    token: str
-    ttl_s: int
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    error: str
-    cached_tokens: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class _ShardedAppend:
     """The main-Redis part of a sharded job's append: the append script's keys and arguments."""
 
@@ -108,25 +95,6 @@ class _ShardedAppend:
     keys: list[str]
     args: list[EncodableT]
     is_first: bool  # brings the job's first token: its state needs first_token_at now
-
-
-@dataclass(slots=True)
-class _ScriptCall:
-    kind: str  # append | finish | requeue | recover
-    job_id: str
-    name: str
-    keys: list[str]
-    args: list[EncodableT]
-    end: _EndMarker | None = None  # finish of a sharded job: its final entry, reason as asked
-
-
-def _token_args(tokens: list[TokenEntry]) -> list[str]:
-    """Each token's (index, token_id, text, logprobs or ''), flat: a notification's part."""
-    args: list[str] = []
-    for token in tokens:
-        logprobs = token.logprobs.encode() if token.logprobs is not None else ""
-        args += [str(token.index), str(token.token_id), token.text, logprobs]
-    return args
 
 
 def _entry_args(unpublished: list[TokenEntry], tokens: list[str]) -> list[str]:
@@ -151,9 +119,6 @@ class StreamPublisher:
                  durable_interval_s: float = 0.0) -> None:
         self.redis = redis
         self.shards = shards or StreamShards(redis, [redis], scripts, keys)
-        # Final entries owed to shards: kept across failed flushes (the end is already recorded
-        # on the main Redis, so they are resent until a shard takes them).
-        self._pending_ends: list[_EndMarker] = []
         self.presence = presence
         self.scripts = scripts
         self.keys = keys
@@ -166,6 +131,8 @@ class StreamPublisher:
         self.durable_interval_s = durable_interval_s
         # Set as this worker's live fence (Keys.live_fence) at renewals that found every lease.
         self._live_epoch = uuid.uuid4().hex if durable_interval_s > 0 else ""
+        self._to_shards = ShardPublisher(self.shards, scripts, keys, worker_name, lease_ms,
+                                         self._live_epoch)
         self._dropped_jobs = False  # discard() ran: the live journal may be all there is
         self._recover_templates = self._templates()
         # [redis-cost] Counters and histograms add up here between writes (WorkerSettings.
@@ -195,7 +162,8 @@ class StreamPublisher:
             journal.suffix, fence.prefix, fence.suffix]
 
     def _reset(self) -> None:
-        self._calls: list[_ScriptCall] = []
+        self._to_shards.reset()
+        self._calls: list[ScriptCall] = []
         # The jobs whose tokens this flush writes to their streams (by id): sent once it lands.
         self._carried: dict[str, RunningJob] = {}
         # Live jobs: their new tokens go in the step's notification only (by id).
@@ -207,12 +175,8 @@ class StreamPublisher:
         # Jobs streaming to a shard: their main-Redis part (lease check and renewal, first-token
         # state), sent with the append only when the step renews leases or brings the first token.
         self._sharded: list[_ShardedAppend] = []
-        self._shard_ids: dict[int, list[str]] = defaultdict(list)
-        self._shard_keys: dict[int, list[str]] = defaultdict(list)
-        self._shard_args: dict[int, list[EncodableT]] = defaultdict(list)
         # The step's new tokens per stream, for the notification the append scripts write.
         self._notified: list[tuple[str, list[str]]] = []
-        self._shard_notified: dict[int, list[tuple[str, list[str]]]] = defaultdict(list)
         self._extra: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []  # plain commands (heartbeats)
         self._watched: list[str] = []  # RQ queue keys whose lengths this flush reads
         self._heartbeat = False
@@ -222,7 +186,7 @@ class StreamPublisher:
     def is_empty(self) -> bool:
         return not (self._calls or self._append_ids or self._live or self._sharded or self._extra
                     or self._counters or self._stats
-                    or self._observations or self._heartbeat or self._pending_ends)
+                    or self._observations or self._heartbeat or self._to_shards.pending_ends)
 
     # Per job.
     def append(self, job: RunningJob, may_go_live: bool = True) -> None:
@@ -256,9 +220,9 @@ class StreamPublisher:
     def _append_to_stream(self, job: RunningJob) -> None:
         lease = job.lease
         self._carried[lease.job_id] = job
-        entry = _entry_args(job.unpublished, _token_args(job.unpublished))
+        entry = _entry_args(job.unpublished, token_args(job.unpublished))
         # The notification carries the tokens subscribers did not get live yet.
-        tokens = _token_args(job.unpublished[job.num_notified:])
+        tokens = token_args(job.unpublished[job.num_notified:])
         is_first = bool(job.unpublished) and job.unpublished[0].index == 0
         prompt_logprobs = job.prompt_logprobs if is_first else ""
         shard = self.shards.remote(lease)
@@ -278,12 +242,8 @@ class StreamPublisher:
                 lease.job_id, append_keys,
                 [lease.job_id, lease.token, job.num_prompt_tokens,
                  repr(job.first_token_at) if is_first else "", prompt_logprobs, 0], is_first))
-            self._shard_ids[shard].append(lease.job_id)
-            self._shard_keys[shard] += [self.keys.stream_fence(lease.job_id),
-                                        self.keys.stream(lease.job_id)]
-            self._shard_args[shard] += [lease.token, len(job.unpublished), *entry]
-            if tokens:
-                self._shard_notified[shard].append((self.keys.stream(lease.job_id), tokens))
+            self._to_shards.append(shard, lease.job_id, lease.token, len(job.unpublished), entry,
+                                   tokens)
 
     def finish(self, job: RunningJob, end: JobEnd, now: float | None = None) -> None:
         """The final entry, JobState and RQ status/result; refused if the lease is not ours, and
@@ -332,13 +292,13 @@ class StreamPublisher:
         args.append("1" if shard is None else "0")
         for name, value in rq_result.serialize().items():
             args += [name, value]
-        marker = None if shard is None else _EndMarker(
+        marker = None if shard is None else EndMarker(
             shard, lease.job_id, lease.token,
             job.failure_ttl if end.status == JobStatus.FAILED else job.result_ttl,
             end.finish_reason.value, job.num_prompt_tokens, job.num_tokens, end.error,
             job.num_cached_tokens)
         # The finish script notifies the final entry it writes (`f`); a shard's comes with its END.
-        self._calls.append(_ScriptCall("finish", lease.job_id, "finish", keys, args, marker))
+        self._calls.append(ScriptCall("finish", lease.job_id, "finish", keys, args, marker))
         self._counters["prompt_tokens_total"] += job.num_prompt_tokens
         # vLLM's prefix cache counters count tokens: the prompt's, and those found cached.
         self._counters["prefix_cache_queries_total"] += job.num_prompt_tokens
@@ -361,7 +321,7 @@ class StreamPublisher:
         args: list[EncodableT] = [lease.token, lease.job_id, lease.composite, lease.execution_id,
                                   job.num_prompt_tokens, 1 if count_as_preemption else 0,
                                   job.num_tokens]
-        self._calls.append(_ScriptCall("requeue", lease.job_id, "requeue", keys, args))
+        self._calls.append(ScriptCall("requeue", lease.job_id, "requeue", keys, args))
         self._counters["jobs_preempted_total"] += 1
 
     def _append_unpublished(self, job: RunningJob) -> None:
@@ -378,7 +338,7 @@ class StreamPublisher:
     def has_job_changes(self) -> bool:
         """Whether a job's status changes in the next flush (a finish, requeue or recovery is
         queued, or a final entry is owed to a shard): such a flush is not put off."""
-        return bool(self._calls or self._pending_ends)
+        return bool(self._calls or self._to_shards.pending_ends)
 
     # For the batch.
     def stats(self, stats: WorkerStats, ttl_seconds: float) -> None:
@@ -409,7 +369,7 @@ class StreamPublisher:
         self._worker_state = state
 
     def recover(self, max_jobs: int = 100) -> None:
-        self._calls.append(_ScriptCall("recover", "", "recover",
+        self._calls.append(ScriptCall("recover", "", "recover",
                                        [self.keys.leases(), self.keys.stream_steps()],
                                        [max_jobs, *self._recover_templates]))
 
@@ -461,7 +421,8 @@ class StreamPublisher:
         so a job's tokens are in its stream before the main Redis records its end.
         """
         report = PublishReport()
-        self._flush_shards(report)
+        report.refused |= self._to_shards.flush(list(self._live.values()),
+                                                list(self._carried.values()), self._renews())
         calls = self._calls
         started = time.monotonic()
         renew = self._renews()
@@ -490,13 +451,13 @@ class StreamPublisher:
                 flag_only.append(job.job_id)
         notified = list(self._notified)
         for job in live:
-            tokens = _token_args(job.unpublished[job.num_notified:])
+            tokens = token_args(job.unpublished[job.num_notified:])
             if tokens:
                 notified.append((self.keys.stream(job.job_id), tokens))
         oldest_complete_ms = min((job.stream_complete_ms for job in live), default=0)
         if append_ids or live:
             # Appends first: a job's last tokens precede its finish in the same transaction.
-            calls = [_ScriptCall("append", "", "append",
+            calls = [ScriptCall("append", "", "append",
                                  [self.keys.leases(), self.keys.canceled(),
                                   self.keys.live_fence(self.worker_name), *append_keys,
                                   self.keys.stream_steps(),
@@ -535,7 +496,7 @@ class StreamPublisher:
         # Reset only once the scripts have run too: if Redis drops while they are reloaded, the
         # next flush resends the whole iteration (its appends are idempotent; its finishes and
         # requeues are refused if they ran; only metric counters may count twice).
-        replies = self._retry_missing_scripts(self.redis, calls, replies)
+        replies = retry_missing_scripts(self.scripts, self.redis, calls, replies)
         if renew and append_ids:
             self._renewed_at = started
         carried = list(self._carried.values())
@@ -565,119 +526,9 @@ class StreamPublisher:
                 log.error("cancel check failed: %s", flags)
             else:
                 report.canceled.update(job_id for job_id, flag in zip(flag_only, flags) if flag)
-        if self._pending_ends:
-            self._send_ends()
+        if self._to_shards.pending_ends:
+            self._to_shards.send_ends()
         return report
-
-    def _flush_shards(self, report: PublishReport) -> None:
-        """Each shard's appends and live tokens (and final entries still owed to it) as one
-        MULTI/EXEC; raises on a shard that cannot be reached, keeping everything queued for the
-        retry."""
-        ends_by_shard: dict[int, list[_EndMarker]] = defaultdict(list)
-        for marker in self._pending_ends:
-            ends_by_shard[marker.shard].append(marker)
-        live_by_shard: dict[int, list[RunningJob]] = defaultdict(list)
-        for job in self._live.values():
-            shard_of_job = self.shards.remote(job.lease)
-            if shard_of_job is not None:
-                live_by_shard[shard_of_job].append(job)
-        carried_by_shard: dict[int, list[RunningJob]] = defaultdict(list)
-        for job in self._carried.values():
-            shard_of_job = self.shards.remote(job.lease)
-            if shard_of_job is not None:
-                carried_by_shard[shard_of_job].append(job)
-        started = time.monotonic()
-        sent_ends: list[_EndMarker] = []
-        for shard in sorted(set(self._shard_ids) | set(live_by_shard) | set(ends_by_shard)):
-            calls: list[_ScriptCall] = []
-            live = live_by_shard[shard]
-            if self._shard_ids.get(shard) or live:
-                calls.append(self._shard_append_call(shard, live))
-            calls += [self._end_call(marker) for marker in ends_by_shard[shard]]
-            client = self.shards.clients[shard]
-            pipe = client.pipeline(transaction=True)
-            for call in calls:
-                self.scripts.call(pipe, call.name, call.keys, call.args)
-            notify_steps(pipe, self.keys, [marker.job_id for marker in ends_by_shard[shard]])
-            replies = self._retry_missing_scripts(client, calls, pipe.execute(raise_on_error=False))
-            for call, reply in zip(calls, replies):
-                if call.kind == "append":
-                    self._read_shard_appends(self._shard_ids[shard], live,
-                                             carried_by_shard[shard], started, reply, report)
-                elif reply != 1:
-                    log.warning("job %s: final entry refused by its stream shard (%s)",
-                                call.job_id, reply)
-            sent_ends += ends_by_shard[shard]
-        self._pending_ends = [m for m in self._pending_ends if m not in sent_ends]
-
-    def _shard_append_call(self, shard: int, live: list[RunningJob]) -> _ScriptCall:
-        """The shard's append script for this flush: the jobs written to their streams there,
-        and the live jobs whose tokens only go into its notification (and this worker's live
-        journal there), as the main append takes them."""
-        notified = list(self._shard_notified[shard])
-        for job in live:
-            tokens = _token_args(job.unpublished[job.num_notified:])
-            if tokens:
-                notified.append((self.keys.stream(job.job_id), tokens))
-        oldest_complete_ms = min((job.stream_complete_ms for job in live), default=0)
-        return _ScriptCall("append", "", "shard_append",
-                           [*self._shard_keys[shard], self.keys.stream_steps(),
-                            self.keys.live_fence(self.worker_name),
-                            self.keys.live_journal(self.worker_name)],
-                           [encode_tokens(notified), self.lease_ms, int(self._renews()),
-                            len(live), oldest_complete_ms, self._live_epoch,
-                            *self._shard_args[shard]])
-
-    def _end_call(self, marker: _EndMarker) -> _ScriptCall:
-        return _ScriptCall("end", marker.job_id, "shard_end",
-                           [self.keys.stream_fence(marker.job_id), self.keys.stream(marker.job_id)],
-                           [marker.token, marker.ttl_s, marker.finish_reason,
-                            marker.prompt_tokens, marker.completion_tokens, marker.error,
-                            marker.cached_tokens])
-
-    def _send_ends(self) -> None:
-        """The final entries of sharded jobs that just ended; a shard out of reach gets them
-        with the next flush (meanwhile readers see the end in the job's state)."""
-        try:
-            self._flush_shards(PublishReport())  # nothing else is queued: only the ends go
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            log.warning("stream shard unreachable, %d final entries kept for the next flush: %s",
-                        len(self._pending_ends), exc)
-
-    def _read_shard_appends(self, job_ids: list[str], live: list[RunningJob],
-                            carried: list[RunningJob], started: float, reply: object,
-                            report: PublishReport) -> None:
-        """A shard append's reply: `job_ids` were written to their streams there (`carried`,
-        the same jobs), `live` only notified. As `_read_appends`, with the shard's clock for
-        when their streams were complete (the script's window check is by that clock)."""
-        if isinstance(reply, ResponseError):
-            log.error("shard append script failed: %s", reply)
-            report.refused.update(job_ids)
-            self._read_live(live, 2, 0)
-            return
-        results, notified, now_ms, live_result = cast("list[Any]", reply)
-        for job_id, result in zip(job_ids, results):
-            if result != 1:
-                report.refused.add(job_id)
-                if result == -1:
-                    log.error("job %s: its tokens refused by the stream shard (not as a "
-                              "duplicate): dropped", job_id)
-        written = {job_id for job_id, result in zip(job_ids, results) if result == 1}
-        for job in carried:
-            if job.job_id in written:
-                job.stream_complete_ms, job.stream_complete_at = int(now_ms), started
-        self._read_live(live, live_result, notified)
-
-    def _read_live(self, live: list[RunningJob], live_result: int, notified: int) -> None:
-        """What the live jobs' tokens became: notified (counted), or refused by the live fence
-        or window (their streams next)."""
-        for job in live:
-            if live_result == 1 and notified:
-                job.num_notified = len(job.unpublished)
-            elif live_result == 2:
-                # The live fence is gone (a lease or stream of this worker was taken) or the
-                # window passed: its stream next, where its own fence decides.
-                job.stream_complete_at = -math.inf
 
     def _read_appends(self, job_ids: list[str], live: list[RunningJob],
                       carried: list[RunningJob], started: float, reply: object,
@@ -697,10 +548,11 @@ class StreamPublisher:
         for job in carried:
             job.unpublished.clear()  # in their streams now (or refused: the job leaves)
             job.num_notified = 0
-            # A sharded job's stream_complete is its shard's (_read_shard_appends).
+            # A sharded job's stream_complete is its shard's (ShardPublisher).
             if result_of.get(job.job_id) == 1 and self.shards.remote(job.lease) is None:
                 job.stream_complete_ms, job.stream_complete_at = int(now_ms), started
-        self._read_live(live, live_result, notified)
+        for job in live:
+            job.record_live(live_result, bool(notified))
         live_canceled = {raw.decode() if isinstance(raw, bytes) else str(raw)
                          for raw in canceled_ids}
         report.canceled.update(job.job_id for job in live if job.job_id in live_canceled)
@@ -731,22 +583,7 @@ class StreamPublisher:
         self._dropped_jobs = True
         self._reset()
 
-    def _retry_missing_scripts(self, client: Redis, calls: list[_ScriptCall],
-                               replies: list[Any]) -> list[Any]:
-        """After a Redis restart or SCRIPT FLUSH no script ran: load them and rerun just those."""
-        missing = [i for i, reply in enumerate(replies[:len(calls)])
-                   if isinstance(reply, NoScriptError)]
-        if not missing:
-            return replies
-        self.scripts.load(client)
-        pipe = client.pipeline(transaction=True)
-        for i in missing:
-            self.scripts.call(pipe, calls[i].name, calls[i].keys, calls[i].args)
-        for i, reply in zip(missing, pipe.execute(raise_on_error=False)):
-            replies[i] = reply
-        return replies
-
-    def _read(self, call: _ScriptCall, reply: object, report: PublishReport) -> None:
+    def _read(self, call: ScriptCall, reply: object, report: PublishReport) -> None:
         if isinstance(reply, ResponseError):
             # A script error is a bug (ours), not a refusal: say so loudly, treat as refused so
             # the job leaves this worker and recovery hands it on.
@@ -763,7 +600,8 @@ class StreamPublisher:
                     # The cancel guard may have turned a finish into a cancel.
                     reason = (FinishReason.CANCELED.value if status == JobStatus.CANCELED
                               else call.end.finish_reason)
-                    self._pending_ends.append(dataclasses.replace(call.end, finish_reason=reason))
+                    self._to_shards.pending_ends.append(
+                        dataclasses.replace(call.end, finish_reason=reason))
         elif call.kind == "requeue":
             if reply == 1:
                 report.requeued.add(call.job_id)
