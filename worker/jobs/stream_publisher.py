@@ -29,9 +29,7 @@ from typing import Any, cast
 
 from redis import Redis
 from redis.client import Pipeline
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT
 from rq.results import Result
 from rq.serializers import JSONSerializer
@@ -570,11 +568,6 @@ class StreamPublisher:
         and fence go (best effort: otherwise they expire)."""
         if not self._live_epoch or self._dropped_jobs:
             return  # jobs dropped without Redis: recovery needs the journal
-        try:
-            self.redis.delete(self.keys.live_journal(self.worker_name),
-                              self.keys.live_fence(self.worker_name))
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            log.warning("could not delete the live journal: %s", exc)
         self.shards.forget_live(self.worker_name)
 
     def discard(self) -> None:

@@ -70,15 +70,14 @@ class StreamShards:
                 self.scripts.load(client)
 
     def forget_live(self, worker_name: str) -> None:
-        """A worker stopping with no job left: its live journal and fence on every shard go
-        (best effort: otherwise they expire)."""
-        for index, client in enumerate(self.clients):
-            if client is self.main:
-                continue
+        """A worker stopping with no job left: its live journal and fence go, on the main Redis
+        and on every shard (best effort: otherwise they expire)."""
+        remote = [client for client in self.clients if client is not self.main]
+        for client in [self.main, *remote]:
             try:
                 client.delete(self.keys.live_journal(worker_name), self.keys.live_fence(worker_name))
             except (RedisConnectionError, RedisTimeoutError) as exc:
-                log.warning("could not delete the live journal on stream shard %d: %s", index, exc)
+                log.warning("could not delete the live journal: %s", exc)
 
     def call(self, index: int, name: str, keys: list[str], args: list[EncodableT]) -> Any:
         client = self.clients[index]
