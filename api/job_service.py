@@ -40,6 +40,7 @@ from protocol.job_submission import (
     DEFAULT_RESULT_TTL,
     DuplicateSubmission,
     Idempotency,
+    SubmissionRefused,
     cancel_job,
     submit_jobs,
 )
@@ -130,7 +131,7 @@ class JobService:
         self._keys = keys
         self._models = models
         self._tokenizers = tokenizers
-        self._admission = QueueAdmission(aio, keys, max_queue_depth, retry_after_s,
+        self._admission = QueueAdmission(keys, max_queue_depth, retry_after_s,
                                          max_background_depth=max_batch_queue_depth)
         self._idempotency_ttl_s = idempotency_ttl_s
         self._result_ttl_s = result_ttl_s
@@ -202,24 +203,28 @@ class JobService:
                 f"{len(checked)} job(s)), more than this API key may submit in a minute "
                 f"({policy.tokens_per_minute}, tokens_per_minute_per_key); lower "
                 f"{first.max_tokens_param} or the prompt", param=first.max_tokens_param)
-        async with self._admission.admit(card.name, len(checked), first.owner, policy,
-                                         tokens, first.priority) as admissions:
-            created_at = time.time()
-            accepted = [AcceptedJob(JobSpec(
-                job_id=new_job_id(), model=card.name, prompt=request.prompt,
-                messages=request.messages, prompt_token_ids=request.prompt_token_ids,
-                sampling=sampling, priority=request.priority, owner=request.owner,
-                created_at=created_at,
-                queue_deadline_at=_after(created_at, request.queue_timeout_s),
-                deadline_at=_after(created_at, request.deadline_s),
-                webhook_url=request.webhook_url or ""), prompt_tokens, prompt_text)
-                for request, sampling, prompt_tokens, prompt_text in checked]
-            # RQ is sync: run it in a worker thread rather than block the event loop.
+        admission = self._admission.admission(card.name, len(checked), first.owner, policy,
+                                              tokens, first.priority)
+        created_at = time.time()
+        accepted = [AcceptedJob(JobSpec(
+            job_id=new_job_id(), model=card.name, prompt=request.prompt,
+            messages=request.messages, prompt_token_ids=request.prompt_token_ids,
+            sampling=sampling, priority=request.priority, owner=request.owner,
+            created_at=created_at,
+            queue_deadline_at=_after(created_at, request.queue_timeout_s),
+            deadline_at=_after(created_at, request.deadline_s),
+            webhook_url=request.webhook_url or ""), prompt_tokens, prompt_text)
+            for request, sampling, prompt_tokens, prompt_text in checked]
+        try:
+            # RQ is sync: run it in a worker thread rather than block the event loop. One
+            # script checks the limits and enqueues (api/queue_admission.py).
             await anyio.to_thread.run_sync(partial(
                 submit_jobs, self._sync, [job.spec for job in accepted], self._keys,
-                admission=admissions, idempotency=idempotency,
+                check=admission.check, idempotency=idempotency,
                 result_ttl=first.retention_s or self._result_ttl_s,
                 failure_ttl=first.retention_s or self._failure_ttl_s))
+        except SubmissionRefused as refused:
+            raise admission.refusal(refused.verdict) from None
         return accepted
 
     async def _replay(self, recorded: str,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from redis import Redis
-from redis.exceptions import WatchError
+from redis.commands.core import Script
 from redis.typing import EncodableT, FieldT
 from rq import Queue
 from rq.job import Job
@@ -59,18 +59,6 @@ class DuplicateSubmission(Exception):
 # read 16 live states a submission, about 6 % of a 50-token job's Redis CPU.
 TRIM_OLDEST = 16
 
-# KEYS: the owner's index. ARGV: prefix and suffix of a JobState key around the job id, how many
-# of the oldest entries to check, the created_at before which they may have expired. Returns
-# how many it dropped.
-_TRIM_INDEX_LUA = """
-local gone = {}
-for _, job_id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[4], 'LIMIT', 0,
-                                   tonumber(ARGV[3]))) do
-  if redis.call('EXISTS', ARGV[1] .. job_id .. ARGV[2]) == 0 then gone[#gone + 1] = job_id end
-end
-if #gone > 0 then redis.call('ZREM', KEYS[1], unpack(gone)) end
-return #gone
-"""
 
 
 def queue_for(redis: Redis, model: str, priority: Priority, keys: Keys = Keys()) -> Queue:
@@ -87,13 +75,13 @@ def submit_job(
     result_ttl: int = DEFAULT_RESULT_TTL,
     failure_ttl: int = DEFAULT_FAILURE_TTL,
     timeout: int = DEFAULT_JOB_TIMEOUT,
-    admission: str | list[str] | None = None,
+    check: SubmissionCheck | None = None,
     idempotency: Idempotency | None = None,
 ) -> Job:
     """Enqueue `spec` as an RQ job on its model's queue of its priority and record its JobState
     (queued).
 
-    One MULTI/EXEC writes the RQ job hash, the queue entry and its wake-up (`Keys.wakeups`),
+    One Lua script writes the RQ job hash, the queue entry and its wake-up (`Keys.wakeups`),
     the JobState hash and the owner's index (`Keys.jobs_by_owner`: a sorted set
     job_id -> created_at; owner "" when the API runs open).
     `spec.job_id` becomes the RQ job id; it must be new (letters, digits, '_' and '-'), since an
@@ -103,7 +91,7 @@ def submit_job(
     Read it back with `Job.fetch(job_id, redis, serializer=JSONSerializer)` or `JobReader`.
     """
     (job,) = submit_jobs(redis, [spec], keys, result_ttl=result_ttl, failure_ttl=failure_ttl,
-                         timeout=timeout, admission=admission, idempotency=idempotency)
+                         timeout=timeout, check=check, idempotency=idempotency)
     return job
 
 
@@ -115,44 +103,25 @@ def submit_jobs(
     result_ttl: int = DEFAULT_RESULT_TTL,
     failure_ttl: int = DEFAULT_FAILURE_TTL,
     timeout: int = DEFAULT_JOB_TIMEOUT,
-    admission: str | list[str] | None = None,
+    check: SubmissionCheck | None = None,
     idempotency: Idempotency | None = None,
 ) -> list[Job]:
-    """`submit_job` for several specs in ONE MULTI/EXEC: all are queued, or none.
+    """`submit_job` for several specs in ONE Lua script: all are queued, or none.
 
-    `admission`: the reservations in `Keys.admissions` that admitted them (one per job, or one
-    for all); they end in the same transaction, so the jobs count toward the queue depth once, as
-    a reservation or queued.
-    `idempotency`: the transaction also records the first spec's job id under its key, and runs
-    only while that key is unset (WATCH): raises DuplicateSubmission, enqueueing nothing, when
-    it names a job already, however many submissions race."""
-    while True:
-        try:
-            return _submit_once(redis, specs, keys, result_ttl, failure_ttl, timeout, admission,
-                                idempotency)
-        except WatchError:
-            continue  # the key changed under us: the next round sees who set it
-
-
-def _submit_once(redis: Redis, specs: list[JobSpec], keys: Keys, result_ttl: int,
-                 failure_ttl: int, timeout: int, admission: str | list[str] | None,
-                 idempotency: Idempotency | None) -> list[Job]:
+    `check`: Lua run first in the same script (the API's queue depth and per-key limits:
+    api/queue_admission.py); when it refuses, nothing is written and SubmissionRefused carries
+    its verdict. Checked and written in one step, a burst over many API processes cannot
+    overshoot a limit, and the submission costs Redis one request.
+    `idempotency`: the script also records the first spec's job id under its key, and writes
+    only while that key is unset: raises DuplicateSubmission, enqueueing nothing, when it names a
+    job already, however many submissions race."""
     jobs = []
-    queues = {(spec.model, spec.priority): queue_for(redis, spec.model, spec.priority, keys)
-              for spec in specs}
+    # rq builds its own records (the job hash, the queue entry, the queues set) into a pipeline
+    # that is never executed: its commands are what the script runs, so `rq info` and
+    # rq-dashboard see exactly what rq's own enqueue writes.
     with redis.pipeline(transaction=True) as pipe:
-        if idempotency is not None:
-            pipe.watch(idempotency.key)  # type: ignore[no-untyped-call]  # redis-py: unannotated
-            existing = pipe.get(idempotency.key)
-            if existing is not None:
-                raise DuplicateSubmission(
-                    existing.decode() if isinstance(existing, bytes) else str(existing))
-            pipe.multi()
-            # Every job id of the submission (a request's n choices), comma-separated.
-            pipe.set(idempotency.key, ",".join(spec.job_id for spec in specs),
-                     ex=idempotency.ttl_s)
         for spec in specs:
-            queue = queues[spec.model, spec.priority]
+            queue = queue_for(redis, spec.model, spec.priority, keys)
             state = JobState(job_id=spec.job_id, status=JobStatus.QUEUED, owner=spec.owner,
                              model=spec.model, created_at=spec.created_at,
                              queue_deadline_at=spec.queue_deadline_at,
@@ -181,18 +150,114 @@ def _submit_once(redis: Redis, specs: list[JobSpec], keys: Keys, result_ttl: int
                       mapping=cast("Mapping[FieldT, EncodableT]", state.to_fields()))
             # Every owner, "" (an open API) too: GET /v1/jobs lists from it.
             pipe.zadd(keys.jobs_by_owner(spec.owner), {spec.job_id: spec.created_at})
-        state_template = KeyTemplate.of(keys.state("\x00"))
-        expired_before = time.time() - min(result_ttl, failure_ttl)
-        for owner in sorted({spec.owner for spec in specs}):
-            # The jobs whose retention ended leave their owner's index with them.
-            pipe.eval(_TRIM_INDEX_LUA, 1, keys.jobs_by_owner(owner), state_template.prefix,
-                      state_template.suffix, TRIM_OLDEST, repr(expired_before))
-        if admission:
-            admissions = [admission] if isinstance(admission, str) else admission
-            for model in {spec.model for spec in specs}:
-                pipe.zrem(keys.admissions(model), *admissions)
-        pipe.execute()
+        writes = [args for args, _ in pipe.command_stack]
+        pipe.reset()
+    state_template = KeyTemplate.of(keys.state("\x00"))
+    owners = sorted({spec.owner for spec in specs})
+    args: list[EncodableT] = [
+        len(check.args) if check else 0, *(check.args if check else ()),
+        idempotency.key if idempotency else "",
+        ",".join(spec.job_id for spec in specs),  # every job id of the submission (its n choices)
+        idempotency.ttl_s if idempotency else 0,
+        state_template.prefix, state_template.suffix, TRIM_OLDEST,
+        repr(time.time() - min(result_ttl, failure_ttl)), len(owners),
+        *(keys.jobs_by_owner(owner) for owner in owners),
+        len(writes), *(part for command in writes for part in (len(command), *command)),
+    ]
+    reply = _submit_script(redis, check.lua if check else "")(
+        keys=list(check.keys) if check else [], args=args, client=redis)
+    outcome = _text(reply[0])
+    if outcome == "duplicate":
+        raise DuplicateSubmission(_text(reply[1]))
+    if outcome == "refused":
+        raise SubmissionRefused([int(value) for value in reply[1]])
     return jobs
+
+
+@dataclass(frozen=True, slots=True)
+class SubmissionCheck:
+    """Lua that decides, in the submission's own script and before it writes anything, whether
+    the jobs get in. Its body runs as a function whose KEYS are `keys` and whose ARGV are `args`;
+    it returns a list of integers whose first is 1 to admit the jobs (then they are written), any
+    other to refuse them (then nothing is, and submit_jobs raises SubmissionRefused with it)."""
+
+    lua: str
+    keys: tuple[str, ...]
+    args: tuple[EncodableT, ...]
+
+
+class SubmissionRefused(Exception):
+    """The submission's check refused its jobs: nothing was enqueued. `verdict` is what the
+    check returned."""
+
+    def __init__(self, verdict: list[int]) -> None:
+        super().__init__(f"the submission's check refused it: {verdict}")
+        self.verdict = verdict
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+# The submission: the idempotency key, the check, then the writes, one atomic step.
+# KEYS: the check's. ARGV: the number of the check's arguments, the check's arguments, then the
+#       idempotency key ('' for none), what it records (the job ids), its TTL in seconds; then the
+#       owner index trim: prefix and suffix of a JobState key around a job id, how many of the
+#       oldest entries to check, the created_at before which they may have expired, the number
+#       of owner indexes and their keys; then the number of writes and, per write, its number of
+#       words and the words (a Redis command as rq and submit_jobs built it).
+# Returns {'queued'}, {'duplicate', the job ids the key names} or {'refused', the check's verdict}.
+# The writes and the trim name keys that are not declared (rq's, the JobState's): fine on a
+# standalone Redis, as the worker's scripts (worker/jobs/job_scripts.py).
+_SUBMIT_LUA = """
+local num_check_args = tonumber(ARGV[1])
+local at = 2 + num_check_args
+local idempotency_key = ARGV[at]
+if idempotency_key ~= '' then
+  local recorded = redis.call('GET', idempotency_key)
+  if recorded then return {'duplicate', recorded} end
+end
+if check then
+  local verdict = check(KEYS, {unpack(ARGV, 2, 1 + num_check_args)})
+  if tonumber(verdict[1]) ~= 1 then return {'refused', verdict} end
+end
+local writes_at = at + 8 + tonumber(ARGV[at + 7])
+local i = writes_at + 1
+for _ = 1, tonumber(ARGV[writes_at]) do
+  local n = tonumber(ARGV[i])
+  redis.call(unpack(ARGV, i + 1, i + n))
+  i = i + n + 1
+end
+if idempotency_key ~= '' then
+  redis.call('SET', idempotency_key, ARGV[at + 1], 'EX', tonumber(ARGV[at + 2]))
+end
+-- The jobs whose retention ended leave their owner's index with them: only those created before
+-- ARGV[at + 6] can have (a state's TTL starts at its job's end).
+for o = 1, tonumber(ARGV[at + 7]) do
+  local index = ARGV[at + 7 + o]
+  local gone = {}
+  for _, job_id in ipairs(redis.call('ZRANGEBYSCORE', index, '-inf', '(' .. ARGV[at + 6],
+                                     'LIMIT', 0, tonumber(ARGV[at + 5]))) do
+    if redis.call('EXISTS', ARGV[at + 3] .. job_id .. ARGV[at + 4]) == 0 then
+      gone[#gone + 1] = job_id
+    end
+  end
+  if #gone > 0 then redis.call('ZREM', index, unpack(gone)) end
+end
+return {'queued'}
+"""
+
+# One registered script per check (a few at most: the API has one).
+_SCRIPTS: dict[str, Script] = {}
+
+
+def _submit_script(redis: Redis, check_lua: str) -> Script:
+    script = _SCRIPTS.get(check_lua)
+    if script is None:
+        prelude = (f"local function check(KEYS, ARGV)\n{check_lua}\nend\n" if check_lua
+                   else "local check = nil\n")
+        script = _SCRIPTS.setdefault(check_lua, redis.register_script(prelude + _SUBMIT_LUA))
+    return script
 
 
 # KEYS: canceled set, JobState hash, token stream, RQ job hash, fence counter, webhook events.

@@ -121,12 +121,6 @@ class Keys:
         """Sorted set job_id -> lease deadline (ms since epoch): where recovery looks for lapsed jobs."""
         return f"{self.prefix}:leases"
 
-    def admissions(self, model: str) -> str:
-        """Sorted set: reservation id -> expiry (ms, Redis clock) of each submission for `model`
-        admitted past its queue depth limit and not enqueued yet; it counts toward the depth
-        until then."""
-        return f"{self.prefix}:model:{model}:admissions"
-
     def canceled(self) -> str:
         """Set of job ids whose cancellation was requested; workers check their batch against it."""
         return f"{self.prefix}:canceled"

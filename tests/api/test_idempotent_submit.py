@@ -65,7 +65,6 @@ async def test_concurrent_posts_with_one_key_make_one_job(harness: Harness,
     assert len(job_ids) == 1
     assert _queued(harness) == list(job_ids)
     assert sum(r.headers.get("idempotent-replayed") == "true" for r in responses) == 19
-    assert harness.sync.zcard(harness.keys.admissions(MODEL)) == 0  # the losers gave theirs back
 
 
 async def test_the_key_is_scoped_to_the_api_key(keyed_harness: Harness) -> None:
