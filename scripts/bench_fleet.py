@@ -11,11 +11,18 @@ before and after a measurement window, on a private redis-server.
     python scripts/bench_fleet.py --reader hub --workers 2 --seats 32 --step-ms 20 --seconds 20
     python scripts/bench_fleet.py --reader hub --shards 1,2   # streams on 1, then 2 shards
     python scripts/bench_fleet.py --reader hub --stream-interval-ms 0,200   # publish each step, then 200 ms
+    python scripts/bench_fleet.py --reader hub --seats 128 --redis-cpu-share 0.04  # Redis saturated
 
 With `--shards N` the token streams live on N private redis-servers of their own (stream
 shards, CARPOOL_STREAM_REDIS_URLS) and the queue on another; each server's CPU is read apart.
 One busy Redis core is the limit of each server, so the fleet's ceiling is the generated tokens/s
 at which the busiest server would reach one core: tokens/s / (its CPU seconds per second).
+
+With `--redis-cpu-share S` every redis-server runs capped at S of one core (a cgroup of its own,
+CFS bandwidth: 1 ms of CPU per 1/S ms), so that the fleet, offering more than that, keeps Redis
+saturated: the ceiling is then measured where it is reached, not extrapolated from a Redis that
+sleeps between requests (on VMs each wake-up from idle costs it more than the commands do). It
+needs a writable cgroup cpu controller (v1 or v2), as root in a container.
 
 Reported: us of Redis CPU per generated token (the workers' own count), per
 token delivered (every subscriber), the generated tokens/s one Redis core would carry at that
@@ -63,6 +70,44 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+class CpuCap:
+    """One process held to `share` of a core by a cgroup of its own (CFS bandwidth control)."""
+
+    _V1 = Path("/sys/fs/cgroup/cpu")
+    _V2 = Path("/sys/fs/cgroup")
+
+    def __init__(self, pid: int, share: float) -> None:
+        if not 0.001 <= share <= 1:
+            sys.exit(f"--redis-cpu-share must be in [0.001, 1], got {share}")
+        quota_us = 1000  # the least quota the kernel takes
+        period_us = round(quota_us / share)
+        if (self._V1 / "cpu.cfs_quota_us").exists():
+            self.path = self._V1 / f"carpool-bench-{pid}"
+            files = {"cpu.cfs_period_us": str(period_us), "cpu.cfs_quota_us": str(quota_us)}
+        elif "cpu" in (self._V2 / "cgroup.controllers").read_text(errors="ignore").split():
+            self.path = self._V2 / f"carpool-bench-{pid}"
+            files = {"cpu.max": f"{quota_us} {period_us}"}
+        else:
+            sys.exit("--redis-cpu-share needs the cgroup cpu controller (/sys/fs/cgroup)")
+        try:
+            self.path.mkdir(exist_ok=True)
+            for name, value in files.items():
+                (self.path / name).write_text(value)
+            (self.path / "cgroup.procs").write_text(str(pid))
+        except OSError as exc:
+            sys.exit(f"--redis-cpu-share: cannot set up the cgroup {self.path} ({exc}); it needs "
+                     f"write access to the cgroup cpu controller (root)")
+
+    def remove(self) -> None:
+        """Delete the cgroup (its process has exited)."""
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.1)
 
 
 def _start_redis() -> tuple[subprocess.Popen[bytes], str]:
@@ -269,6 +314,8 @@ async def _measure(base_url: str, servers: dict[str, Redis],
         "redis_cpu_us_per_generated_token_by_server": {
             name: round(cpu * 1e6 / max(generated, 1), 2) for name, cpu in cpu_by_server.items()},
         "busiest_server": busiest,
+        # Of one core; with --redis-cpu-share, at that share the server was saturated.
+        "busiest_server_cpu_share": round(busiest_share, 4),
         "ceiling_generated_tokens_per_s": (round(generated / window / busiest_share)
                                            if busiest_share else None),
         "redis_cpu_us_per_generated_token": round(per_token, 2),
@@ -313,6 +360,9 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=20.0, help="measurement window")
     parser.add_argument("--by-script", action="store_true",
                         help="split Redis' time per token by Lua script (SLOWLOG every command)")
+    parser.add_argument("--redis-cpu-share", type=float, default=0.0,
+                        help="cap every redis-server at this share of one core (e.g. 0.04), so "
+                             "the fleet saturates it and the ceiling is measured there")
     parser.add_argument("--shards", default="0",
                         help="stream shards, a comma-separated list of counts run one after the "
                              "other (0: the streams on the queue's Redis, as by default)")
@@ -324,9 +374,12 @@ def main() -> int:
     durables = [float(ms) for ms in args.durable_interval_ms.split(",")]
 
     servers = [_start_redis() for _ in range(1 + max(shard_counts))]
+    caps: list[CpuCap] = []
     url = servers[0][1]
     results = {}
     try:
+        if args.redis_cpu_share:
+            caps = [CpuCap(process.pid, args.redis_cpu_share) for process, _ in servers]
         for num_shards in shard_counts:
             shard_urls = [shard_url for _, shard_url in servers[1:1 + num_shards]]
             clients = {"main": Redis.from_url(url),
@@ -356,20 +409,24 @@ def main() -> int:
         for process, _ in servers:
             process.terminate()
             process.wait(timeout=10)
+        for cap in caps:
+            cap.remove()
     config = {k: getattr(args, k) for k in ("hub_interval_ms", "stream_interval_ms",
                                              "durable_interval_ms",
                                              "workers", "seats", "step_ms", "tokens", "concurrency",
-                                            "subscribers", "seconds", "shards")}
+                                            "subscribers", "seconds", "shards",
+                                            "redis_cpu_share")}
     print(json.dumps({"config": config}))
     print(f"{'run':<36}{'tok/s':>9}{'us/gen tok':>12}{'us/deliv tok':>14}{'tok/s/core':>12}"
-          f"{'ceiling tok/s':>15}{'trips/s':>9}{'trips/1k tok':>14}")
+          f"{'ceiling tok/s':>15}{'trips/s':>9}{'trips/1k tok':>14}{'busiest share':>15}")
     for label, r in results.items():
         print(f"{label:<36}{r['generated_tokens_per_s']:>9}"
               f"{r['redis_cpu_us_per_generated_token']:>12}"
               f"{r['redis_cpu_us_per_delivered_token']:>14}"
               f"{r['generated_tokens_per_s_per_redis_core']!s:>12}"
               f"{r['ceiling_generated_tokens_per_s']!s:>15}{r['round_trips_per_s']:>9}"
-              f"{r['round_trips_per_1000_generated_tokens']:>14}")
+              f"{r['round_trips_per_1000_generated_tokens']:>14}"
+              f"{r['busiest_server_cpu_share']:>15}")
     return 0
 
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import fakeredis
+import pytest
 from rq import Queue
 from rq.job import Job
 from rq.job import JobStatus as RQJobStatus
@@ -17,8 +18,14 @@ from protocol import (
     cancel_job,
     stream_ids,
     submit_job,
+    submit_jobs,
 )
-from protocol.job_submission import DEFAULT_FAILURE_TTL, DEFAULT_RESULT_TTL
+from protocol.job_submission import (
+    DEFAULT_FAILURE_TTL,
+    DEFAULT_RESULT_TTL,
+    SubmissionCheck,
+    SubmissionRefused,
+)
 from protocol.keys import RQ_JOB_FUNCTION
 from protocol.rq_keys import RQKeys
 from tests.protocol.conftest import make_spec
@@ -138,8 +145,6 @@ def test_cancel_an_unknown_job_returns_none(fake_redis: fakeredis.FakeRedis) -> 
 
 
 def test_submit_jobs_queues_many_in_one_transaction(fake_redis: fakeredis.FakeRedis) -> None:
-    from protocol import submit_jobs
-
     specs = [make_spec(f"job-{i}", Priority.LOW if i % 2 else Priority.NORMAL) for i in range(4)]
     jobs = submit_jobs(fake_redis, specs)
     assert [job.id for job in jobs] == ["job-0", "job-1", "job-2", "job-3"]
@@ -156,3 +161,37 @@ def test_queue_names_are_per_model_and_invertible() -> None:
             assert KEYS.model_of_queue(name) == model
     assert KEYS.model_of_queue("default") is None
     assert KEYS.model_of_queue("carpool--high") is None
+
+
+def test_submit_writes_what_rqs_own_enqueue_writes(fake_redis: fakeredis.FakeRedis) -> None:
+    # The submission script runs the commands rq built: the job hash is rq's, field for field.
+    spec = make_spec("job-rq")
+    submit_job(fake_redis, spec)
+    plain = fakeredis.FakeRedis()
+    Queue("carpool-tiny-normal", connection=plain, serializer=JSONSerializer).enqueue_call(
+        RQ_JOB_FUNCTION, args=[spec.to_dict()], job_id="job-rq", result_ttl=DEFAULT_RESULT_TTL,
+        failure_ttl=DEFAULT_FAILURE_TTL, timeout=600,
+        description=f"generate {spec.sampling.max_tokens} tokens with tiny")
+    ours, rqs = fake_redis.hgetall(RQKeys.job("job-rq")), plain.hgetall(RQKeys.job("job-rq"))
+    clock_fields = {b"created_at", b"enqueued_at", b"last_heartbeat"}
+    assert ours.keys() == rqs.keys()
+    assert {k: v for k, v in ours.items() if k not in clock_fields} == {
+        k: v for k, v in rqs.items() if k not in clock_fields}
+    assert fake_redis.lrange(RQKeys.queue("carpool-tiny-normal"), 0, -1) == [b"job-rq"]
+
+
+def test_a_refused_check_writes_nothing_and_sees_only_its_own_keys_and_args(
+        fake_redis: fakeredis.FakeRedis) -> None:
+    # The check's KEYS and ARGV are its own (the submission's arguments follow them in the
+    # script's ARGV); its verdict comes back whole.
+    echo = SubmissionCheck("return {7, #KEYS, #ARGV, tonumber(ARGV[2])}",
+                           keys=("k1", "k2"), args=("a", 41, "c"))
+    with pytest.raises(SubmissionRefused) as refused:
+        submit_jobs(fake_redis, [make_spec("job-x")], check=echo)
+    assert refused.value.verdict == [7, 2, 3, 41]
+    assert fake_redis.keys() == []
+    admit = SubmissionCheck("redis.call('SET', KEYS[1], ARGV[1]) return {1}", keys=("seen",),
+                            args=("yes",))
+    submit_jobs(fake_redis, [make_spec("job-y")], check=admit)
+    assert fake_redis.get("seen") == b"yes"
+    assert Queue("carpool-tiny-normal", connection=fake_redis).job_ids == ["job-y"]
