@@ -13,9 +13,6 @@ from protocol import Keys, Priority
 from protocol.job_submission import SubmissionCheck
 from protocol.rq_keys import RQKeys
 
-# The tokens-per-minute window.
-MINUTE_MS = 60_000
-
 # The check submit_jobs runs in its own script before it writes the jobs (protocol.SubmissionCheck).
 # KEYS: the fair-share weights, the owner's token log, then the P RQ queues counted (the
 #       background tier alone, or all the others), then the owner's P lists of those queues
@@ -47,6 +44,7 @@ if tpm > 0 then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local asked = tonumber(ARGV[6])
+  -- The tokens-per-minute window: the last 60,000 ms.
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - 60000)
   local log = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
   local used = 0

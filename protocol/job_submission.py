@@ -60,7 +60,6 @@ class DuplicateSubmission(Exception):
 TRIM_OLDEST = 16
 
 
-
 def queue_for(redis: Redis, model: str, priority: Priority, keys: Keys = Keys()) -> Queue:
     """The RQ queue that holds `model`'s jobs of `priority` (JSON serializer, like every Carpool
     queue)."""
@@ -116,12 +115,14 @@ def submit_jobs(
     only while that key is unset: raises DuplicateSubmission, enqueueing nothing, when it names a
     job already, however many submissions race."""
     jobs = []
+    queues = {(spec.model, spec.priority): queue_for(redis, spec.model, spec.priority, keys)
+              for spec in specs}
     # rq builds its own records (the job hash, the queue entry, the queues set) into a pipeline
     # that is never executed: its commands are what the script runs, so `rq info` and
     # rq-dashboard see exactly what rq's own enqueue writes.
     with redis.pipeline(transaction=True) as pipe:
         for spec in specs:
-            queue = queue_for(redis, spec.model, spec.priority, keys)
+            queue = queues[spec.model, spec.priority]
             state = JobState(job_id=spec.job_id, status=JobStatus.QUEUED, owner=spec.owner,
                              model=spec.model, created_at=spec.created_at,
                              queue_deadline_at=spec.queue_deadline_at,
