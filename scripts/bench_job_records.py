@@ -30,6 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import rq  # noqa: E402
 from bench_fleet import _start_redis, redis_cpu_seconds  # noqa: E402
 from redis import Redis  # noqa: E402
 from redis.connection import AbstractConnection  # noqa: E402
@@ -200,8 +201,8 @@ def main() -> int:
         for round_number in range(1, args.rounds + 1):
             _print(f"round {round_number}: Carpool, {args.tokens}-token jobs, per job",
                    carpool_jobs(url, args))
-            _print(f"round {round_number}: rq {__import__('rq').__version__} (enqueue, "
-                   f"SimpleWorker), per job", rq_jobs(url, args))
+            _print(f"round {round_number}: rq {rq.__version__} (enqueue, SimpleWorker), per job",
+                   rq_jobs(url, args))
     finally:
         server.terminate()
         server.wait(timeout=10)
