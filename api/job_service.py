@@ -30,6 +30,7 @@ from api.model_registry import ModelRegistry
 from api.queue_admission import QueueAdmission
 from api.sampling_defaults import served_defaults, with_model_defaults
 from api.structured_output import StructuredOutputParams
+from api.submission_batcher import SubmissionBatcher
 from api.tokenizer_cache import TokenizerCache
 from api.webhook_urls import checked_webhook_url
 from protocol import JobSpec, JobState, JobStatus, Keys, ModelCard, Priority, SamplingParams
@@ -42,7 +43,7 @@ from protocol.job_submission import (
     Idempotency,
     SubmissionRefused,
     cancel_job,
-    submit_jobs,
+    prepare_submission,
 )
 from protocol.webhook_urls import WebhookAllowList
 
@@ -133,6 +134,7 @@ class JobService:
         self._tokenizers = tokenizers
         self._admission = QueueAdmission(keys, max_queue_depth, retry_after_s,
                                          max_background_depth=max_batch_queue_depth)
+        self._submissions = SubmissionBatcher(sync)
         self._idempotency_ttl_s = idempotency_ttl_s
         self._result_ttl_s = result_ttl_s
         self._failure_ttl_s = failure_ttl_s
@@ -216,10 +218,11 @@ class JobService:
             webhook_url=request.webhook_url or ""), prompt_tokens, prompt_text)
             for request, sampling, prompt_tokens, prompt_text in checked]
         try:
-            # RQ is sync: run it in a worker thread rather than block the event loop. One
-            # script checks the limits and enqueues (api/queue_admission.py).
-            await anyio.to_thread.run_sync(partial(
-                submit_jobs, self._sync, [job.spec for job in accepted], self._keys,
+            # One script checks the limits and enqueues (api/queue_admission.py); RQ is sync, so
+            # it is built and sent from a worker thread, with the submissions arriving beside it
+            # (api/submission_batcher.py).
+            await self._submissions.submit(partial(
+                prepare_submission, self._sync, [job.spec for job in accepted], self._keys,
                 check=admission.check, idempotency=idempotency,
                 result_ttl=first.retention_s or self._result_ttl_s,
                 failure_ttl=first.retention_s or self._failure_ttl_s))

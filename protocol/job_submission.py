@@ -11,10 +11,11 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from redis import Redis
 from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 from redis.typing import EncodableT, FieldT
 from rq import Queue
 from rq.job import Job
@@ -114,6 +115,36 @@ def submit_jobs(
     `idempotency`: the script also records the first spec's job id under its key, and writes
     only while that key is unset: raises DuplicateSubmission, enqueueing nothing, when it names a
     job already, however many submissions race."""
+    prepared = prepare_submission(redis, specs, keys, result_ttl=result_ttl,
+                                  failure_ttl=failure_ttl, timeout=timeout, check=check,
+                                  idempotency=idempotency)
+    reply = prepared.script(keys=prepared.keys, args=prepared.args, client=redis)
+    return submission_outcome(prepared, reply)
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedSubmission:
+    """A submission built and not sent yet: its script's call, and the rq jobs it writes."""
+
+    script: Script
+    keys: list[str]
+    args: list[EncodableT]
+    jobs: list[Job]
+
+
+def prepare_submission(
+    redis: Redis,
+    specs: list[JobSpec],
+    keys: Keys = Keys(),
+    *,
+    result_ttl: int = DEFAULT_RESULT_TTL,
+    failure_ttl: int = DEFAULT_FAILURE_TTL,
+    timeout: int = DEFAULT_JOB_TIMEOUT,
+    check: SubmissionCheck | None = None,
+    idempotency: Idempotency | None = None,
+) -> PreparedSubmission:
+    """`submit_jobs`' script call, built (rq's records included) but not sent: for
+    `send_submissions`, which sends several in one request. Reads nothing from Redis."""
     jobs = []
     queues = {(spec.model, spec.priority): queue_for(redis, spec.model, spec.priority, keys)
               for spec in specs}
@@ -165,14 +196,57 @@ def submit_jobs(
         *(keys.jobs_by_owner(owner) for owner in owners),
         len(writes), *(part for command in writes for part in (len(command), *command)),
     ]
-    reply = _submit_script(redis, check.lua if check else "")(
-        keys=list(check.keys) if check else [], args=args, client=redis)
+    return PreparedSubmission(_submit_script(redis, check.lua if check else ""),
+                              list(check.keys) if check else [], args, jobs)
+
+
+def submission_outcome(prepared: PreparedSubmission, reply: Any) -> list[Job]:
+    """The jobs a submission queued, from its script's reply; raises DuplicateSubmission or
+    SubmissionRefused when it queued none."""
     outcome = _text(reply[0])
     if outcome == "duplicate":
         raise DuplicateSubmission(_text(reply[1]))
     if outcome == "refused":
         raise SubmissionRefused([int(value) for value in reply[1]])
-    return jobs
+    return prepared.jobs
+
+
+def send_submissions(redis: Redis,
+                     prepared: list[PreparedSubmission]) -> list[list[Job] | Exception]:
+    """[redis-cost] Several submissions in one request: a pipeline, not a transaction (each
+    script is atomic on its own and none depends on another's outcome, so each is queued,
+    refused or a duplicate exactly as if sent alone, in this order). Per submission, its jobs or
+    the exception it ended in (DuplicateSubmission, SubmissionRefused, a script's error). A
+    connection error raises: none, some or all of them may have run (as for one submission
+    whose reply was lost). Scripts Redis no longer has (a restart, SCRIPT FLUSH) are loaded and
+    those submissions sent again."""
+    replies = _evalsha_all(redis, prepared)
+    missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+    if missing:
+        for script in {prepared[i].script.sha: prepared[i].script for i in missing}.values():
+            redis.script_load(script.script)
+        for i, reply in zip(missing, _evalsha_all(redis, [prepared[i] for i in missing])):
+            replies[i] = reply
+    outcomes: list[list[Job] | Exception] = []
+    for submission, reply in zip(prepared, replies):
+        if isinstance(reply, Exception):
+            outcomes.append(reply)
+            continue
+        try:
+            outcomes.append(submission_outcome(submission, reply))
+        except (DuplicateSubmission, SubmissionRefused) as exc:
+            outcomes.append(exc)
+    return outcomes
+
+
+def _evalsha_all(redis: Redis, prepared: list[PreparedSubmission]) -> list[Any]:
+    # Plain EVALSHA: redis-py's Script objects would add a SCRIPT EXISTS round trip to the
+    # pipeline (a missing script comes back as NoScriptError, handled by the caller).
+    pipe = redis.pipeline(transaction=False)
+    for submission in prepared:
+        pipe.evalsha(submission.script.sha, len(submission.keys), *submission.keys,
+                     *submission.args)
+    return pipe.execute(raise_on_error=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import fakeredis
 import pytest
+from redis.client import Pipeline
 from rq import Queue
 from rq.job import Job
 from rq.job import JobStatus as RQJobStatus
@@ -23,8 +24,12 @@ from protocol import (
 from protocol.job_submission import (
     DEFAULT_FAILURE_TTL,
     DEFAULT_RESULT_TTL,
+    DuplicateSubmission,
+    Idempotency,
     SubmissionCheck,
     SubmissionRefused,
+    prepare_submission,
+    send_submissions,
 )
 from protocol.keys import RQ_JOB_FUNCTION
 from protocol.rq_keys import RQKeys
@@ -195,3 +200,43 @@ def test_a_refused_check_writes_nothing_and_sees_only_its_own_keys_and_args(
     submit_jobs(fake_redis, [make_spec("job-y")], check=admit)
     assert fake_redis.get("seen") == b"yes"
     assert Queue("carpool-tiny-normal", connection=fake_redis).job_ids == ["job-y"]
+
+
+def test_submissions_sent_together_end_each_as_if_sent_alone(
+        fake_redis: fakeredis.FakeRedis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[redis-cost] send_submissions: several submissions in one request, each queued, refused
+    or a duplicate on its own, in order; a script Redis lost is loaded and its submissions sent
+    again."""
+    first = submit_jobs(fake_redis, [make_spec("job-0")],
+                        idempotency=Idempotency("carpool:idem:k", 60))
+    assert [job.id for job in first] == ["job-0"]
+    refuse = SubmissionCheck("return {0, 5}", keys=(), args=())
+    prepared = [
+        prepare_submission(fake_redis, [make_spec("job-1")]),
+        prepare_submission(fake_redis, [make_spec("job-2")], check=refuse),
+        prepare_submission(fake_redis, [make_spec("job-3")],
+                           idempotency=Idempotency("carpool:idem:k", 60)),
+        prepare_submission(fake_redis, [make_spec("job-4"), make_spec("job-5")]),
+    ]
+    requests: list[int] = []
+    real_execute = Pipeline.execute
+
+    def counting_execute(self, raise_on_error: bool = True):
+        requests.append(len(self.command_stack))
+        return real_execute(self, raise_on_error)
+
+    monkeypatch.setattr(Pipeline, "execute", counting_execute)
+    fake_redis.script_flush()  # as after a Redis restart: the scripts are gone
+    outcomes = send_submissions(fake_redis, prepared)
+    assert [job.id for job in outcomes[0]] == ["job-1"]
+    assert isinstance(outcomes[1], SubmissionRefused) and outcomes[1].verdict == [0, 5]
+    assert isinstance(outcomes[2], DuplicateSubmission) and outcomes[2].job_id == "job-0"
+    assert [job.id for job in outcomes[3]] == ["job-4", "job-5"]
+    # One request for the four, then one more for those whose script was missing (all four).
+    assert requests == [4, 4]
+    queue = Queue("carpool-tiny-normal", connection=fake_redis, serializer=JSONSerializer)
+    assert queue.job_ids == ["job-0", "job-1", "job-4", "job-5"]
+    assert fake_redis.exists(RQKeys.job("job-2"), RQKeys.job("job-3")) == 0
+    requests.clear()
+    outcomes = send_submissions(fake_redis, [prepare_submission(fake_redis, [make_spec("job-6")])])
+    assert [job.id for job in outcomes[0]] == ["job-6"] and requests == [1]
