@@ -219,7 +219,7 @@ def send_submissions(redis: Redis,
     the exception it ended in (DuplicateSubmission, SubmissionRefused, a script's error). A
     connection error raises: none, some or all of them may have run (as for one submission
     whose reply was lost). Scripts Redis no longer has (a restart, SCRIPT FLUSH) are loaded and
-    those submissions sent again."""
+    those submissions sent again (after the others: none of them had run)."""
     replies = _evalsha_all(redis, prepared)
     missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
     if missing:
