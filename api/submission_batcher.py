@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import cast
 
 import anyio.to_thread
 from redis import Redis
@@ -37,7 +38,9 @@ class SubmissionBatcher:
         self._in_flight = 0  # request slots taken
         self._waiting: list[_Waiting] = []  # only while every slot is taken
         self._senders: set[asyncio.Task[None]] = set()
-        self.requests_sent = 0  # pipelines sent to Redis (for tests and metrics)
+        # Pipelines sent to Redis (for tests and bench_submission), counted here on the event
+        # loop, not in the worker threads that send them (a += there could miss one).
+        self.requests_sent = 0
 
     async def submit(self, prepare: Prepare) -> list[Job]:
         """Build (`prepare`, in a worker thread) and send one submission, alone when a request
@@ -46,7 +49,7 @@ class SubmissionBatcher:
         if self._in_flight < self._max_in_flight:
             self._in_flight += 1
             try:
-                (outcome,) = await anyio.to_thread.run_sync(self._send, [prepare])
+                (outcome,) = await self._send_in_thread([prepare])
             finally:
                 self._release()
             if isinstance(outcome, Exception):
@@ -76,7 +79,7 @@ class SubmissionBatcher:
                 batch = self._waiting[:self._max_batch]
                 del self._waiting[:self._max_batch]
                 try:
-                    outcomes = await anyio.to_thread.run_sync(self._send, [p for p, _ in batch])
+                    outcomes = await self._send_in_thread([p for p, _ in batch])
                 except Exception as exc:  # a Redis error: every submission of it hears so
                     outcomes = [exc] * len(batch)
                 except BaseException:  # canceled (the API stops): its callers hear so
@@ -88,21 +91,27 @@ class SubmissionBatcher:
         finally:
             self._in_flight -= 1
 
-    def _send(self, prepares: list[Prepare]) -> list[list[Job] | Exception]:
-        """In a worker thread: build each submission, send those built in one request."""
-        built: list[tuple[int, PreparedSubmission]] = []
-        outcomes: list[list[Job] | Exception] = [RuntimeError("not sent")] * len(prepares)
-        for index, prepare in enumerate(prepares):
-            try:
-                built.append((index, prepare()))
-            except Exception as exc:  # that submission's own failure
-                outcomes[index] = exc
-        if built:
-            self.requests_sent += 1
-            sent = send_submissions(self._redis, [submission for _, submission in built])
-            for (index, _), outcome in zip(built, sent):
-                outcomes[index] = outcome
+    async def _send_in_thread(self, prepares: list[Prepare]) -> list[list[Job] | Exception]:
+        outcomes, sent = await anyio.to_thread.run_sync(self._send, prepares)
+        self.requests_sent += sent
         return outcomes
+
+    def _send(self, prepares: list[Prepare]) -> tuple[list[list[Job] | Exception], int]:
+        """In a worker thread: build each submission, send those built in one request. Each
+        submission's outcome (its jobs, or its own failure to build or to get in), and the
+        requests sent (0 when none could be built)."""
+        outcomes: list[list[Job] | Exception | None] = []
+        built: list[PreparedSubmission] = []
+        for prepare in prepares:
+            try:
+                built.append(prepare())
+                outcomes.append(None)  # filled in from the request's replies below
+            except Exception as exc:  # that submission's own failure
+                outcomes.append(exc)
+        if not built:
+            return [cast(Exception, outcome) for outcome in outcomes], 0
+        replies = iter(send_submissions(self._redis, built))
+        return [next(replies) if outcome is None else outcome for outcome in outcomes], 1
 
     @staticmethod
     def _settle(batch: list[_Waiting], outcomes: list[list[Job] | Exception]) -> None:

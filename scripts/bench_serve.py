@@ -232,7 +232,8 @@ def redis_cpu_s(server: Server) -> float | None:
     """Redis' own CPU seconds so far (INFO: used_cpu_sys + used_cpu_user), None for a peer."""
     if not server.redis_url:
         return None
-    return redis_cpu_seconds(Redis.from_url(server.redis_url))
+    with Redis.from_url(server.redis_url) as client:
+        return redis_cpu_seconds(client)
 
 
 def greedy_texts(server: Server) -> list[str]:
