@@ -180,14 +180,12 @@ class JobService:
         if first.idempotency_key is not None:
             idempotency = Idempotency(self._keys.idempotency(first.owner, first.idempotency_key),
                                       self._idempotency_ttl_s)
-            # A retry finds its first jobs here, even while the queue is full.
-            recorded = await self._aio.get(idempotency.key)
-            if recorded is not None:
-                return await self._replay(
-                    recorded.decode() if isinstance(recorded, bytes) else recorded, checked)
         try:
             return await self._enqueue(card, checked, idempotency)
-        except DuplicateSubmission as duplicate:  # a concurrent twin enqueued first
+        except DuplicateSubmission as duplicate:
+            # The key named jobs already (a retry, or a concurrent twin that went first): the
+            # submission's script looks before its limits, so a retry finds its first jobs even
+            # while the queue is full, in the request it would have enqueued with.
             return await self._replay(duplicate.job_id, checked)
 
     async def _enqueue(self, card: ModelCard,
