@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import llguidance
 from pydantic import BaseModel, Field
 
 from api.errors import InvalidRequestError
 from protocol import StructuredOutput, StructuredOutputKind
-from protocol.generation import MAX_STRUCTURED_OUTPUT_CHARS
+from protocol.generation import JSON_COMPILE_DEFAULTS, MAX_STRUCTURED_OUTPUT_CHARS
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # declared in the stubs only
 
 ANY_JSON_OBJECT = '{"type":"object"}'
 _STRUCTURED_OUTPUTS_KEYS = {"json": StructuredOutputKind.JSON_SCHEMA, "regex": StructuredOutputKind.REGEX,
@@ -72,7 +75,11 @@ def check_compiles(constraint: StructuredOutput, param: str) -> None:
 @lru_cache(maxsize=256)
 def _compile_error(constraint: StructuredOutput) -> str:
     try:
-        grammar = llguidance.grammar_from(constraint.kind.value, constraint.spec)
+        if constraint.kind is StructuredOutputKind.JSON_SCHEMA:  # as the worker compiles it
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                constraint.spec, defaults=cast("JsonCompileOptions", JSON_COMPILE_DEFAULTS))
+        else:
+            grammar = llguidance.grammar_from(constraint.kind.value, constraint.spec)
     except ValueError as exc:
         return str(exc)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
@@ -132,6 +139,13 @@ def _json_schema(schema: Any, param: str) -> StructuredOutput:
             raise InvalidRequestError(f"'{param}' is not valid JSON: {exc}", param=param) from exc
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequestError(f"'{param}' must be a JSON schema (an object)", param=param)
+    # JSON Schema's booleans: `true` allows any value, as `{}` does (the compile options apply to
+    # an object schema only); `false` allows none.
+    if schema is True:
+        schema = {}
+    elif schema is False:
+        raise InvalidRequestError(f"'{param}' is false, which no output can satisfy; give a JSON "
+                                  "schema, or true (or {}) for any JSON value", param=param)
     return _constraint(StructuredOutputKind.JSON_SCHEMA, json.dumps(schema, separators=(",", ":")), param)
 
 

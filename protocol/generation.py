@@ -112,6 +112,14 @@ class StructuredOutputKind(str, Enum):
     GRAMMAR = "grammar"  # a Lark or GBNF grammar
 
 
+# How a JSON-schema constraint is compiled, by the API (its check at submit) and the worker alike
+# (llguidance's JSON compile options): whitespace between JSON tokens is bounded, since small
+# models otherwise spin in newlines until max_tokens; 32 still fits deeply indented JSON. A
+# schema's own "x-guidance" may change it. Both sides compile with the same options, so a schema
+# the API accepts is one the worker compiles.
+JSON_COMPILE_DEFAULTS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,32}"}
+
+
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
     """A constraint on the generated text: the sampler masks every token that would leave it.

@@ -38,6 +38,9 @@ def _spec(harness: Harness, job_id: str) -> dict[str, Any]:
                           "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}},
      {"kind": "json_schema", "spec": SCHEMA_TEXT}),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}}, ANY_OBJECT),
+    # JSON Schema's `true` (any value) as `{}`: the worker's compile options need an object.
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": True}}},
+     {"kind": "json_schema", "spec": "{}"}),
     ({"structured_outputs": {"json": SCHEMA}}, {"kind": "json_schema", "spec": SCHEMA_TEXT}),
     ({"structured_outputs": {"regex": "[0-9]+"}}, {"kind": "regex", "spec": "[0-9]+"}),
     ({"structured_outputs": {"choice": ["yes", "no"]}}, {"kind": "choice", "spec": '["yes", "no"]'}),
@@ -77,6 +80,8 @@ def _queued(harness: Harness) -> int:
 @pytest.mark.parametrize(("fields", "param", "words"), [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "frob"}}}},
      "response_format.json_schema.schema", "does not compile to a grammar"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": False}}},
+     "response_format.json_schema.schema", "is false, which no output can satisfy"),
     ({"response_format": {"type": "json_schema", "json_schema": "x"}}, "response_format.json_schema",
      "must be an object"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}},

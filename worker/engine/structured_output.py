@@ -17,11 +17,11 @@ import os
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from protocol.generation import StructuredOutput, StructuredOutputKind
+from protocol.generation import JSON_COMPILE_DEFAULTS, StructuredOutput, StructuredOutputKind
 
 if TYPE_CHECKING:
     import llguidance
@@ -29,9 +29,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Whitespace between JSON tokens is bounded (a schema's own "x-guidance" may change it): small
-# models otherwise spin in newlines until max_tokens; 32 still fits deeply indented JSON.
-JSON_DEFAULTS: JsonCompileOptions = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,32}"}
+# The API checks every JSON schema with these same options (protocol.generation).
+JSON_DEFAULTS = cast("JsonCompileOptions", JSON_COMPILE_DEFAULTS)
 DEFAULT_CACHE_SIZE = 128  # compiled grammars kept across requests
 # Filling several masks in parallel (llguidance's thread pool) pays only where cores are many: on
 # a small CPU box its threads would take the cores the forward runs on, so there the masks are

@@ -98,6 +98,23 @@ def test_a_grammar_that_does_not_compile_is_a_value_error(outputs: StructuredOut
     assert len(outputs) == 0
 
 
+def test_the_schema_the_api_makes_of_true_allows_any_json_value(outputs: StructuredOutputs,
+                                                                smollm2_dir: Path) -> None:
+    # JSON Schema's `true` reaches the worker as `{}` (api/structured_output.py): llguidance's
+    # compile options apply to object schemas only, and `true` itself failed here at the claim.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    brace, bracket, quote = (tokenizer.convert_tokens_to_ids(t) for t in ("{", "[", '"'))
+    outputs.add("any", StructuredOutput(StructuredOutputKind.JSON_SCHEMA, "{}"), [])
+    try:
+        (first,) = allowed(outputs, ["any"])
+        assert {brace, bracket, quote, N} <= set(first)  # an object, an array, a string, null
+        assert A not in first and Y not in first and EOS not in first
+    finally:
+        outputs.remove("any")
+
+
 # -- the engine, on the tiny random model (its logits know nothing of JSON) -------------------
 
 PROMPTS = [[1, 504, 3458, 314], [1, 2030, 17, 11, 900, 42], [1, 77], [1, 9, 8, 7, 6, 5, 4, 3, 100]]
