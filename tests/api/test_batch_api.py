@@ -197,6 +197,42 @@ async def test_a_batch_runs_every_line_once_on_the_batch_tier(harness: Harness,
     assert (await client.get(f"/v1/batches/{batch['id']}")).json() == done
 
 
+async def test_a_runner_reads_the_answered_lines_back_only_after_another_answered_some(
+        harness: Harness, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    batch = await _create(client, _jsonl(_line("a"), _line("b"), _line("c")))
+    store = harness.context.batches
+    reads: list[str] = []
+    read_answered = store.answered
+
+    async def counted(batch_id: str) -> set[int]:
+        reads.append(batch_id)
+        return await read_answered(batch_id)
+
+    monkeypatch.setattr(store, "answered", counted)
+    first, second = BatchRunner(harness.context), BatchRunner(harness.context)
+    await first.tick()  # validating -> in_progress
+    await first.tick()  # queues the three lines
+    await harness.serve_next_job(["x"])
+    await first.tick()  # answers line a itself
+    await first.tick()
+    assert reads == []  # the counts add up to its own answers: nothing to read back
+    await harness.serve_next_job(["y"])
+    await second.tick()  # another process: it knows no answer, the counts say one
+    assert reads == [batch["id"]]
+    await first.tick()  # line b was answered elsewhere: read back once
+    await first.tick()
+    assert reads == [batch["id"]] * 2
+    await harness.serve_next_job(["z"])
+    await first.tick()
+    done = (await client.get(f"/v1/batches/{batch['id']}")).json()
+    assert done["status"] == "completed" and reads == [batch["id"]] * 2
+    assert done["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    output = [json.loads(x) for x in
+              (await client.get(f"/v1/files/{done['output_file_id']}/content")).text.splitlines()]
+    assert [(x["custom_id"], x["response"]["body"]["choices"][0]["text"]) for x in output] == [
+        ("a", "x"), ("b", "y"), ("c", "z")]
+
+
 async def test_a_failed_job_answers_its_line_in_the_error_file(harness: Harness,
                                                                 client: httpx.AsyncClient) -> None:
     batch = await _create(client, _jsonl(_line("ok"), _line("boom")))
