@@ -73,3 +73,22 @@ def build_workload(num_requests: int = 128, seed: int = 0, max_output: int = 256
         WorkloadItem(messages=[{"role": "user", "content": text}], max_tokens=length)
         for text, length in zip(prompt_texts(num_requests), output_lengths(num_requests, seed, max_output))
     ]
+
+
+def long_prompt_workload(num_requests: int = 32, words: int = 1100, max_tokens: int = 48,
+                         seed: int = 0) -> list[WorkloadItem]:
+    """Prefill-heavy requests, as retrieval-augmented chat sends them: a document of `words`
+    words (about 1.2 tokens each with SmolLM2's tokenizer) and a question about it, a short
+    answer. Each document is its own draw of the base prompts' words, numbered on its first
+    line, so no two of one call share more than the chat template's prefix (no prefix cache
+    hit); calls with the same `seed` repeat the same documents."""
+    vocabulary = " ".join(BASE_PROMPTS).split()
+    rng = np.random.default_rng(seed)
+    items = []
+    for i in range(num_requests):
+        text = " ".join(vocabulary[j] for j in rng.integers(0, len(vocabulary), words))
+        items.append(WorkloadItem(messages=[{"role": "user", "content": (
+            f"Document {i}:\n{text}\n\nSummarize the document above in one sentence.")}],
+            max_tokens=max_tokens))
+    return items
+

@@ -8,6 +8,9 @@ questions, long-tailed output lengths, greedy, EOS ignored so both generate the 
 
     burst128   128 requests at once         burst256   256 requests at once
     rate6      128 requests, Poisson arrivals at 6 per second
+    long32     32 prefill-heavy requests at once (about 1,400-token prompts, 48-token answers:
+               loadgen.workload.long_prompt_workload; not in the default --loads)
+    longrate   24 of those, Poisson arrivals at 1 per second
 
 Reported per load: generated tok/s (tokens / first submit to last token), TTFT p50/p99, mean
 inter-token latency, e2e p99. Before any ratio, the peer's greedy text is compared with Carpool's
@@ -31,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,9 +46,16 @@ import openai  # noqa: E402
 from bench_fleet import redis_cpu_seconds  # noqa: E402
 from redis import Redis  # noqa: E402
 
-from loadgen.workload import WorkloadItem, build_workload  # noqa: E402
+from loadgen.workload import WorkloadItem, build_workload, long_prompt_workload  # noqa: E402
 
-LOADS = {"burst128": (128, None), "burst256": (256, None), "rate6": (128, 6.0)}
+# name: (requests, arrivals per second (None: all at once), workload). The first three are the
+# fleet issue's (the chat workload); the long ones are prefill-heavy (long_prompt_workload).
+LOADS: dict[str, tuple[int, float | None, Callable[[int], list[WorkloadItem]]]] = {
+    "burst128": (128, None, build_workload), "burst256": (256, None, build_workload),
+    "rate6": (128, 6.0, build_workload),
+    # Their own documents each (seeds): a load that resent the other's would hit the prefix cache.
+    "long32": (32, None, lambda n: long_prompt_workload(n, seed=1)),
+    "longrate": (24, 1.0, lambda n: long_prompt_workload(n, seed=2))}
 CHECK_PROMPTS = 16  # greedy agreement check: this many prompts, CHECK_TOKENS tokens each
 CHECK_TOKENS = 16
 READY_TIMEOUT_S = 600.0
@@ -295,8 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 texts[system] = greedy_texts(server)  # also warms both servers up
                 for load in loads:
-                    num, rate = LOADS[load]
-                    items = build_workload(num)
+                    num, rate, workload = LOADS[load]
+                    items = workload(num)
                     cpu_before = redis_cpu_s(server)
                     summary = summarize(asyncio.run(run_load(server, items, rate)), items)
                     cpu_after = redis_cpu_s(server)

@@ -67,3 +67,28 @@ def test_a_table_entry_outside_the_pool_is_refused(paged_batch):
     batch.block_tables[0, 1] = batch.key_cache.shape[0]
     with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = .* is not a block id"):
         paged_attention_cpu(*batch.args())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (9, 3)])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_long_chunks_with_and_without_earlier_positions(paged_batch, dense_reference, close, num_heads,
+                                                        num_kv_heads, block_size, dtype):
+    # Chunks past MAX_QUERY_ROWS go to the flash path: a whole prompt (causal from its first
+    # position), chunks after a cached prefix (every earlier position, then causal), one at a
+    # table's last slot, beside decodes and a short chunk; unowned slots hold NaN.
+    long = MAX_QUERY_ROWS + 1
+    query_lens = [long, 1, 300, long + 64, 7, 200]
+    seq_lens = [long, 90, 300 + 517, long + 64 + 1, 40, 200 + 1]
+    batch = paged_batch(query_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
+                        block_size=block_size, seed=block_size + num_heads, dtype=dtype)
+    out = paged_attention_cpu(*batch.args())
+    close(out, dense_reference(batch), dtype)
+    close(out, paged_attention_torch(*batch.args()), dtype)
+
+
+def test_the_flash_path_refuses_a_length_past_its_table(paged_batch):
+    batch = paged_batch([MAX_QUERY_ROWS + 1], [MAX_QUERY_ROWS + 1], block_size=16)
+    batch.seq_lens[0] = batch.block_tables.shape[1] * 16 + 1
+    with pytest.raises(ValueError):
+        paged_attention_cpu(*batch.args())
