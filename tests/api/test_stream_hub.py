@@ -281,9 +281,9 @@ async def test_notifications_come_by_pub_sub_and_a_new_stream_costs_one_read(
     subscribed connection) and none to be woken for a newly watched stream: it reads that stream
     once, between two waits of _WAIT_SLICE_S, well before its block interval ends."""
     hub = open_hub(block_ms=10_000)
-    busy = await hub.subscribe(KEYS.stream("busy"), "0-0")
-    await asyncio.sleep(0.1)  # the first (full) read is done: the hub waits for notifications
     read = _record_reads(hub)
+    busy = await hub.subscribe(KEYS.stream("busy"), "0-0")
+    await _first_reads_done(read)  # the hub waits for notifications now
     sync.config_resetstat()
     for index in range(4):
         _publish_step(sync, "busy", index, index + 1)
@@ -383,6 +383,21 @@ async def test_a_closed_hub_refuses_new_subscribers(redis_url: str) -> None:
     await control.aclose()
 
 
+async def _first_reads_done(read: list[list[str]]) -> None:
+    """Once the hub has read its new streams (`read` recorded since before they were
+    subscribed) and read nothing more for a while: forget those reads. A fixed sleep was not
+    always enough on a loaded machine, and a first read counted later failed a test."""
+    deadline = time.monotonic() + 5.0
+    while not read and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert read, "the hub never read its new streams"
+    seen = -1
+    while len(read) != seen:
+        seen = len(read)
+        await asyncio.sleep(0.1)
+    read.clear()
+
+
 def _record_reads(hub: StreamHub) -> list[list[str]]:
     """From now on, the keys of each XREAD the hub's reader sends (to the real Redis)."""
     read: list[list[str]] = []
@@ -399,10 +414,10 @@ def _record_reads(hub: StreamHub) -> list[list[str]]:
 async def test_a_step_reads_only_the_streams_its_notification_names(
         open_hub: OpenHub, sync: redis.Redis) -> None:
     hub = open_hub(block_ms=10_000)
+    read = _record_reads(hub)
     subscriptions = {job_id: await hub.subscribe(KEYS.stream(job_id), "0-0")
                      for job_id in ("a", "b", "c", "d")}
-    await asyncio.sleep(0.1)  # the first (full) read is done: the hub waits for notifications
-    read = _record_reads(hub)
+    await _first_reads_done(read)  # the hub waits for notifications now
     _publish(sync, "b", 0, 2)
     assert await _ids(subscriptions["b"]) == ["0-1", "0-2"]
     _publish(sync, "other-process-job", 0, 1)  # a stream nobody here follows: no read
@@ -430,9 +445,9 @@ async def test_an_entry_no_notification_announced_comes_with_the_next_full_read(
 async def test_tokens_a_notification_carries_are_handed_out_without_reading_the_stream(
         open_hub: OpenHub, sync: redis.Redis) -> None:
     hub = open_hub(block_ms=10_000)
-    subscription = await hub.subscribe(KEYS.stream("a"), "0-0")
-    await asyncio.sleep(0.1)
     read = _record_reads(hub)
+    subscription = await hub.subscribe(KEYS.stream("a"), "0-0")
+    await _first_reads_done(read)
 
     _publish_step(sync, "a", 0, 2)
     assert [(i, f) for i, f in await subscription.next(5.0)] == [
@@ -501,10 +516,10 @@ async def test_a_final_entry_a_notification_carries_ends_the_stream_without_a_re
     """[redis-cost] A job's end costs the hub no XREAD: the finish script's notification holds
     the entry. One that does not follow the hub's cursor (a gap) has the stream read instead."""
     hub = open_hub(block_ms=10_000)
+    read = _record_reads(hub)
     ended = await hub.subscribe(KEYS.stream("a"), "0-0")
     gapped = await hub.subscribe(KEYS.stream("b"), "0-0")
-    await asyncio.sleep(0.1)
-    read = _record_reads(hub)
+    await _first_reads_done(read)
     _publish_step(sync, "a", 0, 2)
     _publish_final(sync, "a", 2)
     received = await _collect(ended, 3)  # a hub that needs a read for the end waits 10 s
@@ -526,9 +541,9 @@ async def test_a_fresh_stream_is_read_only_when_its_notifications_cannot_show_it
     with no notification it is read after _FRESH_READ_DELAY_S, far less than the block
     interval."""
     hub = open_hub(block_ms=10_000)
-    listening = await hub.subscribe(KEYS.stream("busy"), "0-0")
-    await asyncio.sleep(0.1)  # the hub listens to the notifications
     read = _record_reads(hub)
+    listening = await hub.subscribe(KEYS.stream("busy"), "0-0")
+    await _first_reads_done(read)  # the hub listens to the notifications now
 
     fresh = await hub.subscribe(KEYS.stream("a"), "0-0", fresh=True)
     _publish_step(sync, "a", 0, 2)
@@ -633,9 +648,9 @@ async def test_the_hub_forgets_unfollowed_entries_it_cannot_vouch_for(
     got more than was notified, and once _RECENT_S passed: a fresh subscriber then reads."""
     monkeypatch.setattr(stream_hub, "_RECENT_S", 0.2)
     hub = open_hub(block_ms=10_000)
-    await hub.subscribe(KEYS.stream("busy"), "0-0")
-    await asyncio.sleep(0.1)
     read = _record_reads(hub)
+    await hub.subscribe(KEYS.stream("busy"), "0-0")
+    await _first_reads_done(read)
     _publish_step(sync, "k", 0, 1)
     _publish(sync, "k", 1, 2)  # written, then named by a `k`
     _publish_step(sync, "old", 0, 1)
