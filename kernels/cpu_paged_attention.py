@@ -22,7 +22,6 @@ import torch
 
 from kernels import cpu_extension
 from kernels.arg_checks import check_paged_attention_args
-from kernels.torch_paged_attention import paged_attention_torch
 
 # Past this many rows a sequence's attention is a GEMM, which torch's flash attention does better
 # (these crossover figures were measured against the twin's SDPA, before the flash path). Below,
@@ -65,9 +64,7 @@ def paged_attention_cpu(
     if max_query_len is None or max_query_len > MAX_QUERY_ROWS:
         starts: list[int] = query_start_loc.tolist()
         long_seqs = [s for s in range(len(starts) - 1) if starts[s + 1] - starts[s] > MAX_QUERY_ROWS]
-        if long_seqs and _FLASH is None:
-            _attend_long_with_twin(out, query, key_cache, value_cache, block_tables, seq_lens, starts, long_seqs, scale)
-        elif long_seqs:
+        if long_seqs:
             ctx_lens: list[int] = seq_lens.tolist()
             for s in long_seqs:
                 _attend_long_chunk(out, query, key_cache, value_cache, block_tables[s], ctx_lens[s],
@@ -77,22 +74,16 @@ def paged_attention_cpu(
 
 # torch's CPU flash attention, with the log-sum-exp of each row that SDPA does not return (an aten
 # op since torch 2.2; grouped-query attention built in: query head h reads kv head h // group).
-_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 def _attend_long_chunk(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                        value_cache: torch.Tensor, block_row: torch.Tensor, ctx: int, start: int,
                        end: int, scale: float) -> None:
-    """Rows start..end of `query`: the sequence's last end - start positions, over its `ctx`."""
-    assert _FLASH is not None
-    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
-    if ctx > block_row.shape[0] * block_size:
-        raise ValueError(f"seq_lens holds {ctx}, more than its block table's "
-                         f"{block_row.shape[0] * block_size} slots")
+    """Rows start..end of `query`: the sequence's last end - start positions, over its `ctx`
+    (its lengths and block ids already checked by the C++ kernel's call, for every sequence)."""
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
     blocks = block_row[:-(-ctx // block_size)].long()
-    if blocks.numel() and (int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks):
-        raise ValueError(f"a block table entry of a {ctx}-token sequence is not a block id "
-                         f"(the pool has {num_blocks})")
     # [ctx, kv heads, d] -> [1, kv heads, ctx, d]: views of one gather each.
     k = key_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx].permute(1, 0, 2)[None]
     v = value_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx].permute(1, 0, 2)[None]
@@ -105,22 +96,6 @@ def _attend_long_chunk(out: torch.Tensor, query: torch.Tensor, key_cache: torch.
         most = torch.maximum(chunk_lse, earlier_lse)
         w_chunk, w_earlier = (chunk_lse - most).exp_(), (earlier_lse - most).exp_()
         total = w_chunk + w_earlier
-        merged = (chunk.float() * (w_chunk / total)[..., None]).addcmul_(
+        chunk = (chunk.float() * (w_chunk / total)[..., None]).addcmul_(
             earlier.float(), (w_earlier / total)[..., None])
-        chunk = merged
     out[start:end] = chunk[0].permute(1, 0, 2).to(out.dtype)
-
-
-def _attend_long_with_twin(
-    out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, starts: list[int], long_seqs: list[int], scale: float,
-) -> None:
-    rows = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in long_seqs])
-    lens = [starts[s + 1] - starts[s] for s in long_seqs]
-    sub_starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq_ids = torch.tensor(long_seqs)
-    sub_out = paged_attention_torch(
-        query.index_select(0, rows), key_cache, value_cache, block_tables.index_select(0, seq_ids),
-        seq_lens.index_select(0, seq_ids), sub_starts, scale,
-    )
-    out.index_copy_(0, rows, sub_out)

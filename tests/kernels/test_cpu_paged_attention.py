@@ -87,7 +87,7 @@ def test_long_chunks_with_and_without_earlier_positions(paged_batch, dense_refer
     close(out, paged_attention_torch(*batch.args()), dtype)
 
 
-def test_the_flash_path_refuses_a_length_past_its_table(paged_batch):
+def test_a_long_chunk_past_its_table_is_refused(paged_batch):  # by the kernel's own check
     batch = paged_batch([MAX_QUERY_ROWS + 1], [MAX_QUERY_ROWS + 1], block_size=16)
     batch.seq_lens[0] = batch.block_tables.shape[1] * 16 + 1
     with pytest.raises(ValueError):
