@@ -211,7 +211,7 @@ def redis_cpu_seconds(redis: Redis) -> float:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
-def _command_stats(redis: Redis) -> dict[str, tuple[int, int]]:
+def command_stats(redis: Redis) -> dict[str, tuple[int, int]]:
     """Per command: (calls, microseconds Redis spent executing them)."""
     return {name.removeprefix("cmdstat_"): (int(stats["calls"]), int(stats["usec"]))
             for name, stats in redis.info("commandstats").items()}
@@ -259,7 +259,7 @@ def _by_script(servers: dict[str, Redis], generated: int) -> dict[str, str]:
 def _sum_stats(servers: dict[str, Redis]) -> dict[str, tuple[int, int]]:
     total: dict[str, tuple[int, int]] = {}
     for redis in servers.values():
-        for name, (calls, usec) in _command_stats(redis).items():
+        for name, (calls, usec) in command_stats(redis).items():
             before = total.get(name, (0, 0))
             total[name] = (before[0] + calls, before[1] + usec)
     return total

@@ -18,6 +18,11 @@ on the same prompts: a server that answers garbage fast is no baseline.
 
     python scripts/bench_serve.py --vllm-python /work/peer/vllm-venv/bin/python
     python scripts/bench_serve.py --loads burst256 --systems carpool --json out.json
+    python scripts/bench_serve.py --loads burst256 --systems carpool --command-stats
+
+`--command-stats`: where Carpool's Redis time went in each load, per command (INFO commandstats,
+reset before the load): calls a request and us a token. A script's time includes the commands it
+runs, which are also counted under their own names.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import openai  # noqa: E402
-from bench_fleet import redis_cpu_seconds  # noqa: E402
+from bench_fleet import command_stats, redis_cpu_seconds  # noqa: E402
 from redis import Redis  # noqa: E402
 
 from loadgen.workload import WorkloadItem, build_workload, long_prompt_workload  # noqa: E402
@@ -246,6 +251,21 @@ def redis_cpu_s(server: Server) -> float | None:
         return redis_cpu_seconds(client)
 
 
+def reset_command_stats(server: Server) -> None:
+    with Redis.from_url(server.redis_url) as client:
+        client.config_resetstat()
+
+
+def print_command_stats(server: Server, requests: int, tokens: int, top: int = 15) -> None:
+    """The load's `top` commands by Redis time: calls a request, us a token, us a call."""
+    with Redis.from_url(server.redis_url) as client:
+        stats = command_stats(client)
+    print(f"  {'command':22s} {'calls/request':>13s} {'us/token':>9s} {'us/call':>8s}")
+    for name, (calls, usec) in sorted(stats.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"  {name:22s} {calls / max(requests, 1):>13.2f} {usec / max(tokens, 1):>9.2f} "
+              f"{usec / max(calls, 1):>8.1f}")
+
+
 def greedy_texts(server: Server) -> list[str]:
     items = [WorkloadItem(i.messages, CHECK_TOKENS) for i in build_workload(CHECK_PROMPTS)]
     records = asyncio.run(run_load(server, items, None))
@@ -282,6 +302,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--vllm-dtype", default="",
                         help="the peer's --dtype (default: the one Carpool's worker picks here)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--command-stats", action="store_true",
+                        help="print Carpool's Redis time per command after each load")
     args = parser.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
     loads = [name for name in args.loads.split(",") if name]
@@ -308,6 +330,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     num, rate, workload = LOADS[load]
                     items = workload(num)
                     cpu_before = redis_cpu_s(server)
+                    if args.command_stats and server.redis_url:
+                        reset_command_stats(server)
                     summary = summarize(asyncio.run(run_load(server, items, rate)), items)
                     cpu_after = redis_cpu_s(server)
                     if cpu_before is not None and cpu_after is not None:
@@ -316,6 +340,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             (cpu_after - cpu_before) * 1e6 / max(int(summary["chunks"]), 1), 2)
                     results[f"{system}/{load}"] = summary
                     print(f"  {system:8s} {load:9s} {json.dumps(summary)}", flush=True)
+                    if args.command_stats and server.redis_url:
+                        print_command_stats(server, len(items), int(summary["chunks"]))
             finally:
                 server.stop()
     if "carpool" in texts:
