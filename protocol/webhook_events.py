@@ -99,12 +99,12 @@ end
 # Lua: the job's final event, called by every script that moves a job to a final status (worker
 # FINISH, the cancel of a queued job) right where it writes that status. `state` is the JobState
 # hash (webhook_url and owner are read there), `events` Keys.webhook_events().
+# `emit_hooked_job_event` takes the two fields from a script that read them already (FINISH).
 # Numbers arrive as strings (ARGV or HGET); error '' becomes null.
 EMIT_JOB_EVENT_LUA = EMIT_EVENT_LUA + """
-local function emit_job_event(events, state, job_id, status, reason, prompt_tokens,
-                              completion_tokens, err)
-  local hook = redis.call('HMGET', state, 'webhook_url', 'owner')
-  if not hook[1] or hook[1] == '' then return end
+local function emit_hooked_job_event(events, url, owner, job_id, status, reason, prompt_tokens,
+                                     completion_tokens, err)
+  if not url or url == '' then return end
   local kind = 'job.completed'
   if status == 'failed' then kind = 'job.failed'
   elseif status == 'canceled' then kind = 'job.canceled'
@@ -116,7 +116,13 @@ local function emit_job_event(events, state, job_id, status, reason, prompt_toke
   local data = cjson.encode({id = job_id, object = 'job', status = status, finish_reason = reason,
                              usage = {prompt_tokens = p, completion_tokens = c,
                                       total_tokens = p + c}, error = e})
-  emit_event(events, kind, hook[1], hook[2] or '', data)
+  emit_event(events, kind, url, owner or '', data)
+end
+local function emit_job_event(events, state, job_id, status, reason, prompt_tokens,
+                              completion_tokens, err)
+  local hook = redis.call('HMGET', state, 'webhook_url', 'owner')
+  emit_hooked_job_event(events, hook[1], hook[2], job_id, status, reason, prompt_tokens,
+                        completion_tokens, err)
 end
 """
 

@@ -45,7 +45,7 @@ DEFAULT_CHARGE_TOKENS = 256
 # lists, KEYS weights, vtimes, clock (4+3P+1..3), then the P owners sets (Keys.queue_owners,
 # 4+3P+3+qi); ARGV[28] the default charge. Defines fair_next(qi) -> job id and its owner list
 # (or nil), fair_take(qi, job_id, owner_list) -> taken?, fair_forget(job_id, qi),
-# fair_charge(state) and fair_save().
+# fair_charge(fields, updates) and fair_save().
 CLAIM_FAIR_PICK = """
 -- [fair-share] begin (worker/jobs/fair_share.py): within a tier, the oldest job of the owner
 -- with the lowest virtual token counter.
@@ -122,11 +122,12 @@ local function fair_forget(job_id, qi)
 end
 
 -- Charge a job's owner its max_tokens / weight at its first claim (the finish settles it).
-local function fair_charge(state)
-  if redis.call('HEXISTS', state, 'fair_charge') == 1 then return end
-  local fields = redis.call('HMGET', state, 'owner', 'max_tokens')
-  local owner = fields[1] or ''
-  local tokens = tonumber(fields[2] or '') or 0
+-- `fields`: the job's state hash as read; the charge goes into `updates`, the claim's one HSET
+-- of that hash (field, value, ...).
+local function fair_charge(fields, updates)
+  if fields.fair_charge then return end
+  local owner = fields.owner or ''
+  local tokens = tonumber(fields.max_tokens or '') or 0
   if tokens <= 0 then tokens = fair_default_charge end
   local weight = tonumber(redis.call('HGET', FAIR_WEIGHTS, owner) or '1') or 1
   if weight <= 0 then weight = 1 end
@@ -135,7 +136,10 @@ local function fair_charge(state)
   vt = vt + tokens / weight
   fair_vt[owner] = vt
   redis.call('HSET', FAIR_VTIMES, owner, string.format('%.17g', vt))
-  redis.call('HSET', state, 'fair_charge', tokens, 'fair_weight', string.format('%.17g', weight))
+  updates[#updates + 1] = 'fair_charge'
+  updates[#updates + 1] = tokens
+  updates[#updates + 1] = 'fair_weight'
+  updates[#updates + 1] = string.format('%.17g', weight)
 end
 
 local function fair_save()
@@ -158,16 +162,16 @@ def requeue_to_owner_list(owners: str, state: str, job_id: str) -> str:
 """
 
 
-def settle_owner_counter(vtimes: str) -> str:
+def settle_owner_counter(vtimes: str, charge: str, weight: str, owner: str) -> str:
     """[fair-share] Lua for FINISH, after its lease and final-status guards: the claim charged
     max_tokens; settle the owner's counter to what was generated. `vtimes` is the KEYS
-    expression of the model's Keys.fair_vtimes; the state hash is KEYS[4], ARGV[7] the tokens."""
+    expression of the model's Keys.fair_vtimes; `charge`, `weight` and `owner` expressions of
+    the state hash's fair_charge, fair_weight and owner as FINISH read them; ARGV[7] the tokens."""
     return f"""
 -- [fair-share] begin: the claim charged max_tokens; settle the owner to what was generated.
-local fair = redis.call('HMGET', KEYS[4], 'fair_charge', 'fair_weight', 'owner')
-if fair[1] then
-  local settled = (tonumber(ARGV[7]) - tonumber(fair[1])) / (tonumber(fair[2]) or 1)
-  redis.call('HINCRBYFLOAT', {vtimes}, fair[3] or '', string.format('%.17g', settled))
+if {charge} then
+  local settled = (tonumber(ARGV[7]) - tonumber({charge})) / (tonumber({weight}) or 1)
+  redis.call('HINCRBYFLOAT', {vtimes}, {owner} or '', string.format('%.17g', settled))
 end
 -- [fair-share] end
 """

@@ -128,11 +128,28 @@ local function blocks_needed(job_id)
   return math.ceil((prompt + generated + 1) / block_size)
 end
 
+-- The cancel set, read once a call and only when a job is claimed: empty but between a cancel
+-- request and its worker acting on it.
+local any_canceled = nil
+local function is_canceled(job_id)
+  if any_canceled == nil then any_canceled = redis.call('SCARD', KEYS[2]) > 0 end
+  return any_canceled and redis.call('SISMEMBER', KEYS[2], job_id) or 0
+end
+
+-- [redis-cost] The job's state hash is read once (HGETALL, which the worker gets back anyway)
+-- and written once: its status, started_at and fair-share charge come from that read, not from
+-- a command each (a claim was 31 commands a job; about a third went to the state hash).
 local function claim(job_id, qi)
   local state = key(13, job_id)
   local rq_job = key(21, job_id)
-  if redis.call('EXISTS', rq_job) == 0 then return end  -- deleted meanwhile: drop the stale id
-  if is_final(redis.call('HGET', state, 'status')) then return end
+  -- An RQ job hash always holds its data (rq's Job.to_dict): none means deleted meanwhile, and
+  -- the stale id is dropped.
+  local rq_fields = redis.call('HMGET', rq_job, 'data', 'result_ttl', 'failure_ttl')
+  if not rq_fields[1] then return end
+  local flat = redis.call('HGETALL', state)
+  local fields = {}
+  for i = 1, #flat, 2 do fields[flat[i]] = flat[i + 1] end
+  if is_final(fields.status) then return end
   local fence = redis.call('INCR', key(19, job_id))
   redis.call('SET', key(17, job_id), fence, 'PX', lease_ms)
   redis.call('ZADD', KEYS[1], deadline, job_id)
@@ -147,26 +164,37 @@ local function claim(job_id, qi)
   redis.call('ZADD', executions, math.floor(now_s) + ttl + 60, execution_id)
   redis.call('EXPIRE', executions, ttl + 60)
   redis.call('ZADD', KEYS[4 + P + qi], math.floor(now_s) + ttl, composite)
-  redis.call('SADD', KEYS[3], composite)
-  redis.call('EXPIRE', KEYS[3], ttl + 60)
+  redis.call('SADD', KEYS[3], composite)  -- its EXPIRE once a call, below
   redis.call('HSET', rq_job, 'status', 'started', 'started_at', ARGV[9], 'last_heartbeat', ARGV[9],
              'worker_name', ARGV[1])
   redis.call('PERSIST', rq_job)
-  local started_at = tonumber(redis.call('HGET', state, 'started_at') or '0') or 0
-  if started_at == 0 then
-    redis.call('HSET', state, 'started_at', ARGV[10])
+  local updates = {'status', 'running', 'worker', ARGV[1], 'execution', composite}
+  if (tonumber(fields.started_at or '0') or 0) == 0 then
+    updates[#updates + 1] = 'started_at'
+    updates[#updates + 1] = ARGV[10]
     -- [redis-cost] Its stream's shard: this worker's (protocol/stream_shards.py), recorded at
     -- its first start only (a resumed job keeps the shard its stream is on).
-    if ARGV[29] ~= '' then redis.call('HSET', state, 'stream_shard', ARGV[29]) end
+    if ARGV[29] ~= '' then
+      updates[#updates + 1] = 'stream_shard'
+      updates[#updates + 1] = ARGV[29]
+    end
   end
-  redis.call('HSET', state, 'status', 'running', 'worker', ARGV[1], 'execution', composite)
-  redis.call('HSETNX', state, 'job_id', job_id)  -- a job enqueued without submit_job
-  fair_charge(state)  -- [fair-share]
-  local rq_fields = redis.call('HMGET', rq_job, 'data', 'result_ttl', 'failure_ttl')
-  claimed[#claimed + 1] = {job_id, qi, fence, execution_id, rq_fields[1] or '',
-                           rq_fields[2] or '', rq_fields[3] or '', redis.call('HGETALL', state),
+  if not fields.job_id then  -- a job enqueued without submit_job
+    updates[#updates + 1] = 'job_id'
+    updates[#updates + 1] = job_id
+  end
+  fair_charge(fields, updates)  -- [fair-share]
+  redis.call('HSET', state, unpack(updates))
+  for i = 1, #updates, 2 do fields[updates[i]] = updates[i + 1] end
+  flat = {}
+  for name, value in pairs(fields) do
+    flat[#flat + 1] = name
+    flat[#flat + 1] = value
+  end
+  claimed[#claimed + 1] = {job_id, qi, fence, execution_id, rq_fields[1],
+                           rq_fields[2] or '', rq_fields[3] or '', flat,
                            redis.call('XRANGE', key(15, job_id), '-', '+'),
-                           redis.call('SISMEMBER', KEYS[2], job_id)}
+                           is_canceled(job_id)}
 end
 
 if ARGV[6] ~= '' then
@@ -193,7 +221,10 @@ while #claimed < max_jobs and qi <= P do
 end
 fair_save()  -- [fair-share]
 trim_wakeups(queue_lengths())
-if #claimed > 0 then redis.call('HSET', KEYS[4], 'state', 'busy') end
+if #claimed > 0 then
+  redis.call('EXPIRE', KEYS[3], ttl + 60)
+  redis.call('HSET', KEYS[4], 'state', 'busy')
+end
 return claimed
 """
 
@@ -320,16 +351,20 @@ return {results, canceled, notified and 1 or 0, now, live, canceled_ids}
 # Returns the status written, or false when refused (not the lease holder / already final).
 FINISH = _COMMON + EMIT_JOB_EVENT_LUA + """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return false end
-if is_final(redis.call('HGET', KEYS[4], 'status')) then return false end
+-- [redis-cost] What this script reads of the state hash, in one command.
+local job = redis.call('HMGET', KEYS[4], 'status', 'fair_charge', 'fair_weight', 'owner',
+                       'webhook_url')
+if is_final(job[1]) then return false end
 local job_id = ARGV[2]
 local outcome = ARGV[3]
 local reason = ARGV[4]
+local cancel_asked = redis.call('SISMEMBER', KEYS[5], job_id) == 1
 -- The guard: a job canceled while running ends canceled, even if it finished meanwhile.
-if outcome == 'finished' and redis.call('SISMEMBER', KEYS[5], job_id) == 1 then
+if outcome == 'finished' and cancel_asked then
   outcome = 'canceled'
   reason = 'canceled'
 end
-""" + settle_owner_counter("KEYS[18]") + """
+""" + settle_owner_counter("KEYS[18]", "job[2]", "job[3]", "job[4]") + """
 local ttl = tonumber(ARGV[10])
 if outcome == 'failed' then ttl = tonumber(ARGV[11]) end
 local now_s = tonumber(ARGV[15])
@@ -366,7 +401,7 @@ end
 drop_execution(KEYS[8], KEYS[10], KEYS[9], KEYS[14], ARGV[12], ARGV[13])
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[3], job_id)
-redis.call('SREM', KEYS[5], job_id)
+if cancel_asked then redis.call('SREM', KEYS[5], job_id) end
 if outcome == 'failed' then
   redis.call('HINCRBY', KEYS[15], 'failed_job_count', 1)
 else
@@ -375,7 +410,8 @@ end
 redis.call('HINCRBYFLOAT', KEYS[15], 'total_working_time', ARGV[16])
 -- >>> webhooks: the job's final event (job.completed/failed/canceled/expired), in the script
 -- that writes its final status, past the guards that refuse a job already final: one per job.
-emit_job_event(KEYS[17], KEYS[4], job_id, outcome, reason, ARGV[6], ARGV[7], ARGV[5])
+emit_hooked_job_event(KEYS[17], job[5], job[4], job_id, outcome, reason, ARGV[6], ARGV[7],
+                      ARGV[5])
 -- <<< webhooks
 if ttl > 0 then
   for _, k in ipairs({KEYS[4], KEYS[6], KEYS[16]}) do redis.call('EXPIRE', k, ttl) end
