@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import fakeredis
 import pytest
 
+from api import state_reads
 from api.state_reads import SharedStateReads
 
 pytestmark = pytest.mark.anyio
@@ -21,7 +23,11 @@ class CountingRedis(fakeredis.FakeAsyncRedis):
         return await super().hgetall(name)
 
 
-async def test_concurrent_and_recent_reads_of_a_key_share_one_hgetall() -> None:
+async def test_concurrent_and_recent_reads_of_a_key_share_one_hgetall(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The reads' own clock, moved by the test: a loaded machine's pauses must not age them.
+    clock = [1000.0]
+    monkeypatch.setattr(state_reads, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     CountingRedis.calls = 0
     redis = CountingRedis(decode_responses=True)
     await redis.hset("job:1", mapping={"status": "running"})
@@ -33,6 +39,6 @@ async def test_concurrent_and_recent_reads_of_a_key_share_one_hgetall() -> None:
     assert await reads.hgetall("job:1") == {"status": "running"}  # fresh enough: shared
     assert await reads.hgetall("job:2") == {}
     assert CountingRedis.calls == 2
-    await asyncio.sleep(0.25)
+    clock[0] += 0.25
     assert await reads.hgetall("job:1") == {"status": "finished"}
     assert CountingRedis.calls == 3
