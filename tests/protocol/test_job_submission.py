@@ -57,6 +57,32 @@ def test_submit_enqueues_an_rq_json_job_on_its_priority_queue(
     assert RQKeys.queue("carpool-tiny-high").encode() in fake_redis.smembers(RQKeys.queues_set())
 
 
+def test_the_rq_job_hash_is_the_one_rq_writes_in_one_hset(fake_redis: fakeredis.FakeRedis) -> None:
+    """The script runs the commands rq's own enqueue builds, its two HSETs of the job hash (the
+    status, then the whole job) as one."""
+    spec = make_spec("job-1", Priority.NORMAL)
+    prepared = prepare_submission(fake_redis, [spec])
+    flat = [part.decode(errors="replace") if isinstance(part, bytes) else str(part)
+            for part in prepared.args]
+    job_key = RQKeys.job("job-1")
+    hsets_of_the_job = [i for i in range(len(flat) - 1)
+                        if flat[i].upper() == "HSET" and flat[i + 1] == job_key]
+    assert len(hsets_of_the_job) == 1
+    submit_job(fake_redis, spec)
+    ours = fake_redis.hgetall(job_key)
+    rq_queue = Queue("carpool-tiny-normal", connection=fake_redis, serializer=JSONSerializer)
+    rq_queue.enqueue_call(RQ_JOB_FUNCTION, args=[spec.to_dict()], job_id="rq-twin",
+                          result_ttl=DEFAULT_RESULT_TTL, failure_ttl=DEFAULT_FAILURE_TTL,
+                          timeout=600, description=f"generate {spec.sampling.max_tokens} tokens "
+                          f"with {spec.model}")
+    theirs = fake_redis.hgetall(RQKeys.job("rq-twin"))
+    # Times differ by when each was written; every field and every other value is rq's.
+    stamped = {b"created_at", b"enqueued_at"}
+    assert set(ours) == set(theirs)
+    assert {k: v for k, v in ours.items() if k not in stamped} == \
+        {k: v for k, v in theirs.items() if k not in stamped}
+
+
 def test_submit_writes_the_job_state_and_owner_index(fake_redis: fakeredis.FakeRedis) -> None:
     spec = make_spec("job-2")
     submit_job(fake_redis, spec)
