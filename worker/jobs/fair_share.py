@@ -137,7 +137,7 @@ local function fair_charge(fields, updates)
   fair_vt[owner] = vt
   redis.call('HSET', FAIR_VTIMES, owner, string.format('%.17g', vt))
   updates[#updates + 1] = 'fair_charge'
-  updates[#updates + 1] = tokens
+  updates[#updates + 1] = tostring(tokens)  -- a string, as HGETALL gives the other fields
   updates[#updates + 1] = 'fair_weight'
   updates[#updates + 1] = string.format('%.17g', weight)
 end
