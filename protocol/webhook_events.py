@@ -22,6 +22,13 @@ from redis.client import Pipeline
 
 from protocol.keys import Keys
 
+# How long an event waits for a dispatcher: each write trims (MINID ~, whole stream nodes) what is
+# older. A failed job's records are kept as long (protocol.job_submission.DEFAULT_FAILURE_TTL,
+# not imported: that module imports this one), so no event outlives the job it reports by much,
+# and a Redis that no dispatcher reads keeps a week of events, not every event ever. The
+# dispatcher forgets a pending event trimmed meanwhile (an empty entry).
+EVENT_RETENTION_MS = 7 * 24 * 3600 * 1000
+
 
 class WebhookEventType(str, Enum):
     JOB_COMPLETED = "job.completed"  # finished: stop or length
@@ -80,9 +87,11 @@ def emit_event(target: Redis | Pipeline, type: str, data: dict[str, Any], url: s
     `type` e.g. "batch.completed"; `data` a JSON-ready object (its "id" names the subject)."""
     if not url:
         return
+    now = time.time()
     target.xadd(keys.webhook_events(), {
-        "type": type, "url": url, "at": repr(time.time()), "owner": owner,
-        "data": json.dumps(data, separators=(",", ":"))})
+        "type": type, "url": url, "at": repr(now), "owner": owner,
+        "data": json.dumps(data, separators=(",", ":"))},
+        minid=int(now * 1000) - EVENT_RETENTION_MS, approximate=True)
 
 
 # Lua: one event onto `events` (Keys.webhook_events()), the entry `emit_event` writes and
@@ -91,8 +100,9 @@ def emit_event(target: Redis | Pipeline, type: str, data: dict[str, Any], url: s
 EMIT_EVENT_LUA = """
 local function emit_event(events, type, url, owner, data)
   local t = redis.call('TIME')
-  redis.call('XADD', events, '*', 'type', type, 'url', url, 'owner', owner,
-             'at', string.format('%d.%06d', t[1], t[2]), 'data', data)
+  local oldest_ms = tonumber(t[1]) * 1000 - """ + str(EVENT_RETENTION_MS) + """
+  redis.call('XADD', events, 'MINID', '~', oldest_ms, '*', 'type', type, 'url', url,
+             'owner', owner, 'at', string.format('%d.%06d', t[1], t[2]), 'data', data)
 end
 """
 

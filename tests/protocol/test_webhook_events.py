@@ -4,11 +4,15 @@ emit_event; the worker's FINISH path is covered in tests/worker/jobs/test_webhoo
 from __future__ import annotations
 
 import json
+import time
 
 import fakeredis
+import pytest
+from redis import Redis
 
 from protocol import JobStatus, Keys, cancel_job, submit_job
-from protocol.webhook_events import WebhookEvent, emit_event
+from protocol.job_submission import DEFAULT_FAILURE_TTL
+from protocol.webhook_events import EMIT_EVENT_LUA, EVENT_RETENTION_MS, WebhookEvent, emit_event
 from tests.protocol.conftest import make_spec
 
 KEYS = Keys()
@@ -67,3 +71,30 @@ def test_emit_event_in_a_transaction(fake_redis: fakeredis.FakeRedis) -> None:
                                                     "https://hooks.example.com/c", "key-9")
     assert json.loads(event.data) == {"id": "batch_1", "request_counts": {"total": 2}}
     assert event.webhook_id == f"msg_{event.event_id}"
+
+
+@pytest.mark.parametrize("writer", ["python", "lua"])
+def test_events_older_than_the_retention_are_trimmed_by_the_next_write(
+        redis_url: str, writer: str) -> None:
+    """A stream no dispatcher reads keeps a week of events, not all of them (real Redis: MINID ~
+    trims whole stream nodes, here a first node of 100 old entries)."""
+    redis = Redis.from_url(redis_url)
+    stream = KEYS.webhook_events()
+    for ms in range(1, 101):  # long before the retention: the first node, full
+        redis.xadd(stream, {"type": "job.completed", "url": "https://old", "data": "{}"},
+                   id=f"{ms}-0")
+    six_days_ago = int(time.time() * 1000) - EVENT_RETENTION_MS + 24 * 3600 * 1000
+    redis.xadd(stream, {"type": "job.completed", "url": "https://recent", "data": "{}"},
+               id=f"{six_days_ago}-0")
+    if writer == "python":
+        emit_event(redis, "batch.completed", {"id": "batch_1"}, "https://hooks.example.com/b")
+    else:
+        redis.eval(EMIT_EVENT_LUA + "emit_event(KEYS[1], 'job.completed', "
+                   "'https://hooks.example.com/j', 'key-1', '{}')", 1, stream)
+    urls = [fields[b"url"] for _, fields in redis.xrange(stream)]
+    assert urls[0] == b"https://recent" and urls[1].startswith(b"https://hooks.example.com/")
+    assert len(urls) == 2
+
+
+def test_events_are_kept_as_long_as_a_failed_job() -> None:
+    assert EVENT_RETENTION_MS == DEFAULT_FAILURE_TTL * 1000
