@@ -2,8 +2,9 @@
 bf16 (computed in fp32, rounded once at the output).
 
 Same signature and results as its twin, `paged_attention_torch`. Sequences with up to
-MAX_QUERY_ROWS query rows in the step (decodes, short chunks) are computed by the kernel straight
-from the paged cache; longer prefill chunks are GEMMs, for torch's CPU flash attention.
+`max_query_rows` query rows in the step (decodes, short chunks; every chunk in bf16 on AVX512-BF16
+without AMX) are computed by the kernel straight from the paged cache; longer prefill chunks are
+GEMMs, for torch's CPU flash attention.
 
 A long chunk is the last `q` of a sequence's `ctx` positions, so its mask is causal aligned to
 the bottom right: every row sees the `ctx - q` positions before the chunk, then the chunk's own
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_extension
+from kernels import cpu_extension, cpu_isa
 from kernels.arg_checks import check_paged_attention_args
 
 # Past this many rows a sequence's attention is a GEMM, which torch's flash attention does better
@@ -31,6 +32,21 @@ from kernels.arg_checks import check_paged_attention_args
 # prompts of 128 tokens 363 against 321 ms with 128; 4 prompts of 512 tokens 457 ms with 16, 454
 # with 128, 565 with 512 (the crossover).
 MAX_QUERY_ROWS = 128
+# Without AMX (ISA avx512_bf16), in bf16, the kernel's AVX-512 path (VDPBF16PS; a long chunk's rows
+# dealt out to the threads in parts) beats torch's flash attention at every chunk measured: one
+# layer's attention, 9 heads over 3, on a 2-vCPU Zen 4 EPYC, 3.1x at 256 rows, 1.8x at 512, 1.3x
+# at 1,024, 1.2x at 1,400, 1.1x at 2,048, 1.0-1.05x for 512-1,024 rows after 1,024-1,536 earlier
+# positions (README, "The whole serving path", long prompts). With AMX, flash attention's GEMMs
+# run on AMX tiles (a 2,048-row chunk in 10 ms on the Xeon, 41 here): long chunks stay with it.
+NO_ROW_LIMIT = 1 << 30
+
+
+def max_query_rows(dtype: torch.dtype) -> int:
+    """The most query rows of one sequence the kernel takes, for queries of `dtype` with the ISA
+    the kernels run with now; longer chunks go to torch's flash attention."""
+    if dtype == torch.bfloat16 and cpu_isa.active_isa() == cpu_isa.AVX512_BF16:
+        return NO_ROW_LIMIT
+    return MAX_QUERY_ROWS
 
 
 def is_available(query: torch.Tensor) -> bool:
@@ -56,14 +72,15 @@ def paged_attention_cpu(
         raise ValueError("paged_attention_cpu needs float32 or bfloat16 CPU tensors, head_dim % 8 == 0 "
                          "and the built extension")
     out = torch.zeros(query.shape, dtype=query.dtype)  # rows outside every sequence stay zero, as in the twin
+    most_rows = max_query_rows(query.dtype)
     # The kernel checks lengths and block ids itself (ValueError): no host round trip per layer here.
     cpu_extension.load().paged_attention_cpu(
         query, key_cache, value_cache, block_tables.contiguous(), seq_lens.contiguous(),
-        query_start_loc.contiguous(), float(scale), MAX_QUERY_ROWS, out,
+        query_start_loc.contiguous(), float(scale), most_rows, out,
     )
-    if max_query_len is None or max_query_len > MAX_QUERY_ROWS:
+    if max_query_len is None or max_query_len > most_rows:
         starts: list[int] = query_start_loc.tolist()
-        long_seqs = [s for s in range(len(starts) - 1) if starts[s + 1] - starts[s] > MAX_QUERY_ROWS]
+        long_seqs = [s for s in range(len(starts) - 1) if starts[s + 1] - starts[s] > most_rows]
         if long_seqs:
             ctx_lens: list[int] = seq_lens.tolist()
             for s in long_seqs:

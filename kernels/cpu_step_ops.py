@@ -8,7 +8,8 @@ dispatcher (kernels.dispatch: dtype, device, layout, the extension built) and a 
 the same order as the dispatchers, the same results bit for bit (tests/kernels/test_cpu_step_ops.py).
 
 Steps it does not take stay with the dispatchers, op by op: a prefill chunk longer than the C++
-attention's MAX_QUERY_ROWS (its twin's batched SDPA), and every dtype or device the kernels do not run.
+attention takes (cpu_paged_attention.max_query_rows: torch's flash attention), and every dtype or
+device the kernels do not run.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ class StepOps:
     (every layer's caches have one shape), and the step's metadata tensors."""
 
     def __init__(self, extension: ModuleType, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, skinny: bool) -> None:
+                 query_start_loc: torch.Tensor, slot_mapping: torch.Tensor, skinny: bool,
+                 max_query_rows: int) -> None:
         self._ext = extension
+        self._max_query_rows = max_query_rows  # cpu_paged_attention.max_query_rows, for this step
         self._block_tables, self._seq_lens, self._query_start_loc = block_tables, seq_lens, query_start_loc
         self._slot_mapping = slot_mapping
         self._max_skinny_rows = MAX_SKINNY_ROWS if skinny else 0  # fp32: kernels.linear's skinny kernel
@@ -47,7 +50,7 @@ class StepOps:
         """The ops for a step of these activations (hidden: [T, hidden], a layer's input; its q, k
         and v heads are column slices of one [T, (num_heads + 2 * num_kv_heads) * head_dim]
         projection) and caches, or None where a whole layer cannot run in one call (the kernels do
-        not run these tensors, or a sequence has more than MAX_QUERY_ROWS query rows): then use
+        not run these tensors, or a sequence has more query rows than the C++ attention takes): then use
         kernels.dispatch op by op. Raises ValueError on bad attention arguments, as the dispatchers do."""
         extension = cpu_extension.load()
         qkv = hidden.new_empty(hidden.shape[0], (num_heads + 2 * num_kv_heads) * head_dim)
@@ -58,10 +61,12 @@ class StepOps:
             return None
         check_write_kv_cache_args(key, value, key_cache, value_cache, slot_mapping)
         check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
-        if max_query_len > cpu_paged_attention.MAX_QUERY_ROWS:
+        max_query_rows = cpu_paged_attention.max_query_rows(hidden.dtype)
+        if max_query_len > max_query_rows:
             return None
         return cls(extension, block_tables.contiguous(), seq_lens.contiguous(), query_start_loc.contiguous(),
-                   slot_mapping, hidden.dtype == torch.float32 and cpu_skinny_linear.is_available())
+                   slot_mapping, hidden.dtype == torch.float32 and cpu_skinny_linear.is_available(),
+                   max_query_rows)
 
     def decoder_layer(self, hidden: torch.Tensor, input_norm: torch.Tensor, input_eps: float,
                       qkv_proj: LinearArgs, o_proj: LinearArgs, post_norm: torch.Tensor, post_eps: float,
@@ -75,5 +80,5 @@ class StepOps:
         return self._ext.decoder_layer_cpu(
             hidden, input_norm, input_eps, qkv_proj, o_proj, post_norm, post_eps, gate_up_proj, down_proj,
             num_heads, num_kv_heads, scale, cos, sin, key_cache, value_cache, self._slot_mapping,
-            self._block_tables, self._seq_lens, self._query_start_loc, cpu_paged_attention.MAX_QUERY_ROWS,
+            self._block_tables, self._seq_lens, self._query_start_loc, self._max_query_rows,
             padded_rows(hidden.shape[0]), self._max_skinny_rows, cpu_amx_linear.MAX_ROWS)

@@ -21,12 +21,15 @@ struct PagedAttentionArgs {
     float scale;
 };
 
-// AVX-512 (+ AVX512_BF16) paged attention, one (sequence, kv head) task: defined in
+// AVX-512 (+ AVX512_BF16) paged attention, one (sequence, kv head) task, its query rows
+// first_row..end_row (of the sequence's rows in this step; end_row clamped to them): defined in
 // paged_attention_avx512.cpp, callable only where carpool::active_isa() is kAvx512Bf16.
 // scratch: at least avx512_attention_scratch_floats(max context) floats, private to the caller.
 int64_t avx512_attention_scratch_floats(int64_t max_ctx);
 int64_t avx512_attention_max_head_dim();
-void paged_attention_task_avx512_bf16(const PagedAttentionArgs& args, int64_t task, float* scratch);
-void paged_attention_task_avx512_fp32(const PagedAttentionArgs& args, int64_t task, float* scratch);
+void paged_attention_task_avx512_bf16(const PagedAttentionArgs& args, int64_t task, int64_t first_row,
+                                      int64_t end_row, float* scratch);
+void paged_attention_task_avx512_fp32(const PagedAttentionArgs& args, int64_t task, int64_t first_row,
+                                      int64_t end_row, float* scratch);
 
 }  // namespace carpool

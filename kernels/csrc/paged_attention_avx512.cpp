@@ -259,7 +259,8 @@ void weighted_values_all(const Task<T>& task, const float* probs, int64_t stride
 }
 
 template <typename T, typename Q>
-void attend(const carpool::PagedAttentionArgs& args, int64_t task_id, float* scratch) {
+void attend(const carpool::PagedAttentionArgs& args, int64_t task_id, int64_t first_j, int64_t end_j,
+            float* scratch) {
     const int64_t s = task_id / args.num_kv_heads, kv = task_id % args.num_kv_heads;
     const int64_t first_row = args.starts[s], q_len = args.starts[s + 1] - first_row, ctx = args.lens[s];
     if (q_len == 0 || q_len > args.max_query_rows) return;
@@ -273,7 +274,7 @@ void attend(const carpool::PagedAttentionArgs& args, int64_t task_id, float* scr
     Q queries[kMaxHeads];
     float peaks[kMaxHeads];
     T* outs[kMaxHeads];
-    for (int64_t j = 0; j < q_len; ++j) {
+    for (int64_t j = first_j; j < min64(end_j, q_len); ++j) {
         const int64_t row = first_row + j, num_keys = ctx - q_len + j + 1;  // causal: keys 0..position
         for (int64_t g0 = 0; g0 < group; g0 += kMaxHeads) {
             const int64_t heads = min64(kMaxHeads, group - g0);
@@ -300,12 +301,14 @@ int64_t avx512_attention_scratch_floats(int64_t max_ctx) {
 
 int64_t avx512_attention_max_head_dim() { return 32 * carpool512::kMaxChunks; }
 
-void paged_attention_task_avx512_bf16(const PagedAttentionArgs& args, int64_t task, float* scratch) {
-    carpool512::attend<carpool512::bf16_bits, carpool512::QueryBf16>(args, task, scratch);
+void paged_attention_task_avx512_bf16(const PagedAttentionArgs& args, int64_t task, int64_t first_row,
+                                      int64_t end_row, float* scratch) {
+    carpool512::attend<carpool512::bf16_bits, carpool512::QueryBf16>(args, task, first_row, end_row, scratch);
 }
 
-void paged_attention_task_avx512_fp32(const PagedAttentionArgs& args, int64_t task, float* scratch) {
-    carpool512::attend<float, carpool512::QueryFp32>(args, task, scratch);
+void paged_attention_task_avx512_fp32(const PagedAttentionArgs& args, int64_t task, int64_t first_row,
+                                      int64_t end_row, float* scratch) {
+    carpool512::attend<float, carpool512::QueryFp32>(args, task, first_row, end_row, scratch);
 }
 
 }  // namespace carpool
@@ -317,8 +320,8 @@ CARPOOL_AVX512_END
 namespace carpool {
 int64_t avx512_attention_scratch_floats(int64_t) { return 0; }
 int64_t avx512_attention_max_head_dim() { return 0; }
-void paged_attention_task_avx512_bf16(const PagedAttentionArgs&, int64_t, float*) {}
-void paged_attention_task_avx512_fp32(const PagedAttentionArgs&, int64_t, float*) {}
+void paged_attention_task_avx512_bf16(const PagedAttentionArgs&, int64_t, int64_t, int64_t, float*) {}
+void paged_attention_task_avx512_fp32(const PagedAttentionArgs&, int64_t, int64_t, int64_t, float*) {}
 }  // namespace carpool
 
 #endif

@@ -20,6 +20,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -221,6 +222,9 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
     });
 }
 
+// Query rows of a long chunk per task of the AVX-512 path (a decode step has one per sequence).
+constexpr int64_t kRowsPerPart = 32;
+
 // The AVX-512 path: the same tasks, each run by paged_attention_avx512.cpp.
 template <typename T>
 void paged_attention_avx512(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
@@ -251,14 +255,47 @@ void paged_attention_avx512(const at::Tensor& query, const at::Tensor& key_cache
     int64_t max_ctx = 0;
     for (int64_t s = 0; s < num_seqs; ++s) max_ctx = std::max<int64_t>(max_ctx, args.lens[s]);
     const size_t scratch_floats = static_cast<size_t>(carpool::avx512_attention_scratch_floats(max_ctx));
-    at::parallel_for(0, num_seqs * args.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scratch(scratch_floats);  // the task's scores, per query head
-        for (int64_t task = begin; task < end; ++task) {
-            if constexpr (std::is_same_v<T, float>)
-                carpool::paged_attention_task_avx512_fp32(args, task, scratch.data());
-            else
-                carpool::paged_attention_task_avx512_bf16(args, task, scratch.data());
+    const auto run = [&](int64_t task, int64_t first_row, int64_t end_row, float* scratch) {
+        if constexpr (std::is_same_v<T, float>)
+            carpool::paged_attention_task_avx512_fp32(args, task, first_row, end_row, scratch);
+        else
+            carpool::paged_attention_task_avx512_bf16(args, task, first_row, end_row, scratch);
+    };
+    int64_t longest = 0;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t q_len = args.starts[s + 1] - args.starts[s];
+        if (q_len <= max_query_rows) longest = std::max(longest, q_len);
+    }
+    if (longest <= kRowsPerPart) {  // decodes and short chunks: a task per (sequence, kv head)
+        at::parallel_for(0, num_seqs * args.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+            std::vector<float> scratch(scratch_floats);  // the task's scores, per query head
+            for (int64_t task = begin; task < end; ++task) run(task, 0, kRowsPerPart, scratch.data());
+        });
+        return;
+    }
+    // A long chunk as (sequence, kv head) tasks alone kept a thread idle: one 1,024-row prompt with
+    // 3 kv heads on 2 threads ran 2 tasks on one thread and 1 on the other. Its rows go out in parts
+    // of kRowsPerPart, the costliest first (a part's keys grow with its rows' positions), each
+    // thread taking the next part when it is done with one.
+    struct Part {
+        int64_t cost, task, first_row;
+    };
+    std::vector<Part> parts;
+    for (int64_t s = 0; s < num_seqs; ++s) {
+        const int64_t q_len = args.starts[s + 1] - args.starts[s], before = args.lens[s] - q_len;
+        if (q_len == 0 || q_len > max_query_rows) continue;
+        for (int64_t first = 0; first < q_len; first += kRowsPerPart) {
+            const int64_t rows = std::min(kRowsPerPart, q_len - first);
+            for (int64_t kv = 0; kv < args.num_kv_heads; ++kv)
+                parts.push_back({rows * (before + first + rows), s * args.num_kv_heads + kv, first});
         }
+    }
+    std::sort(parts.begin(), parts.end(), [](const Part& a, const Part& b) { return a.cost > b.cost; });
+    std::atomic<size_t> next{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+        std::vector<float> scratch(scratch_floats);
+        for (size_t i = next++; i < parts.size(); i = next++)
+            run(parts[i].task, parts[i].first_row, parts[i].first_row + kRowsPerPart, scratch.data());
     });
 }
 

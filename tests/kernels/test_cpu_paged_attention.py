@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_extension, cpu_paged_attention, paged_attention, paged_attention_torch
+from kernels import cpu_extension, cpu_isa, cpu_paged_attention, paged_attention, paged_attention_torch
 from kernels.cpu_paged_attention import MAX_QUERY_ROWS, paged_attention_cpu
 
 pytestmark = [pytest.mark.skipif(cpu_extension.load() is None, reason="no AVX2 or no compiler here"),
@@ -92,3 +92,32 @@ def test_a_long_chunk_past_its_table_is_refused(paged_batch):  # by the kernel's
     batch.seq_lens[0] = batch.block_tables.shape[1] * 16 + 1
     with pytest.raises(ValueError):
         paged_attention_cpu(*batch.args())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_takes_every_bf16_chunk_only_on_avx512_bf16_without_amx(each_isa, dtype):
+    # Without AMX the AVX-512 path beats torch's flash attention at every chunk length; with AMX
+    # (flash's GEMMs on tiles) and on AVX2, chunks past MAX_QUERY_ROWS stay with flash.
+    unlimited = dtype == torch.bfloat16 and each_isa == cpu_isa.AVX512_BF16
+    expected = cpu_paged_attention.NO_ROW_LIMIT if unlimited else MAX_QUERY_ROWS
+    assert cpu_paged_attention.max_query_rows(dtype) == expected
+
+
+@pytest.mark.parametrize(("query_lens", "seq_lens"), [
+    ([700], [700]),  # one whole prompt: its rows in parts, 3 kv heads on the threads
+    ([1, 333, 1, 65], [50, 333 + 901, 7, 65]),  # a long chunk after a prefix, decodes, a 65-row chunk
+])
+def test_long_bf16_chunks_run_in_the_kernel_on_avx512_bf16(each_isa, paged_batch, dense_reference, close,
+                                                           query_lens, seq_lens):
+    if each_isa != cpu_isa.AVX512_BF16:
+        pytest.skip("the kernel takes long chunks on AVX512-BF16 without AMX only")
+    batch = paged_batch(query_lens, seq_lens, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                        seed=len(query_lens), dtype=torch.bfloat16)
+    out = paged_attention_cpu(*batch.args())
+    close(out, dense_reference(batch), torch.bfloat16)
+    # The kernel alone (no limit: nothing left for flash) gives exactly the same rows.
+    alone = torch.zeros_like(out)
+    cpu_extension.load().paged_attention_cpu(
+        batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
+        batch.query_start_loc, float(batch.scale), cpu_paged_attention.NO_ROW_LIMIT, alone)
+    assert torch.equal(out, alone)
