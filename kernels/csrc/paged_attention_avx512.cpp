@@ -1,6 +1,6 @@
-// paged_attention_cpu's AVX-512 path (16 lanes; VDPBF16PS for q.k on a bf16 cache), one
-// (sequence, kv head) task at a time; paged_attention_cpu.cpp runs the tasks and picks this path
-// at run time. The torch twin (kernels/torch_paged_attention.py) is its specification.
+// paged_attention_cpu's AVX-512 path (16 lanes; VDPBF16PS for q.k on a bf16 cache), one task at a
+// time: a (sequence, kv head) pair's query rows, or a part of a long chunk's; paged_attention_cpu.cpp
+// deals out the tasks and picks this path at run time. The torch twin (kernels/torch_paged_attention.py) is its specification.
 //
 // Why it differs from the AVX2 path: a decode step's attention reads each context's K and V once,
 // so it is bound by those reads and by the instructions spent per key. This path reads the bf16
