@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import StepOps, cpu_extension
+from kernels import StepOps, cpu_extension, cpu_isa
 from kernels.cpu_packed_linear import pack_weight, runs_fast_here
 from kernels.cpu_paged_attention import MAX_QUERY_ROWS
 
@@ -86,6 +86,19 @@ def _per_op_layer(hidden: torch.Tensor, layer: dict, cos: torch.Tensor, sin: tor
 ], ids=["decodes", "chunks", "70-padded", "past-amx-rows"])
 def test_a_whole_layer_in_one_call_equals_the_layer_op_by_op(dtype: torch.dtype, query_lens: list[int],
                                                                seq_lens: list[int]) -> None:
+    _check_whole_layer(dtype, query_lens, seq_lens)
+
+
+def test_a_long_bf16_chunk_is_a_whole_layer_step_on_avx512_bf16() -> None:
+    # Without AMX the C++ attention takes every bf16 chunk (cpu_paged_attention.max_query_rows),
+    # so a step with a long prefill chunk is one call a layer too.
+    if cpu_isa.AVX512_BF16 not in cpu_isa.supported_isas() or not runs_fast_here():
+        pytest.skip("needs AVX512-BF16")
+    with cpu_isa.forced_isa(cpu_isa.AVX512_BF16):
+        _check_whole_layer(torch.bfloat16, [1, 300], [7, 320])
+
+
+def _check_whole_layer(dtype: torch.dtype, query_lens: list[int], seq_lens: list[int]) -> None:
     step = _step(dtype, query_lens, seq_lens)
     ops = _ops(step)
     assert ops is not None
