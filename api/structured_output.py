@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import llguidance
 from pydantic import BaseModel, Field
 
 from api.errors import InvalidRequestError
 from protocol import StructuredOutput, StructuredOutputKind
-from protocol.generation import JSON_COMPILE_DEFAULTS, MAX_STRUCTURED_OUTPUT_CHARS
-
-if TYPE_CHECKING:
-    from llguidance._lib import JsonCompileOptions  # declared in the stubs only
+from protocol.generation import MAX_STRUCTURED_OUTPUT_CHARS, grammar_of
 
 ANY_JSON_OBJECT = '{"type":"object"}'
 _STRUCTURED_OUTPUTS_KEYS = {"json": StructuredOutputKind.JSON_SCHEMA, "regex": StructuredOutputKind.REGEX,
@@ -75,11 +72,7 @@ def check_compiles(constraint: StructuredOutput, param: str) -> None:
 @lru_cache(maxsize=256)
 def _compile_error(constraint: StructuredOutput) -> str:
     try:
-        if constraint.kind is StructuredOutputKind.JSON_SCHEMA:  # as the worker compiles it
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                constraint.spec, defaults=cast("JsonCompileOptions", JSON_COMPILE_DEFAULTS))
-        else:
-            grammar = llguidance.grammar_from(constraint.kind.value, constraint.spec)
+        grammar = grammar_of(constraint)  # as the worker compiles it
     except ValueError as exc:
         return str(exc)
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)

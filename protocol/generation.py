@@ -14,7 +14,10 @@ import json
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # declared in the stubs only
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -112,11 +115,9 @@ class StructuredOutputKind(str, Enum):
     GRAMMAR = "grammar"  # a Lark or GBNF grammar
 
 
-# How a JSON-schema constraint is compiled, by the API (its check at submit) and the worker alike
-# (llguidance's JSON compile options): whitespace between JSON tokens is bounded, since small
-# models otherwise spin in newlines until max_tokens; 32 still fits deeply indented JSON. A
-# schema's own "x-guidance" may change it. Both sides compile with the same options, so a schema
-# the API accepts is one the worker compiles.
+# How a JSON-schema constraint is compiled (llguidance's JSON compile options): whitespace between
+# JSON tokens is bounded, since small models otherwise spin in newlines until max_tokens; 32 still
+# fits deeply indented JSON. A schema's own "x-guidance" may change it.
 JSON_COMPILE_DEFAULTS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,32}"}
 
 
@@ -153,6 +154,19 @@ class StructuredOutput:
             kinds = [kind.value for kind in StructuredOutputKind]
             raise ValueError(f"structured_output kind must be one of {kinds}, got {data['kind']!r}") from None
         return cls(kind, data["spec"])
+
+
+def grammar_of(constraint: StructuredOutput) -> str:
+    """The llguidance grammar `constraint` compiles to (JSON schemas with JSON_COMPILE_DEFAULTS):
+    the one compile the API checks a constraint with at submit and the worker runs, so a
+    constraint the API accepts is one the worker compiles. ValueError where it does not compile.
+    llguidance is imported on first use: a process that never sees a constraint runs without it."""
+    import llguidance
+
+    if constraint.kind is StructuredOutputKind.JSON_SCHEMA:
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            constraint.spec, defaults=cast("JsonCompileOptions", JSON_COMPILE_DEFAULTS))
+    return llguidance.grammar_from(constraint.kind.value, constraint.spec)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,20 +17,17 @@ import os
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from protocol.generation import JSON_COMPILE_DEFAULTS, StructuredOutput, StructuredOutputKind
+from protocol.generation import StructuredOutput, grammar_of
 
 if TYPE_CHECKING:
     import llguidance
-    from llguidance._lib import JsonCompileOptions  # declared in the stubs only
 
 log = logging.getLogger(__name__)
 
-# The API checks every JSON schema with these same options (protocol.generation).
-JSON_DEFAULTS = cast("JsonCompileOptions", JSON_COMPILE_DEFAULTS)
 DEFAULT_CACHE_SIZE = 128  # compiled grammars kept across requests
 # Filling several masks in parallel (llguidance's thread pool) pays only where cores are many: on
 # a small CPU box its threads would take the cores the forward runs on, so there the masks are
@@ -135,11 +132,7 @@ class StructuredOutputs:
         if compiled is not None:
             self._compiled.move_to_end(constraint)
             return compiled
-        if constraint.kind is StructuredOutputKind.JSON_SCHEMA:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(constraint.spec, defaults=JSON_DEFAULTS)
-        else:
-            grammar = llguidance.grammar_from(constraint.kind.value, constraint.spec)
-        compiled = llguidance.LLMatcher(self._llg_tokenizer(), grammar, log_level=0)
+        compiled = llguidance.LLMatcher(self._llg_tokenizer(), grammar_of(constraint), log_level=0)
         if compiled.is_error():
             raise ValueError(f"the structured output does not compile: {compiled.get_error()}")
         self._compiled[constraint] = compiled
