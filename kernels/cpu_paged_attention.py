@@ -37,7 +37,7 @@ MAX_QUERY_ROWS = 128
 # layer's attention, 9 heads over 3, on a 2-vCPU Zen 4 EPYC, 3.1x at 256 rows, 1.8x at 512, 1.3x
 # at 1,024, 1.2x at 1,400, 1.1x at 2,048, 1.0-1.05x for 512-1,024 rows after 1,024-1,536 earlier
 # positions (README, "The whole serving path", long prompts). With AMX, flash attention's GEMMs
-# run on AMX tiles (a 2,048-row chunk in 10 ms on the Xeon, 41 here): long chunks stay with it.
+# run on AMX tiles, and there long chunks stay with it (not yet compared side by side).
 NO_ROW_LIMIT = 1 << 30
 
 
