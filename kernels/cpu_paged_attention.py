@@ -2,9 +2,10 @@
 bf16 (computed in fp32, rounded once at the output).
 
 Same signature and results as its twin, `paged_attention_torch`. Sequences with up to
-`max_query_rows` query rows in the step (decodes, short chunks; every chunk in bf16 on AVX512-BF16
-without AMX) are computed by the kernel straight from the paged cache; longer prefill chunks are
-GEMMs, for torch's CPU flash attention.
+`max_query_rows` query rows in the step are computed by the C++ kernels straight from the paged
+cache: decodes and short chunks always; every bf16 chunk on AVX512-BF16 (the row-by-row scan) and
+on AMX (chunks of 16 rows or more on AMX tiles, csrc/amx_attention.cpp). Longer prefill chunks,
+elsewhere, are GEMMs for torch's CPU flash attention.
 
 A long chunk is the last `q` of a sequence's `ctx` positions, so its mask is causal aligned to
 the bottom right: every row sees the `ctx - q` positions before the chunk, then the chunk's own
@@ -32,20 +33,24 @@ from kernels.arg_checks import check_paged_attention_args
 # prompts of 128 tokens 363 against 321 ms with 128; 4 prompts of 512 tokens 457 ms with 16, 454
 # with 128, 565 with 512 (the crossover).
 MAX_QUERY_ROWS = 128
-# Without AMX (ISA avx512_bf16), in bf16, the kernel's AVX-512 path (VDPBF16PS; a long chunk's rows
-# dealt out to the threads in parts) beats torch's flash attention at every chunk measured: one
-# layer's attention, 9 heads over 3, on a 2-vCPU Zen 4 EPYC, 3.1x at 256 rows, 1.8x at 512, 1.3x
-# at 1,024, 1.2x at 1,400, 1.1x at 2,048, 1.0-1.05x for 512-1,024 rows after 1,024-1,536 earlier
-# positions (README, "The whole serving path", long prompts). With AMX, flash attention's GEMMs
-# run on AMX tiles, and there long chunks stay with it (not yet compared side by side).
+# In bf16, the C++ kernels take every chunk where they beat torch's flash attention at every length
+# measured (README, "The whole serving path", long prompts): without AMX (ISA avx512_bf16) the
+# row-by-row scan (VDPBF16PS; a long chunk's rows dealt out to the threads in parts), one layer's
+# attention, 9 heads over 3, on a 2-vCPU Zen 4 EPYC, 3.1x at 256 rows, 1.8x at 512, 1.3x at 1,024,
+# 1.2x at 1,400, 1.1x at 2,048; with AMX the tiles of csrc/amx_attention.cpp, on a 2-core Xeon
+# 1.65x at 256, 1.5x at 1,024, 1.45x at 1,400 and 2,048 (the same shapes; flash runs on AMX tiles
+# too there, and beats the scan 3.5x at 1,400 rows). AVX2 and fp32 keep the flash path.
 NO_ROW_LIMIT = 1 << 30
+AMX_HEAD_DIMS = range(32, 257, 32)  # what the AMX tiles take: whole tiles of 32 features, up to 256
 
 
-def max_query_rows(dtype: torch.dtype) -> int:
-    """The most query rows of one sequence the kernel takes, for queries of `dtype` with the ISA
-    the kernels run with now; longer chunks go to torch's flash attention."""
-    if dtype == torch.bfloat16 and cpu_isa.active_isa() == cpu_isa.AVX512_BF16:
-        return NO_ROW_LIMIT
+def max_query_rows(dtype: torch.dtype, head_dim: int) -> int:
+    """The most query rows of one sequence the C++ kernels take, for queries of `dtype` and
+    `head_dim` with the ISA the kernels run with now; longer chunks go to torch's flash attention."""
+    if dtype == torch.bfloat16:
+        isa = cpu_isa.active_isa()
+        if isa == cpu_isa.AVX512_BF16 or (isa == cpu_isa.AMX and head_dim in AMX_HEAD_DIMS):
+            return NO_ROW_LIMIT
     return MAX_QUERY_ROWS
 
 
@@ -72,7 +77,7 @@ def paged_attention_cpu(
         raise ValueError("paged_attention_cpu needs float32 or bfloat16 CPU tensors, head_dim % 8 == 0 "
                          "and the built extension")
     out = torch.zeros(query.shape, dtype=query.dtype)  # rows outside every sequence stay zero, as in the twin
-    most_rows = max_query_rows(query.dtype)
+    most_rows = max_query_rows(query.dtype, query.shape[-1])
     # The kernel checks lengths and block ids itself (ValueError): no host round trip per layer here.
     cpu_extension.load().paged_attention_cpu(
         query, key_cache, value_cache, block_tables.contiguous(), seq_lens.contiguous(),

@@ -61,7 +61,7 @@ class StepOps:
             return None
         check_write_kv_cache_args(key, value, key_cache, value_cache, slot_mapping)
         check_paged_attention_args(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
-        max_query_rows = cpu_paged_attention.max_query_rows(hidden.dtype)
+        max_query_rows = cpu_paged_attention.max_query_rows(hidden.dtype, head_dim)
         if max_query_len > max_query_rows:
             return None
         return cls(extension, block_tables.contiguous(), seq_lens.contiguous(), query_start_loc.contiguous(),

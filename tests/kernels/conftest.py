@@ -130,10 +130,10 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(previous)
 
 
-@pytest.fixture(params=["avx2", "avx512_bf16"])
+@pytest.fixture(params=["avx2", "avx512_bf16", "amx"])
 def each_isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Runs the test once per CPU kernel path (kernels.cpu_isa): AVX2 everywhere, AVX-512 where
-    this CPU has it, so an AVX-512 machine also covers the path AVX2-only machines take."""
+    """Runs the test once per CPU kernel path (kernels.cpu_isa): AVX2 everywhere, AVX-512 and AMX
+    where this CPU has them, so an AMX machine also covers the paths the others take."""
     from kernels import cpu_isa
 
     if request.param not in cpu_isa.supported_isas():

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.skipif(cpu_extension.load() is None, reason="no AVX2 o
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (9, 3)])
 def test_mixed_batch_matches_dense(paged_batch, dense_reference, close, mixed_lens, head_dim, num_heads, num_kv_heads,
                                    dtype):
-    # The mixed batch holds a 20- and a 33-row chunk: those go through the twin, the rest through C++.
+    # The mixed batch: decodes, a 20- and a 33-row chunk (on AMX, in bf16, at head_dim 64 and 128: tiles).
     batch = paged_batch(*mixed_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                         seed=head_dim, dtype=dtype)
     out = paged_attention_cpu(*batch.args())
@@ -95,29 +95,61 @@ def test_a_long_chunk_past_its_table_is_refused(paged_batch):  # by the kernel's
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kernel_takes_every_bf16_chunk_only_on_avx512_bf16_without_amx(each_isa, dtype):
-    # Without AMX the AVX-512 path beats torch's flash attention at every chunk length; with AMX
-    # (flash's GEMMs on tiles) and on AVX2, chunks past MAX_QUERY_ROWS stay with flash.
-    unlimited = dtype == torch.bfloat16 and each_isa == cpu_isa.AVX512_BF16
+@pytest.mark.parametrize("head_dim", [48, 64, 128, 288])
+def test_the_kernels_take_every_bf16_chunk_with_avx512_bf16_or_amx_tiles(each_isa, dtype, head_dim):
+    # The AVX-512 scan beats torch's flash attention at every chunk length without AMX, the AMX
+    # tiles (whole tiles of 32 features, up to 256) with it; on AVX2 and in fp32, chunks past
+    # MAX_QUERY_ROWS stay with flash.
+    tiles = each_isa == cpu_isa.AMX and head_dim % 32 == 0 and head_dim <= 256
+    unlimited = dtype == torch.bfloat16 and (each_isa == cpu_isa.AVX512_BF16 or tiles)
     expected = cpu_paged_attention.NO_ROW_LIMIT if unlimited else MAX_QUERY_ROWS
-    assert cpu_paged_attention.max_query_rows(dtype) == expected
+    assert cpu_paged_attention.max_query_rows(dtype, head_dim) == expected
 
 
 @pytest.mark.parametrize(("query_lens", "seq_lens"), [
     ([700], [700]),  # one whole prompt: its rows in parts, 3 kv heads on the threads
     ([1, 333, 1, 65], [50, 333 + 901, 7, 65]),  # a long chunk after a prefix, decodes, a 65-row chunk
 ])
-def test_long_bf16_chunks_run_in_the_kernel_on_avx512_bf16(each_isa, paged_batch, dense_reference, close,
-                                                           query_lens, seq_lens):
-    if each_isa != cpu_isa.AVX512_BF16:
-        pytest.skip("the kernel takes long chunks on AVX512-BF16 without AMX only")
+def test_long_bf16_chunks_run_in_the_kernels_with_avx512_bf16_or_amx(each_isa, paged_batch, dense_reference, close,
+                                                                     query_lens, seq_lens):
+    if each_isa == cpu_isa.AVX2:
+        pytest.skip("on AVX2 long chunks go to torch's flash attention")
     batch = paged_batch(query_lens, seq_lens, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
                         seed=len(query_lens), dtype=torch.bfloat16)
     out = paged_attention_cpu(*batch.args())
     close(out, dense_reference(batch), torch.bfloat16)
-    # The kernel alone (no limit: nothing left for flash) gives exactly the same rows.
+    # The kernels alone (no limit: nothing left for flash) give exactly the same rows.
     alone = torch.zeros_like(out)
     cpu_extension.load().paged_attention_cpu(
         batch.query, batch.key_cache, batch.value_cache, batch.block_tables, batch.seq_lens,
         batch.query_start_loc, float(batch.scale), cpu_paged_attention.NO_ROW_LIMIT, alone)
     assert torch.equal(out, alone)
+
+
+@pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads"), [(32, 4, 4), (64, 9, 3), (128, 8, 2)])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_amx_tiles_take_bf16_chunks_of_16_rows_or_more(each_isa, paged_batch, dense_reference, close, head_dim,
+                                                       num_heads, num_kv_heads, block_size):
+    if each_isa != cpu_isa.AMX:
+        pytest.skip("AMX tiles only")
+    # Beside decodes and a 15-row chunk (the scan's): 16 rows after 200 positions (half a tile
+    # block of rows), 32 rows from position 0 and after 5 (a block ending mid-key-tile), 33 rows
+    # (a second, one-row block), a whole 300-row prompt, and 290 rows after 700 positions (several
+    # key blocks of 256), none a multiple of 32 keys; unowned cache slots hold NaN, which no tile
+    # may read.
+    query_lens = [1, 16, 15, 32, 32, 33, 300, 1, 290]
+    seq_lens = [40, 16 + 200, 15 + 9, 32, 32 + 5, 33 + 100, 300, 555, 290 + 700]
+    batch = paged_batch(query_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                        block_size=block_size, seed=head_dim + block_size, dtype=torch.bfloat16)
+    out = paged_attention_cpu(*batch.args())
+    close(out, dense_reference(batch), torch.bfloat16)
+    assert not out.isnan().any()
+    # The tiles round each probability to bf16 for the product with V (as flash attention does);
+    # the scan keeps them in fp32: the tiles' rows are close to the scan's, not equal.
+    with cpu_isa.forced_isa(cpu_isa.AVX512_BF16):
+        scanned = paged_attention_cpu(*batch.args())
+    starts = batch.query_start_loc.tolist()
+    for s, rows in enumerate(query_lens):
+        mine, theirs = out[starts[s]:starts[s + 1]], scanned[starts[s]:starts[s + 1]]
+        assert torch.equal(mine, theirs) == (rows < 16), f"sequence {s} ({rows} rows)"
+        close(mine, theirs, torch.bfloat16)
