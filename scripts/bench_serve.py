@@ -96,10 +96,17 @@ class Server:
                 process.wait()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _free_ports(count: int) -> list[int]:
+    """`count` distinct free ports: each socket stays bound until all are picked (one released
+    before the next pick can come back as that pick, and two servers then race for one port)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -130,7 +137,7 @@ def _wait_ready(url: str, processes: list[subprocess.Popen], logs: Sequence[Path
 
 
 def start_carpool(model: str, workdir: Path) -> Server:
-    redis_port, api_port = _free_port(), _free_port()
+    redis_port, api_port = _free_ports(2)
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
     logs = [workdir / "redis.log", workdir / "api.log", workdir / "worker.log"]
     processes = [_spawn([shutil.which("redis-server") or "redis-server", "--port", str(redis_port),
@@ -162,7 +169,7 @@ def carpool_dtype() -> str:
 
 
 def start_vllm(vllm_python: str, model_dir: Path, workdir: Path, dtype: str) -> Server:
-    port = _free_port()
+    [port] = _free_ports(1)
     env = dict(os.environ)
     # What vLLM's CPU documentation asks of a user: tcmalloc and Intel's OpenMP preloaded, the
     # OpenMP threads bound to the cores, a KV cache size.
