@@ -3,15 +3,18 @@
     python scripts/bench_kernels.py                  # CPU: the torch twin against naive baselines
     python scripts/bench_kernels.py --device cuda    # GPU: adds the Triton kernels and flex attention
     python scripts/bench_kernels.py --threads 1 --clock cpu --dtypes bf16 --ops attention,layer
+    python scripts/bench_kernels.py --dtypes bf16 --ops attention --shapes prompt-1400,chunk-512 --no-flex
 
 Shapes (num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, shuffled block tables):
   decode-64: 64 sequences, one new token each, contexts uniform in 50..600
   mixed-256: one 256-token prefill chunk after a 256-token cached prefix, plus 63 decodes as above
+  prompt-1400, chunk-512 (--shapes): a whole 1,400-token prompt; 512 rows after 1,024 positions
 Implementations:
   twin         kernels.paged_attention_torch (the specification, and the CPU path without C++)
   cpp          kernels.paged_attention on CPU tensors: the C++ kernel (the CPU product path; cpu only), on
                the ISA the kernels picked at run time
   cpp-avx2     the same, pinned to its AVX2 path (kernels.cpu_isa.forced_isa), where another ISA is active
+               (on AVX2 chunks of more than 128 rows go to torch's flash attention: that path's row)
 Layer ops (--ops layer; CPU, 64 decode rows of hidden 576 / intermediate 1536, 9 + 3 heads of 64):
   rms_norm, add+rms_norm (torch's residual add then the kernel; `fused` is fused_add_rms_norm),
   silu_and_mul, rotary: twin (torch), cpp-avx2, cpp (the active ISA)
@@ -115,6 +118,9 @@ def shapes(seed: int = 0) -> dict[str, tuple[list[int], list[int]]]:
     return {
         "decode-64": ([1] * 64, decode_ctx),
         "mixed-256": ([256] + [1] * 63, [512] + decode_ctx[:63]),
+        # Long prefill chunks (--shapes): a whole 1,400-token prompt; 512 rows after 1,024 positions.
+        "prompt-1400": ([1400], [1400]),
+        "chunk-512": ([512], [1536]),
     }
 
 
@@ -356,6 +362,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--ops", default="attention,write_kv",
                         help="comma-separated: attention, write_kv, layer (the layer ops; cpu only)")
+    parser.add_argument("--shapes", default="decode-64,mixed-256",
+                        help=f"comma-separated, of {','.join(shapes())}")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="cpu: this process's CPU time, steadier on a shared machine (use with --threads 1)")
     args = parser.parse_args()
@@ -379,6 +387,8 @@ def main() -> None:
     for name, (query_lens, ctx_lens) in shapes().items():
         if not ops & {"attention", "write_kv"}:
             break
+        if name not in args.shapes.split(","):
+            continue
         for dtype_name in args.dtypes.split(","):
             b = build_batch(query_lens, ctx_lens, DTYPES[dtype_name], args.device)
             with_flex = args.device == "cuda" and not args.no_flex and dtype_name in args.flex_dtypes.split(",")
