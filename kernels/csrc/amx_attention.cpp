@@ -43,6 +43,7 @@
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 
 #include "avx512_math.h"
+#include "amx_tiles.h"
 
 namespace {
 
@@ -53,16 +54,11 @@ constexpr int64_t kKeys = 256;  // keys per softmax pass: 32 x 256 fp32 scores, 
 constexpr int64_t kTileElements = 16 * 32;  // bf16 of one tile: 16 rows of 64 bytes
 constexpr int64_t kMaxHeadDim = 256;  // the per-thread buffers' sizes grow with it
 
-// The 64-byte operand of LDTILECFG (palette 1). Every tile here is 16 rows of 64 bytes: 0-3 fp32
-// accumulators (rows 0-15 and 16-31, two column tiles each), 4-5 A (the two row halves), 6-7 B.
-struct alignas(64) TileConfig {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t bytes_per_row[16] = {};
-    uint8_t rows[16] = {};
-};
-
+// Every tile here is 16 rows of 64 bytes: 0-3 fp32 accumulators (rows 0-15 and 16-31, two column
+// tiles each), 4-5 A (the two row halves), 6-7 B.
 void configure_tiles() {
-    TileConfig config;
+    carpool_amx::TileConfig config{};
+    config.palette = 1;
     for (int t = 0; t < 8; ++t) {
         config.bytes_per_row[t] = 64;
         config.rows[t] = 16;

@@ -45,18 +45,14 @@ constexpr int64_t kRowBlock = 32;  // rows per pass: two A tiles
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
 
-namespace {
+#include "amx_tiles.h"
 
-// The 64-byte operand of LDTILECFG (palette 1): bytes per row and rows of each of the 8 tiles.
-struct alignas(64) TileConfig {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t bytes_per_row[16] = {};
-    uint8_t rows[16] = {};
-};
+namespace {
 
 // Tiles 0-3: accumulators (rows of x block 0: 0, 1; block 1: 2, 3); 4, 5: A (x rows); 6, 7: B.
 void configure_tiles(int rows0, int rows1) {
-    TileConfig config;
+    carpool_amx::TileConfig config{};
+    config.palette = 1;
     for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64;
     config.rows[0] = config.rows[1] = config.rows[4] = static_cast<uint8_t>(rows0);
     config.rows[2] = config.rows[3] = config.rows[5] = static_cast<uint8_t>(std::max(rows1, 1));
