@@ -41,15 +41,15 @@ MAX_QUERY_ROWS = 128
 # 1.65x at 256, 1.5x at 1,024, 1.45x at 1,400 and 2,048 (the same shapes; flash runs on AMX tiles
 # too there, and beats the scan 3.5x at 1,400 rows). AVX2 and fp32 keep the flash path.
 NO_ROW_LIMIT = 1 << 30
-AMX_HEAD_DIMS = range(32, 257, 32)  # what the AMX tiles take: whole tiles of 32 features, up to 256
 
 
 def max_query_rows(dtype: torch.dtype, head_dim: int) -> int:
     """The most query rows of one sequence the C++ kernels take, for queries of `dtype` and
     `head_dim` with the ISA the kernels run with now; longer chunks go to torch's flash attention."""
     if dtype == torch.bfloat16:
-        isa = cpu_isa.active_isa()
-        if isa == cpu_isa.AVX512_BF16 or (isa == cpu_isa.AMX and head_dim in AMX_HEAD_DIMS):
+        isa = cpu_isa.active_isa()  # "amx" only where the extension is built and loaded
+        # The AMX tiles' own test of a head's size (csrc/amx_attention.cpp), not a copy of it.
+        if isa == cpu_isa.AVX512_BF16 or (isa == cpu_isa.AMX and cpu_extension.load().amx_attention_runs(head_dim)):
             return NO_ROW_LIMIT
     return MAX_QUERY_ROWS
 
