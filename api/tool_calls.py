@@ -24,6 +24,7 @@ from typing import Any
 from api.errors import InvalidRequestError
 from api.structured_output import check_compiles
 from protocol import StructuredOutput, StructuredOutputKind
+from protocol.closed_objects import close_objects
 from protocol.generation import MAX_STRUCTURED_OUTPUT_CHARS
 
 CALL_OPEN = "<tool_call>"
@@ -131,8 +132,10 @@ def _choice(tool_choice: str | dict[str, Any] | None, names: list[str]) -> tuple
 
 
 def call_schema(tool: FunctionTool) -> dict[str, Any]:
-    """The JSON of one call of `tool`, as the Hermes format writes it."""
-    return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+    """The JSON of one call of `tool`, as the Hermes format writes it: only the arguments its
+    parameters name, unless they say otherwise (protocol.closed_objects)."""
+    arguments = close_objects(tool.parameters)
+    return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": arguments},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 

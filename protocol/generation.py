@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING, Any, cast
 
+from protocol.closed_objects import close_objects
+
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # declared in the stubs only
 
@@ -157,15 +159,21 @@ class StructuredOutput:
 
 
 def grammar_of(constraint: StructuredOutput) -> str:
-    """The llguidance grammar `constraint` compiles to (JSON schemas with JSON_COMPILE_DEFAULTS):
+    """The llguidance grammar `constraint` compiles to (JSON schemas with JSON_COMPILE_DEFAULTS,
+    their objects closed: protocol.closed_objects):
     the one compile the API checks a constraint with at submit and the worker runs, so a
     constraint the API accepts is one the worker compiles. ValueError where it does not compile.
     llguidance is imported on first use: a process that never sees a constraint runs without it."""
     import llguidance
 
     if constraint.kind is StructuredOutputKind.JSON_SCHEMA:
+        try:
+            spec = json.dumps(close_objects(json.loads(constraint.spec)))
+        except (ValueError, RecursionError):
+            # Not JSON, or nested past Python's stack: llguidance's own error names what is wrong.
+            spec = constraint.spec
         return llguidance.LLMatcher.grammar_from_json_schema(
-            constraint.spec, defaults=cast("JsonCompileOptions", JSON_COMPILE_DEFAULTS))
+            spec, defaults=cast("JsonCompileOptions", JSON_COMPILE_DEFAULTS))
     return llguidance.grammar_from(constraint.kind.value, constraint.spec)
 
 

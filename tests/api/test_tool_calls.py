@@ -41,6 +41,18 @@ def test_required_allows_any_tool_and_several_calls_unless_parallel_is_false() -
     assert single is not None and single.spec.startswith("start: call\n")
 
 
+def test_a_call_carries_only_the_arguments_its_parameters_name_unless_they_allow_more() -> None:
+    # SmolLM2 called get_weather with {"city": ..., "weather": "LA"} while the parameters' open
+    # object was compiled as written (protocol.closed_objects).
+    (weather,) = tool_calling_of([WEATHER], None, None).tools
+    assert call_schema(weather)["properties"]["arguments"] == {
+        **WEATHER["function"]["parameters"], "additionalProperties": False}
+    open_parameters = {"type": "object", "properties": {"q": {}}, "additionalProperties": True}
+    (search,) = tool_calling_of([{"type": "function", "function": {
+        "name": "search", "parameters": open_parameters}}], None, None).tools
+    assert call_schema(search)["properties"]["arguments"] == open_parameters
+
+
 @pytest.mark.parametrize(("choice", "expected"), [(None, "auto"), ("auto", "auto"), ("none", "none")])
 def test_auto_and_none_leave_the_output_free(choice: str | None, expected: str) -> None:
     calling = tool_calling_of([WEATHER], choice, None)

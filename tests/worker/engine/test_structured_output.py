@@ -115,6 +115,28 @@ def test_the_schema_the_api_makes_of_true_allows_any_json_value(outputs: Structu
         outputs.remove("any")
 
 
+def test_an_object_schema_admits_only_the_properties_it_names(outputs: StructuredOutputs,
+                                                              smollm2_dir: Path) -> None:
+    # As xgrammar (vLLM's default) and OpenAI read it: SmolLM2 wrote "happy" after a person's
+    # name and age here while the spec's "additionalProperties: true" was compiled as written.
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    person = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+
+    def fits(schema: dict[str, Any], text: str) -> bool:
+        try:
+            outputs.add("p", json_schema(schema), tokenizer.encode(text, add_special_tokens=False))
+        except ValueError:
+            return False
+        outputs.remove("p")
+        return True
+
+    assert fits(person, '{"name": "Ann", "age": 7}')
+    assert not fits(person, '{"name": "Ann", "age": 7, "happy": 1}')
+    assert fits({**person, "additionalProperties": True}, '{"name": "Ann", "age": 7, "happy": 1}')
+
+
 # -- the engine, on the tiny random model (its logits know nothing of JSON) -------------------
 
 PROMPTS = [[1, 504, 3458, 314], [1, 2030, 17, 11, 900, 42], [1, 77], [1, 9, 8, 7, 6, 5, 4, 3, 100]]
