@@ -322,8 +322,9 @@ class BatchRunner:
         sampling = (chat_requests(body, self.settings, common).requests[0].sampling
                     if isinstance(body, ChatCompletionRequest)
                     else completion_requests(body, self.settings, common)[0].sampling)
+        prompt_only = isinstance(body, CompletionRequest) and body.scores_prompt
         jobs = [ChoiceJob(index=index, prompt_number=index // line.n, job_id=job_id, echo=echo,
-                          prompt_tokens=prompt_tokens)
+                          prompt_tokens=prompt_tokens, prompt_only=prompt_only)
                 for index, (job_id, echo, prompt_tokens)
                 in enumerate(zip(line.job_ids, line.echoes, line.prompt_tokens, strict=True))]
         results = await wait_for_results(self.ctx, jobs)  # ended: their streams end at once

@@ -73,6 +73,12 @@ IgnoreEos = Annotated[bool, Field(
 MaxTokens = Annotated[int, Field(
     strict=True, ge=1,
     description="Most tokens to generate, 1 up to the model's context length minus the prompt.")]
+# /v1/completions also takes 0 with echo, as OpenAI's legacy API and vLLM do: the prompt scored.
+CompletionMaxTokens = Annotated[int, Field(
+    strict=True, ge=0,
+    description="Most tokens to generate, 1 up to the model's context length minus the prompt; "
+                "0 with echo: true scores the prompt (its text and, with logprobs, its tokens' "
+                "logprobs, nothing generated shown).")]
 # A week: past that a deadline is a typo, not a plan (and finished jobs are kept a day).
 MAX_DEADLINE_S = 7 * 24 * 3600.0
 QueueTimeoutS = Annotated[float | None, Field(

@@ -82,7 +82,7 @@ async def answer_body(ctx: AppContext, body: CompletionRequest | ChatCompletionR
             # The prompt's part first: the completion's text offsets continue after it.
             prompt = (await prompt_logprobs_of(ctx, formatter, result.job)
                       if sampling.prompt_logprobs is not None else None)
-            logprobs = formatter.format(result.tokens)
+            logprobs = formatter.format(() if result.job.prompt_only else result.tokens)
             if prompt is not None:
                 logprobs = {name: prompt[name] + logprobs[name] for name in logprobs}
         if is_chat:
@@ -92,7 +92,8 @@ async def answer_body(ctx: AppContext, body: CompletionRequest | ChatCompletionR
             choices.append({"index": result.job.index, "logprobs": logprobs,
                             "finish_reason": reason, "message": message})
         else:
-            choices.append({"index": result.job.index, "text": result.job.echo + result.text,
+            text = "" if result.job.prompt_only else result.text
+            choices.append({"index": result.job.index, "text": result.job.echo + text,
                             "logprobs": logprobs, "finish_reason": reason})
             if result.job.index in vllm_prompt:
                 choices[-1]["prompt_logprobs"] = vllm_prompt[result.job.index]

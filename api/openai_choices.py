@@ -29,6 +29,8 @@ class ChoiceJob:
     echo: str = ""  # put before the choice's text (`echo`: the prompt; on chat the last assistant message)
     prompt_tokens: int = 0  # the API's count (0: unknown), for usage before the job ends
     is_new: bool = False  # submitted by this request (not an Idempotency-Key replay): no tokens yet
+    # The choice is its echo alone (CompletionRequest.scores_prompt): its tokens are not shown.
+    prompt_only: bool = False
 
 
 @dataclass(frozen=True, slots=True)

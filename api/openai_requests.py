@@ -51,10 +51,15 @@ def check_counts(settings: ApiSettings, n: int, num_prompts: int) -> None:
 def completion_requests(body: CompletionRequest, settings: ApiSettings,
                         common: dict[str, Any]) -> list[GenerationRequest]:
     check_counts(settings, body.n, len(body.prompt))
+    if body.max_tokens == 0 and not body.echo:
+        raise InvalidRequestError("Invalid value for 'max_tokens': at least 1 token is generated "
+                                  "(0 is accepted with echo: true, to score the prompt); got 0",
+                                  param="max_tokens")
+    # Scoring the prompt (body.scores_prompt) runs one token: the prompt's logprobs come with it.
     return [GenerationRequest(
         **common, prompt=prompt if isinstance(prompt, str) else None,
         prompt_token_ids=prompt if isinstance(prompt, list) else None,
-        max_tokens=body.max_tokens, sampling=choice_sampling(common_sampling, choice))
+        max_tokens=max(body.max_tokens, 1), sampling=choice_sampling(common_sampling, choice))
         # echo with logprobs: the prompt's tokens get theirs too (as OpenAI's legacy API did).
         for prompt in body.prompt for choice, common_sampling in _choices(
             body, prompt_logprobs=_most(body.prompt_logprobs, body.logprobs if body.echo else None))]

@@ -20,6 +20,7 @@ from pydantic import (
 )
 
 from api.fields import (
+    CompletionMaxTokens,
     FrequencyPenalty,
     IgnoreEos,
     LogitBias,
@@ -183,7 +184,7 @@ class CompletionRequest(_CommonParams):
         | list[list[int]]), Field(
         description="Text, a list of texts, token ids, or a list of token-id lists: n choices "
                     "for each prompt, numbered prompt * n + choice.")]
-    max_tokens: MaxTokens = 16
+    max_tokens: CompletionMaxTokens = 16
     suffix: str | None = Field(None, description="Not supported (insertion).")
     echo: bool = Field(False, strict=True, description="Put the prompt before each completion.")
     logprobs: int | None = Field(
@@ -205,6 +206,13 @@ class CompletionRequest(_CommonParams):
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs: how many alternatives per token (None: no logprobs)."""
         return self.logprobs
+
+    @property
+    def scores_prompt(self) -> bool:
+        """echo with max_tokens 0 (OpenAI's legacy API, vLLM's echo_without_generation): each
+        choice is its prompt alone, with the prompt's logprobs when asked. The job generates one
+        token to get them; that token is counted in usage (as vLLM counts it), never shown."""
+        return self.echo and self.max_tokens == 0
 
     @field_validator("best_of")
     @classmethod

@@ -96,7 +96,8 @@ async def create_completion(body: CompletionRequest, request: Request, owner: Ow
     requests = completion_requests(body, ctx.settings, _common(body, owner, request))
     accepted = await ctx.jobs.submit_many(requests)
     echoes = [(job.prompt_text or "") if body.echo else "" for job in accepted]
-    return await _answer(ctx, request, body, accepted, is_chat=False, echoes=echoes)
+    return await _answer(ctx, request, body, accepted, is_chat=False, echoes=echoes,
+                         prompt_only=body.scores_prompt)
 
 
 @router.post("/chat/completions", response_model=ChatCompletion, summary="Chat completion (OpenAI)",
@@ -125,11 +126,14 @@ def _model_object(card: ModelCard) -> ModelObject:
 
 async def _answer(ctx: AppContext, request: Request,
                   body: CompletionRequest | ChatCompletionRequest, accepted: list[AcceptedJob], *,
-                  is_chat: bool, echoes: list[str], tool_parser: ToolParser | None = None) -> Response:
-    """`echoes`: per accepted job, the text its choice starts with ("" for none)."""
+                  is_chat: bool, echoes: list[str], tool_parser: ToolParser | None = None,
+                  prompt_only: bool = False) -> Response:
+    """`echoes`: per accepted job, the text its choice starts with ("" for none); `prompt_only`:
+    each choice is that alone (CompletionRequest.scores_prompt)."""
     first = accepted[0].spec
     jobs = [ChoiceJob(index=index, prompt_number=index // body.n, job_id=job.spec.job_id,
-                      echo=echo, prompt_tokens=job.prompt_tokens or 0, is_new=not job.is_replay)
+                      echo=echo, prompt_tokens=job.prompt_tokens or 0, is_new=not job.is_replay,
+                      prompt_only=prompt_only)
             for index, (job, echo) in enumerate(zip(accepted, echoes, strict=True))]
     writer = ChunkWriter(is_chat=is_chat,
                          response_id=("chatcmpl-" if is_chat else "cmpl-") + first.job_id,
@@ -213,6 +217,8 @@ async def _stream_chunks(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
                                             await prompt_logprobs_of(ctx, formatters[job.index], job)))
                 if not event.is_done:
                     num_tokens[job.index] += 1
+                    if job.prompt_only:
+                        continue  # the one token that brought the prompt's logprobs: not shown
                     if job.index in formatters:
                         unsent[job.index].append(entry)
                     if entry.text and job.index in call_streams:

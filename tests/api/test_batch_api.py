@@ -197,6 +197,24 @@ async def test_a_batch_runs_every_line_once_on_the_batch_tier(harness: Harness,
     assert (await client.get(f"/v1/batches/{batch['id']}")).json() == done
 
 
+async def test_a_line_scoring_its_prompt_answers_the_prompt_alone(harness: Harness,
+                                                                  client: httpx.AsyncClient) -> None:
+    content = _jsonl(_line("score", {"model": MODEL, "prompt": "hello world", "echo": True,
+                                     "max_tokens": 0}))
+    batch = await _create(client, content)
+    runner = BatchRunner(harness.context)
+    await runner.tick()  # validating -> in_progress
+    await runner.tick()  # queued
+    await harness.serve_next_job(["unseen"], reason=FinishReason.LENGTH)
+    await runner.tick()
+    done = (await client.get(f"/v1/batches/{batch['id']}")).json()
+    assert done["status"] == "completed", done
+    (line,) = [json.loads(x) for x in
+               (await client.get(f"/v1/files/{done['output_file_id']}/content")).text.splitlines()]
+    choice = line["response"]["body"]["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("hello world", "length")
+
+
 async def test_a_runner_reads_the_answered_lines_back_only_after_another_answered_some(
         harness: Harness, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
     batch = await _create(client, _jsonl(_line("a"), _line("b"), _line("c")))

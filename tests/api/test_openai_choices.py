@@ -121,6 +121,37 @@ async def test_streamed_completion_echo_comes_first(harness: Harness,
     assert texts == ["hello", "x", ""]
 
 
+async def test_echo_with_max_tokens_0_scores_the_prompt_and_shows_nothing_generated(
+        harness: Harness, client: httpx.AsyncClient) -> None:
+    # OpenAI's legacy API and vLLM: the choice is the prompt alone; the job runs one token (the
+    # prompt's logprobs come with it), counted in usage as vLLM counts it, never shown.
+    worker = asyncio.create_task(_serve(harness, [["x"], ["y"]]))
+    response = await client.post("/v1/completions", json={
+        "prompt": ["hello", "world"], "echo": True, "max_tokens": 0})
+    job_ids = await worker
+    assert [_spec(harness, j)["sampling"]["max_tokens"] for j in job_ids] == [1, 1]
+    body = response.json()
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "hello", "length"), (1, "world", "length")]
+    assert body["usage"]["completion_tokens"] == 2
+    worker = asyncio.create_task(_serve(harness, [["x"]]))
+    response = await client.post("/v1/completions", json={
+        "prompt": "hello", "echo": True, "stream": True, "max_tokens": 0})
+    await worker
+    chunks = _data(response.text)[:-1]
+    assert [(c["choices"][0]["text"], c["choices"][0]["finish_reason"]) for c in chunks] == [
+        ("hello", None), ("", "length")]
+
+
+async def test_max_tokens_0_without_echo_is_refused(harness: Harness,
+                                                    client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 0})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "max_tokens" and "echo" in error["message"]
+    assert sum(harness.sync.llen(f"rq:queue:{name}") for name in harness.keys.queue_names(MODEL)) == 0
+
+
 async def test_all_n_jobs_are_admitted_or_none() -> None:
     from api_support import make_harness
 

@@ -376,6 +376,20 @@ def test_openai_completion_echo_with_logprobs_gives_the_prompt_tokens_theirs(
             streamed_tokens += chunk.choices[0].logprobs.tokens or []
             streamed += chunk.choices[0].logprobs.token_logprobs or []
     assert (streamed_tokens, streamed) == (logprobs.tokens, logprobs.token_logprobs)
+    # max_tokens 0 scores the prompt: the same prompt part, nothing generated shown.
+    scored = client.completions.create(model=api.model, prompt=prompt, max_tokens=0,
+                                       temperature=0.0, logprobs=2, echo=True)
+    scored_logprobs = scored.choices[0].logprobs
+    assert scored.choices[0].text == prompt and scored.choices[0].finish_reason == "length"
+    assert scored_logprobs is not None
+    assert (scored_logprobs.tokens, scored_logprobs.token_logprobs, scored_logprobs.text_offset) == (
+        logprobs.tokens[:n], logprobs.token_logprobs[:n], logprobs.text_offset[:n])
+    scored_chunks = [c for c in client.completions.create(
+        model=api.model, prompt=prompt, max_tokens=0, temperature=0.0, logprobs=2, echo=True,
+        stream=True) if c.choices]
+    assert [c.choices[0].text for c in scored_chunks] == [prompt, ""]
+    assert scored_chunks[0].choices[0].logprobs is not None
+    assert scored_chunks[0].choices[0].logprobs.token_logprobs == logprobs.token_logprobs[:n]
 
 
 def test_vllm_prompt_logprobs_field_on_completions_and_chat(api: ApiServer, reference_engine: Any) -> None:
