@@ -26,10 +26,14 @@ class ChatTemplateError(ValueError):
 
 def render_chat(card: ModelCard, messages: list[dict[str, Any]],
                 add_generation_prompt: bool = True,
-                tools: list[dict[str, Any]] | None = None) -> tuple[str, bool]:
+                tools: list[dict[str, Any]] | None = None,
+                continue_final_message: bool = False) -> tuple[str, bool]:
     """The prompt text for `messages` (and `tools`, for a template that reads them, as
     transformers' apply_chat_template passes them), and whether it came from the model's own
-    template."""
+    template. `continue_final_message`: the text ends inside the last message (whose content
+    the model continues), as transformers renders it; ChatTemplateError where it cannot."""
+    if continue_final_message:
+        return _continued(card, messages, tools)
     if card.chat_template:
         try:
             template = _compile(card.chat_template)
@@ -43,6 +47,30 @@ def render_chat(card: ModelCard, messages: list[dict[str, Any]],
         except jinja2.TemplateError:
             pass  # a template using what we do not emulate: approximate, the worker decides
     return _approximate(messages, add_generation_prompt), False
+
+
+# Put after the final message's content to find where it ends in the rendered text; the space
+# shows whether the template kept the content's trailing whitespace (transformers' same test).
+_CONTINUE_MARK = "CARPOOL_CONTINUE_FINAL_MESSAGE "
+
+
+def _continued(card: ModelCard, messages: list[dict[str, Any]],
+               tools: list[dict[str, Any]] | None) -> tuple[str, bool]:
+    """The chat rendered up to the end of its last message's content: everything the template
+    writes after it (the end of the turn, a new turn) cut, as transformers'
+    apply_chat_template(continue_final_message=True) does."""
+    content = messages[-1].get("content") if messages else None
+    if not isinstance(content, str) or not content:
+        raise ChatTemplateError("continue_final_message needs a last message with text to continue")
+    marked = [*messages[:-1], {**messages[-1], "content": content + _CONTINUE_MARK}]
+    text, is_exact = render_chat(card, marked, add_generation_prompt=False, tools=tools)
+    end = text.rfind(_CONTINUE_MARK.strip())
+    if end < 0 or content.strip() not in text[:end]:
+        raise ChatTemplateError("the model's chat template does not keep the last message's text "
+                                "as written, so it cannot be continued")
+    if text[end:end + len(_CONTINUE_MARK)] == _CONTINUE_MARK:
+        return text[:end], is_exact
+    return text[:end].rstrip(), is_exact  # the template trimmed the content: so is what precedes
 
 
 def template_takes_tools(card: ModelCard) -> bool:

@@ -81,6 +81,9 @@ class GenerationRequest:
     template_messages: list[dict[str, Any]] | None = None
     webhook_url: str | None = None  # where the job's final event goes (protocol.webhook_events)
     webhook_param: str = "webhook_url"  # or the header it came in
+    # How `messages` become the prompt (JobSpec's fields of the same names).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,7 +216,9 @@ class JobService:
             created_at=created_at,
             queue_deadline_at=_after(created_at, request.queue_timeout_s),
             deadline_at=_after(created_at, request.deadline_s),
-            webhook_url=request.webhook_url or ""), prompt_tokens, prompt_text)
+            webhook_url=request.webhook_url or "",
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message), prompt_tokens, prompt_text)
             for request, sampling, prompt_tokens, prompt_text in checked]
         try:
             # One script checks the limits and enqueues (api/queue_admission.py); RQ is sync, so
@@ -325,7 +330,9 @@ class JobService:
         if tokenizer is None:
             return request
         try:
-            text, is_exact = render_chat(card, request.template_messages, tools=request.template_tools)
+            text, is_exact = render_chat(card, request.template_messages, tools=request.template_tools,
+                                         add_generation_prompt=request.add_generation_prompt,
+                                         continue_final_message=request.continue_final_message)
         except ChatTemplateError as exc:
             raise InvalidRequestError(f"The model's chat template rejects these messages: {exc}",
                                       param=request.input_param) from exc
@@ -354,7 +361,9 @@ class JobService:
             return len(ids), True, tokenizer.decode(ids, skip_special_tokens=False)
         if request.messages is not None:
             try:
-                text, is_exact = render_chat(card, request.messages)
+                text, is_exact = render_chat(card, request.messages,
+                                             add_generation_prompt=request.add_generation_prompt,
+                                             continue_final_message=request.continue_final_message)
             except ChatTemplateError as exc:
                 raise InvalidRequestError(f"The model's chat template rejects these messages: {exc}",
                                           param=request.input_param) from exc

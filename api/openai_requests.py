@@ -69,6 +69,7 @@ def chat_requests(body: ChatCompletionRequest, settings: ApiSettings,
                   common: dict[str, Any]) -> ChatRequests:
     check_counts(settings, body.n, 1)
     max_tokens, max_tokens_param = body.requested_max_tokens
+    add_generation_prompt, continue_final_message = body.rendering()
     calling = tool_calling_of(body.tools, body.tool_choice, body.parallel_tool_calls)
     given = [{**m.model_dump(), "role": "system" if m.role == "developer" else m.role}
              for m in body.messages]
@@ -80,7 +81,8 @@ def chat_requests(body: ChatCompletionRequest, settings: ApiSettings,
         **common, messages=messages, max_tokens=max_tokens, input_param="messages",
         max_tokens_param=max_tokens_param, logprobs_param="top_logprobs",
         sampling=choice_sampling(sampling, choice), template_tools=tools,
-        template_messages=tool_messages)
+        template_messages=tool_messages, add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message)
         for choice, sampling in _choices(body, body.prompt_logprobs, calling)]
     return ChatRequests(requests, calling, messages)
 

@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from api.errors import InvalidRequestError
 from api.fields import (
     CompletionMaxTokens,
     FrequencyPenalty,
@@ -267,7 +268,31 @@ class ChatMessage(BaseModel):
         return self
 
 
-class ChatCompletionRequest(_CommonParams):
+class ChatRenderingParams(BaseModel):
+    """vLLM's fields for how a chat becomes the prompt (chat completions and /tokenize)."""
+
+    add_generation_prompt: bool = Field(
+        True, strict=True, description="vLLM's: end the prompt with the assistant's turn opened.")
+    continue_final_message: bool = Field(
+        False, strict=True,
+        description="vLLM's: end the prompt inside the last message, which the model continues "
+                    "(an assistant's answer begun: prefill); no new turn is opened.")
+
+    def rendering(self) -> tuple[bool, bool]:
+        """(add_generation_prompt, continue_final_message). Continuing the last message leaves
+        no turn to open: add_generation_prompt is false then unless the client said true, which
+        vLLM refuses too."""
+        if not self.continue_final_message:
+            return self.add_generation_prompt, False
+        if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+            raise InvalidRequestError(
+                "'continue_final_message' ends the prompt inside the last message, so "
+                "'add_generation_prompt' (a new assistant turn after it) must be false",
+                param="continue_final_message")
+        return False, True
+
+
+class ChatCompletionRequest(_CommonParams, ChatRenderingParams):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"model": "smollm2", "messages": [{"role": "user", "content": "What is 2+2?"}],
          "max_tokens": 64, "stream": True, "stream_options": {"include_usage": True}},

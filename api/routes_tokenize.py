@@ -14,7 +14,7 @@ from api.chat_template import ChatTemplateError, render_chat
 from api.context import AppContext, get_context
 from api.errors import OPENAI_TAG, InvalidRequestError, ServiceUnavailableError
 from api.fields import Text
-from api.openai_schemas import ChatMessage, OpenAIError
+from api.openai_schemas import ChatMessage, ChatRenderingParams, OpenAIError
 from api.tool_calls import NO_TOOLS, plain_messages
 from protocol import ModelCard
 
@@ -22,7 +22,7 @@ router = APIRouter(tags=[OPENAI_TAG], dependencies=[Depends(caller_owner)])
 Context = Annotated[AppContext, Depends(get_context)]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatRenderingParams):
     """vLLM's two forms: `prompt` (completions) or `messages` (chat, through the template)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -35,8 +35,6 @@ class TokenizeRequest(BaseModel):
         None, strict=True,
         description="Add the tokenizer's special tokens (BOS...); default: true for a prompt, "
                     "false for messages (their template writes them).")
-    add_generation_prompt: bool = Field(
-        True, strict=True, description="With messages: end with the assistant's turn opening.")
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -79,7 +77,9 @@ async def tokenize(body: TokenizeRequest, ctx: Context) -> TokenizeResponse:
         messages = plain_messages([{**m.model_dump(), "role": "system" if m.role == "developer" else m.role}
                                    for m in body.messages], NO_TOOLS)
         try:
-            text, _ = render_chat(card, messages, add_generation_prompt=body.add_generation_prompt)
+            add_generation_prompt, continue_final_message = body.rendering()
+            text, _ = render_chat(card, messages, add_generation_prompt=add_generation_prompt,
+                                  continue_final_message=continue_final_message)
         except ChatTemplateError as exc:
             raise InvalidRequestError(f"The model's chat template rejects these messages: {exc}",
                                       param="messages") from exc

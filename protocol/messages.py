@@ -64,6 +64,10 @@ class JobSpec:
     # Where the job's final event is POSTed (protocol.webhook_events); "" = no webhook. Copied into
     # the JobState, where the scripts that end the job read it.
     webhook_url: str = ""
+    # How `messages` become the prompt (vLLM's chat fields): the assistant's turn opened after
+    # them, or the last message itself left open and continued (an assistant's answer begun).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def expiry(self, now: float, has_started: bool) -> str:
         """Why the job must end now without (more) generation: "" while within its deadlines."""
@@ -82,6 +86,9 @@ class JobSpec:
             del data["prompt_token_ids"]  # jobs read by workers that predate the field stay valid
         if not self.webhook_url:
             del data["webhook_url"]  # the same
+        for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+            if data[name] == default:
+                del data[name]  # the same
         return data
 
     @classmethod
@@ -121,6 +128,12 @@ class JobSpec:
                                  f"epoch (0: none), got {value!r}")
         if not isinstance(fields.get("webhook_url", ""), str):
             raise ValueError("job spec's 'webhook_url' must be a string")
+        for name in ("add_generation_prompt", "continue_final_message"):
+            if not isinstance(fields.get(name, False), bool):
+                raise ValueError(f"job spec's {name!r} must be true or false")
+        if fields.get("continue_final_message") and fields.get("add_generation_prompt", True):
+            raise ValueError("job spec cannot both continue the final message and open a new turn "
+                             "(continue_final_message needs add_generation_prompt false)")
         inputs = [name for name in ("prompt", "messages", "prompt_token_ids")
                   if fields.get(name) is not None]
         if len(inputs) != 1:

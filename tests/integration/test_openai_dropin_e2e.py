@@ -77,6 +77,33 @@ def test_token_id_prompts_and_echo(api: ApiServer) -> None:  # noqa: F811
     assert caught.value.param == "prompt"
 
 
+def test_a_continued_final_message_is_what_the_model_continues(api: ApiServer) -> None:  # noqa: F811
+    # vLLM's continue_final_message: the prompt ends inside the assistant's begun answer. The
+    # worker renders it (transformers) as /tokenize does (the API): the same greedy tokens follow
+    # those ids given as a completions prompt.
+    client = api.openai()
+    messages = [{"role": "user", "content": "Name a fruit"},
+                {"role": "assistant", "content": "The fruit I like most is"}]
+    with api.client() as http:
+        ids = http.post("/tokenize", json={"messages": messages,
+                                           "continue_final_message": True}).json()["tokens"]
+    answer = client.chat.completions.create(model=api.model, messages=messages, max_tokens=6,  # type: ignore[arg-type]
+                                            temperature=0.0, extra_body={
+                                                "continue_final_message": True, "ignore_eos": True})
+    same = client.completions.create(model=api.model, prompt=ids, max_tokens=6, temperature=0.0,
+                                     extra_body={"ignore_eos": True})
+    assert answer.choices[0].message.content == same.choices[0].text
+    assert answer.usage is not None and answer.usage.prompt_tokens == len(ids)
+    echoed = client.chat.completions.create(model=api.model, messages=messages, max_tokens=6,  # type: ignore[arg-type]
+                                            temperature=0.0, extra_body={
+                                                "continue_final_message": True, "echo": True,
+                                                "ignore_eos": True})
+    assert echoed.choices[0].message.content == messages[1]["content"] + same.choices[0].text
+    opened = client.chat.completions.create(model=api.model, messages=messages, max_tokens=6,  # type: ignore[arg-type]
+                                            temperature=0.0, extra_body={"ignore_eos": True})
+    assert opened.usage is not None and opened.usage.prompt_tokens > len(ids)  # a new turn opened
+
+
 def test_cached_tokens_and_continuous_usage(api: ApiServer) -> None:  # noqa: F811
     client = api.openai()
     # 40 token ids no other test sends: the second run finds the first 32 (two 16-token blocks;

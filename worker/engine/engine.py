@@ -309,9 +309,14 @@ class Engine:
             Completion(texts[i], tokens[i], reasons[i], len(prompt)) for i, prompt in zip(ids, prompt_ids)
         ]
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of a chat through the tokenizer's template, ready for the assistant's turn."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
+        """Token ids of a chat through the tokenizer's template: ready for the assistant's turn, or
+        (continue_final_message) ending inside the last message, which the model continues.
+        ValueError where the template cannot continue it."""
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tokenize=False)
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
         return ids
 

@@ -66,7 +66,8 @@ class SyntheticEngine:
     def num_free_kv_blocks(self) -> int:
         return 1 << 20
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
         return self.tokenizer.encode(" ".join(m["content"] for m in messages))
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,

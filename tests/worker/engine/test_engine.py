@@ -276,6 +276,17 @@ def test_generate_and_chat_encoding(tiny_llama: Any) -> None:
     assert all(len(r.token_ids) == 5 and r.finish_reason is FinishReason.LENGTH for r in results)
 
 
+def test_chat_encoding_continues_the_final_message_as_transformers_renders_it(tiny_llama: Any) -> None:
+    engine = make_engine(tiny_llama)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I am"}]
+    continued = engine.encode_chat(messages, add_generation_prompt=False, continue_final_message=True)
+    assert engine.tokenizer.decode(continued).endswith("<|im_start|>assistant\nHello, I am")
+    closed = engine.encode_chat(messages, add_generation_prompt=False)
+    assert engine.tokenizer.decode(closed).endswith("Hello, I am<|im_end|>\n")
+    with pytest.raises(ValueError, match="continue_final_message"):
+        engine.encode_chat(messages, add_generation_prompt=True, continue_final_message=True)
+
+
 # -- validation ------------------------------------------------------------------------------
 
 
