@@ -70,6 +70,8 @@ StopStrings = Annotated[
 ]
 IgnoreEos = Annotated[bool, Field(
     strict=True, description="Keep generating past the end-of-sequence token (for benchmarks).")]
+IncludeStopStr = Annotated[bool, Field(
+    strict=True, description="vLLM's: keep the stop string that ended the text at its end.")]
 MaxTokens = Annotated[int, Field(
     strict=True, ge=1,
     description="Most tokens to generate, 1 up to the model's context length minus the prompt.")]

@@ -10,6 +10,7 @@ from api.fields import (
     DeadlineS,
     FrequencyPenalty,
     IgnoreEos,
+    IncludeStopStr,
     LogitBias,
     MaxTokens,
     MinP,
@@ -61,6 +62,7 @@ class JobCreate(StructuredOutputParams):
     seed: Seed = None
     stop: StopStrings = []
     ignore_eos: IgnoreEos = False
+    include_stop_str_in_output: IncludeStopStr = False
     stop_token_ids: StopTokenIds = []
     min_tokens: MinTokens = 0
     presence_penalty: PresencePenalty = 0.0

@@ -24,6 +24,7 @@ from api.fields import (
     CompletionMaxTokens,
     FrequencyPenalty,
     IgnoreEos,
+    IncludeStopStr,
     LogitBias,
     MaxTokens,
     MinP,
@@ -149,6 +150,7 @@ class _CommonParams(StructuredOutputParams):
     min_tokens: MinTokens = 0
     stop_token_ids: StopTokenIds = []
     ignore_eos: IgnoreEos = False
+    include_stop_str_in_output: IncludeStopStr = False
     prompt_logprobs: int | None = Field(
         None, strict=True, ge=0,
         description="vLLM's: each prompt token's log-probability given the ones before it and the "

@@ -185,6 +185,7 @@ class SamplingParams:
     top_k: int = 0  # 0 means off
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended it is kept
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()  # end the generation like EOS (the token is kept)
     min_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end it before this many
@@ -233,8 +234,9 @@ class SamplingParams:
                 raise ValueError(
                     f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters, got {len(text)}"
                 )
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise ValueError(f"structured_output must be a StructuredOutput, got {self.structured_output!r}")
         self._check_processing()
@@ -343,8 +345,8 @@ class SamplingParams:
 
 
 _OMITTED_AT_DEFAULT = frozenset({
-    "stop_token_ids", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
-    "logit_bias", "min_p", "logprobs", "prompt_logprobs"})
+    "include_stop_str_in_output", "stop_token_ids", "min_tokens", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "logprobs", "prompt_logprobs"})
 
 
 def _bias_pairs(value: Any) -> Any:

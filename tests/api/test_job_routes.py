@@ -69,6 +69,14 @@ async def test_submit_enqueues_the_spec_on_its_priority_queue(harness: Harness,
                                 "seed": 3, "stop": ["world"], "ignore_eos": False}
 
 
+async def test_a_job_may_keep_its_stop_string(harness: Harness, client: httpx.AsyncClient) -> None:
+    job = await _submit(client, stop="world", include_stop_str_in_output=True)
+    spec = Job.fetch(str(job["job_id"]), connection=harness.context.sync,
+                     serializer=JSONSerializer).args[0]
+    assert spec["sampling"]["stop"] == ["world"]
+    assert spec["sampling"]["include_stop_str_in_output"] is True
+
+
 async def test_chat_job_keeps_its_messages(harness: Harness, client: httpx.AsyncClient) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     response = await client.post("/v1/jobs", json={"messages": messages})

@@ -104,6 +104,30 @@ def test_a_continued_final_message_is_what_the_model_continues(api: ApiServer) -
     assert opened.usage is not None and opened.usage.prompt_tokens > len(ids)  # a new turn opened
 
 
+def test_include_stop_str_in_output_keeps_the_stop_string(api: ApiServer) -> None:  # noqa: F811
+    client = api.openai()
+    free = client.completions.create(model=api.model, prompt=PROMPT, max_tokens=12, temperature=0.0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    words = free.split()
+    assert len(words) >= 3, free
+    stop = words[2]  # a word from the middle of the greedy text
+    start = free.find(stop)
+
+    def run(**extra: object) -> tuple[str, str | None]:
+        choice = client.completions.create(model=api.model, prompt=PROMPT, max_tokens=12,
+                                           temperature=0.0, stop=[stop],
+                                           extra_body={"ignore_eos": True, **extra}).choices[0]
+        return choice.text, choice.finish_reason
+
+    assert run() == (free[:start], "stop")
+    assert run(include_stop_str_in_output=True) == (free[:start + len(stop)], "stop")
+    streamed = client.completions.create(model=api.model, prompt=PROMPT, max_tokens=12,
+                                         temperature=0.0, stop=[stop], stream=True,
+                                         extra_body={"ignore_eos": True,
+                                                     "include_stop_str_in_output": True})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == free[:start + len(stop)]
+
+
 def test_cached_tokens_and_continuous_usage(api: ApiServer) -> None:  # noqa: F811
     client = api.openai()
     # 40 token ids no other test sends: the second run finds the first 32 (two 16-token blocks;

@@ -145,10 +145,14 @@ def test_sampling_fields_round_trip_with_logit_bias_as_openai_object() -> None:
     spec = JobSpec.from_dict({**spec.to_dict(), "sampling": data})
     assert spec.sampling == sampling
     assert SamplingParams.from_fields({"logit_bias": {"17": 2.5, "3": 1}}).logit_bias == ((3, 1), (17, 2.5))
+    kept = SamplingParams(stop=("END",), include_stop_str_in_output=True)
+    assert kept.to_dict()["include_stop_str_in_output"] is True
+    assert SamplingParams.from_dict(kept.to_dict()) == kept
 
 
 @pytest.mark.parametrize("fields, message", [
     ({"presence_penalty": 2.5}, "presence_penalty must be in"),
+    ({"include_stop_str_in_output": 1}, "include_stop_str_in_output must be a bool"),
     ({"frequency_penalty": -3}, "frequency_penalty must be in"),
     ({"repetition_penalty": 0.0}, "repetition_penalty must be a finite number above 0"),
     ({"min_p": 1.5}, "min_p must be in"),

@@ -28,7 +28,7 @@ def make_decode(tokenizer: Any) -> Decode:
 
 class Detokenizer:
     def __init__(self, decode: Decode, prompt_token_ids: list[int], stop: Iterable[str] = (),
-                 min_tokens: int = 0) -> None:
+                 min_tokens: int = 0, include_stop: bool = False) -> None:
         self._decode = decode
         context_start = max(len(prompt_token_ids) - CONTEXT_TOKENS, 0)
         self._ids = list(prompt_token_ids[context_start:])
@@ -40,6 +40,7 @@ class Detokenizer:
         # Stop strings count once the output holds min_tokens tokens (vLLM's rule), not before.
         self.min_tokens = min_tokens
         self.num_output_tokens = 0
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output
 
     def step(self, token_id: int) -> tuple[str, bool]:
         """Take one output token; return the text it releases and whether a stop string ended it."""
@@ -75,10 +76,13 @@ class Detokenizer:
         if not self.stop or self.num_output_tokens < self.min_tokens:
             return delta, False
         text = self.held + delta
-        found = [index for stop in self.stop if (index := text.find(stop)) >= 0]
+        # (where it starts, where it ends) of each stop string found; the first to start ends the
+        # text (the longest of those starting there, when it is kept).
+        found = [(index, index + len(stop)) for stop in self.stop if (index := text.find(stop)) >= 0]
         if found:
             self.held = ""
-            return text[: min(found)], True
+            start, end = min(found, key=lambda span: (span[0], -span[1]))
+            return text[: end if self.include_stop else start], True
         hold = max((_overlap(text, stop) for stop in self.stop), default=0)
         self.held = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold], False

@@ -144,7 +144,8 @@ class Engine:
             needs_prompt_logprobs=params.prompt_logprobs is not None and not output,
             preempt_first=preempt_first,
         )
-        detokenizer = Detokenizer(self._decode, prompt, params.stop, params.min_tokens)
+        detokenizer = Detokenizer(self._decode, prompt, params.stop, params.min_tokens,
+                                  include_stop=params.include_stop_str_in_output)
         for token_id in output:  # replay, so the deltas continue exactly where they stopped
             detokenizer.step(token_id)
         if params.structured_output is not None:  # replays `output` into the grammar, or raises

@@ -18,8 +18,9 @@ def tokenizer(smollm2_dir: Path) -> Any:
     return AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
 
 
-def stream(tokenizer: Any, prompt: list[int], output: list[int], stop: tuple[str, ...] = ()) -> tuple[list[str], bool]:
-    detokenizer = Detokenizer(make_decode(tokenizer), prompt, stop)
+def stream(tokenizer: Any, prompt: list[int], output: list[int], stop: tuple[str, ...] = (),
+           include_stop: bool = False) -> tuple[list[str], bool]:
+    detokenizer = Detokenizer(make_decode(tokenizer), prompt, stop, include_stop=include_stop)
     deltas = []
     for token_id in output:
         text, stopped = detokenizer.step(token_id)
@@ -93,6 +94,19 @@ def test_stop_string_and_what_follows_are_not_emitted(tokenizer: Any) -> None:
     output = encode(tokenizer, "The answer is 42. END of story")
     deltas, stopped = stream(tokenizer, [5], output, stop=("END",))
     assert stopped and "".join(deltas) == "The answer is 42. "
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_and_nothing_after(tokenizer: Any) -> None:
+    output = encode(tokenizer, "The answer is 42. END of story")
+    deltas, stopped = stream(tokenizer, [5], output, stop=("END",), include_stop=True)
+    assert stopped and "".join(deltas) == "The answer is 42. END"
+    # The first stop string the text completes ends it ("is 4" before "END")...
+    deltas, _ = stream(tokenizer, [5], output, stop=("END", "is 4"), include_stop=True)
+    assert "".join(deltas) == "The answer is 4"
+    # ...and of two completed by the same token from the same place, the longer one.
+    assert "ĠEND" in tokenizer.convert_ids_to_tokens(output)  # one token: both complete at once
+    deltas, _ = stream(tokenizer, [5], output, stop=("EN", "END"), include_stop=True)
+    assert "".join(deltas) == "The answer is 42. END"
 
 
 def test_stop_string_spanning_two_tokens(tokenizer: Any) -> None:
