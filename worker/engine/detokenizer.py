@@ -61,11 +61,14 @@ class Detokenizer:
         return self._apply_stop(new_text[len(prefix_text) :])
 
     def flush(self) -> str:
-        """At a finish other than a stop string: release everything still held, as decoded."""
+        """At a finish other than a stop string: release everything still held, as decoded,
+        except a last character still missing bytes (the output ended inside it, at max_tokens
+        say): its U+FFFD is not text the model wrote, and vLLM and OpenAI never show it either."""
         tail = ""
         if self.read_offset < len(self._ids):
             prefix_text = self._decode(self._ids[self.prefix_offset : self.read_offset])
             tail = self._decode(self._ids[self.prefix_offset :])[len(prefix_text) :]
+            tail = tail.rstrip(REPLACEMENT_CHAR)
             self.prefix_offset = self.read_offset = len(self._ids)
         text, _ = self._apply_stop(tail)
         text += self.held
