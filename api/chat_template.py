@@ -19,6 +19,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from protocol import ModelCard
 
+# What the renderer itself passes a template (transformers' apply_chat_template passes the same):
+# chat_template_kwargs may add variables, never replace these.
+RESERVED_TEMPLATE_VARIABLES = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "bos_token", "eos_token", "raise_exception", "strftime_now"})
+
 
 class ChatTemplateError(ValueError):
     """The template refused the conversation (e.g. roles that do not alternate): the client's fault."""
@@ -27,17 +33,20 @@ class ChatTemplateError(ValueError):
 def render_chat(card: ModelCard, messages: list[dict[str, Any]],
                 add_generation_prompt: bool = True,
                 tools: list[dict[str, Any]] | None = None,
-                continue_final_message: bool = False) -> tuple[str, bool]:
+                continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> tuple[str, bool]:
     """The prompt text for `messages` (and `tools`, for a template that reads them, as
     transformers' apply_chat_template passes them), and whether it came from the model's own
     template. `continue_final_message`: the text ends inside the last message (whose content
-    the model continues), as transformers renders it; ChatTemplateError where it cannot."""
+    the model continues), as transformers renders it; ChatTemplateError where it cannot.
+    `template_kwargs`: more variables for the template (template_kwargs_for's)."""
     if continue_final_message:
-        return _continued(card, messages, tools)
+        return _continued(card, messages, tools, template_kwargs)
     if card.chat_template:
         try:
             template = _compile(card.chat_template)
             text = template.render(
+                **(template_kwargs or {}),
                 messages=messages, add_generation_prompt=add_generation_prompt, bos_token=card.bos_token or "",
                 eos_token=card.eos_token or "", tools=tools, documents=None,
             )
@@ -55,7 +64,8 @@ _CONTINUE_MARK = "CARPOOL_CONTINUE_FINAL_MESSAGE "
 
 
 def _continued(card: ModelCard, messages: list[dict[str, Any]],
-               tools: list[dict[str, Any]] | None) -> tuple[str, bool]:
+               tools: list[dict[str, Any]] | None,
+               template_kwargs: dict[str, Any] | None) -> tuple[str, bool]:
     """The chat rendered up to the end of its last message's content: everything the template
     writes after it (the end of the turn, a new turn) cut, as transformers'
     apply_chat_template(continue_final_message=True) does."""
@@ -63,7 +73,8 @@ def _continued(card: ModelCard, messages: list[dict[str, Any]],
     if not isinstance(content, str) or not content:
         raise ChatTemplateError("continue_final_message needs a last message with text to continue")
     marked = [*messages[:-1], {**messages[-1], "content": content + _CONTINUE_MARK}]
-    text, is_exact = render_chat(card, marked, add_generation_prompt=False, tools=tools)
+    text, is_exact = render_chat(card, marked, add_generation_prompt=False, tools=tools,
+                                 template_kwargs=template_kwargs)
     end = text.rfind(_CONTINUE_MARK.strip())
     if end < 0 or content.strip() not in text[:end]:
         raise ChatTemplateError("the model's chat template does not keep the last message's text "
@@ -71,6 +82,19 @@ def _continued(card: ModelCard, messages: list[dict[str, Any]],
     if text[end:end + len(_CONTINUE_MARK)] == _CONTINUE_MARK:
         return text[:end], is_exact
     return text[:end].rstrip(), is_exact  # the template trimmed the content: so is what precedes
+
+
+def template_kwargs_for(card: ModelCard, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """The chat_template_kwargs the model's template reads (as vLLM keeps them): a client may
+    send Qwen3's enable_thinking to any model; where no template reads it, it changes nothing."""
+    if not kwargs or not card.chat_template:
+        return {}
+    try:
+        read = _variables(card.chat_template)
+    except jinja2.TemplateError:
+        return {}
+    return {name: value for name, value in kwargs.items()
+            if name in read and name not in RESERVED_TEMPLATE_VARIABLES}
 
 
 def template_takes_tools(card: ModelCard) -> bool:

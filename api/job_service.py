@@ -22,7 +22,12 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 from tokenizers import Tokenizer
 
-from api.chat_template import ChatTemplateError, render_chat, template_takes_tools
+from api.chat_template import (
+    ChatTemplateError,
+    render_chat,
+    template_kwargs_for,
+    template_takes_tools,
+)
 from api.errors import ConflictError, InvalidRequestError, NotFoundError
 from api.idempotency_key import IDEMPOTENCY_HEADER
 from api.key_policies import KeyPolicies
@@ -84,6 +89,7 @@ class GenerationRequest:
     # How `messages` become the prompt (JobSpec's fields of the same names).
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +165,9 @@ class JobService:
             await checked_webhook_url(hook.webhook_url, self._webhook_allow_list, hook.webhook_param)
         checked = []
         for request in requests:
+            if request.chat_template_kwargs:  # those the model's template reads travel on
+                request = dataclasses.replace(request, chat_template_kwargs=template_kwargs_for(
+                    card, request.chat_template_kwargs))
             request = await self._with_template_tools(card, request)
             self._check_sampling(card, request)
             prompt_tokens, is_exact, prompt_text = await self._count_prompt(card, request)
@@ -218,7 +227,8 @@ class JobService:
             deadline_at=_after(created_at, request.deadline_s),
             webhook_url=request.webhook_url or "",
             add_generation_prompt=request.add_generation_prompt,
-            continue_final_message=request.continue_final_message), prompt_tokens, prompt_text)
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=request.chat_template_kwargs or {}), prompt_tokens, prompt_text)
             for request, sampling, prompt_tokens, prompt_text in checked]
         try:
             # One script checks the limits and enqueues (api/queue_admission.py); RQ is sync, so
@@ -332,7 +342,8 @@ class JobService:
         try:
             text, is_exact = render_chat(card, request.template_messages, tools=request.template_tools,
                                          add_generation_prompt=request.add_generation_prompt,
-                                         continue_final_message=request.continue_final_message)
+                                         continue_final_message=request.continue_final_message,
+                                         template_kwargs=request.chat_template_kwargs)
         except ChatTemplateError as exc:
             raise InvalidRequestError(f"The model's chat template rejects these messages: {exc}",
                                       param=request.input_param) from exc
@@ -363,7 +374,8 @@ class JobService:
             try:
                 text, is_exact = render_chat(card, request.messages,
                                              add_generation_prompt=request.add_generation_prompt,
-                                             continue_final_message=request.continue_final_message)
+                                             continue_final_message=request.continue_final_message,
+                                             template_kwargs=request.chat_template_kwargs)
             except ChatTemplateError as exc:
                 raise InvalidRequestError(f"The model's chat template rejects these messages: {exc}",
                                           param=request.input_param) from exc

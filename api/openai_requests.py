@@ -82,7 +82,8 @@ def chat_requests(body: ChatCompletionRequest, settings: ApiSettings,
         max_tokens_param=max_tokens_param, logprobs_param="top_logprobs",
         sampling=choice_sampling(sampling, choice), template_tools=tools,
         template_messages=tool_messages, add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message)
+        continue_final_message=continue_final_message,
+        chat_template_kwargs=body.chat_template_kwargs)
         for choice, sampling in _choices(body, body.prompt_logprobs, calling)]
     return ChatRequests(requests, calling, messages)
 

@@ -19,6 +19,7 @@ from pydantic import (
     model_validator,
 )
 
+from api.chat_template import RESERVED_TEMPLATE_VARIABLES
 from api.errors import InvalidRequestError
 from api.fields import (
     CompletionMaxTokens,
@@ -279,6 +280,19 @@ class ChatRenderingParams(BaseModel):
         False, strict=True,
         description="vLLM's: end the prompt inside the last message, which the model continues "
                     "(an assistant's answer begun: prefill); no new turn is opened.")
+
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM's: more variables for the model's chat template (e.g. Qwen3's "
+                          "enable_thinking); those the template does not read are ignored.")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_the_requests_own(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        for name in value or {}:
+            if name in RESERVED_TEMPLATE_VARIABLES:
+                raise _unsupported(f"'{name}' is set by the request itself (messages, tools, "
+                                   "add_generation_prompt...), not by chat_template_kwargs")
+        return value
 
     def rendering(self) -> tuple[bool, bool]:
         """(add_generation_prompt, continue_final_message). Continuing the last message leaves

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenizers import Tokenizer
 
 from api.auth import caller_owner
-from api.chat_template import ChatTemplateError, render_chat
+from api.chat_template import ChatTemplateError, render_chat, template_kwargs_for
 from api.context import AppContext, get_context
 from api.errors import OPENAI_TAG, InvalidRequestError, ServiceUnavailableError
 from api.fields import Text
@@ -79,7 +79,8 @@ async def tokenize(body: TokenizeRequest, ctx: Context) -> TokenizeResponse:
         try:
             add_generation_prompt, continue_final_message = body.rendering()
             text, _ = render_chat(card, messages, add_generation_prompt=add_generation_prompt,
-                                  continue_final_message=continue_final_message)
+                                  continue_final_message=continue_final_message,
+                                  template_kwargs=template_kwargs_for(card, body.chat_template_kwargs))
         except ChatTemplateError as exc:
             raise InvalidRequestError(f"The model's chat template rejects these messages: {exc}",
                                       param="messages") from exc

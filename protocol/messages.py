@@ -68,6 +68,8 @@ class JobSpec:
     # them, or the last message itself left open and continued (an assistant's answer begun).
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # More variables for the chat template (vLLM's chat_template_kwargs), those it reads.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def expiry(self, now: float, has_started: bool) -> str:
         """Why the job must end now without (more) generation: "" while within its deadlines."""
@@ -86,7 +88,8 @@ class JobSpec:
             del data["prompt_token_ids"]  # jobs read by workers that predate the field stay valid
         if not self.webhook_url:
             del data["webhook_url"]  # the same
-        for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+        for name, default in (("add_generation_prompt", True), ("continue_final_message", False),
+                              ("chat_template_kwargs", {})):
             if data[name] == default:
                 del data[name]  # the same
         return data
@@ -131,6 +134,8 @@ class JobSpec:
         for name in ("add_generation_prompt", "continue_final_message"):
             if not isinstance(fields.get(name, False), bool):
                 raise ValueError(f"job spec's {name!r} must be true or false")
+        if not isinstance(fields.get("chat_template_kwargs", {}), dict):
+            raise ValueError("job spec's 'chat_template_kwargs' must be a JSON object")
         if fields.get("continue_final_message") and fields.get("add_generation_prompt", True):
             raise ValueError("job spec cannot both continue the final message and open a new turn "
                              "(continue_final_message needs add_generation_prompt false)")

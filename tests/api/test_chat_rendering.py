@@ -1,6 +1,7 @@
-"""vLLM's add_generation_prompt and continue_final_message: the API's rendering (it counts the
-prompt, and renders tool templates into token ids) matches transformers' apply_chat_template,
-which the worker renders with; the fields are checked and travel with the job."""
+"""vLLM's chat rendering fields (add_generation_prompt, continue_final_message,
+chat_template_kwargs): the API's rendering (it counts the prompt, and renders tool templates into
+token ids) matches transformers' apply_chat_template, which the worker renders with; the fields
+are checked and travel with the job."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from api_support import CHAT_TEMPLATE, Harness
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
-from api.chat_template import ChatTemplateError, render_chat
-from protocol import ModelCard
+from api.chat_template import ChatTemplateError, render_chat, template_kwargs_for
+from protocol import FinishReason, ModelCard
 
 # A template that trims each message's content (as some models' do): the continued text then
 # ends without the trailing space the client wrote, as transformers renders it.
@@ -106,3 +107,59 @@ async def test_tokenize_continues_the_final_message(client: httpx.AsyncClient) -
     # <|im_start|> user hello <|im_end|> <|im_start|> assistant world [<|im_end|> <|im_start|> assistant]
     assert continued["tokens"] == opened["tokens"][:len(continued["tokens"])]
     assert opened["count"] - continued["count"] == 3
+
+
+# A template reading one more variable, as Qwen3's reads enable_thinking.
+THINKING_TEMPLATE = CHAT_TEMPLATE.replace(
+    "<|im_start|>assistant\n{% endif %}",
+    "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_template_kwargs_render_as_transformers_passes_them(tokenizer: Any) -> None:
+    card = ModelCard(name="m", max_model_len=8192, chat_template=THINKING_TEMPLATE)
+    messages = [{"role": "user", "content": "Hi"}]
+    kwargs = template_kwargs_for(card, {"enable_thinking": False, "not_read": 1})
+    assert kwargs == {"enable_thinking": False}  # what the template does not read is dropped
+    text, _ = render_chat(card, messages, template_kwargs=kwargs)
+    assert text.endswith("<think>\n\n</think>\n\n")
+    assert text == tokenizer.apply_chat_template(messages, chat_template=THINKING_TEMPLATE,
+                                                 tokenize=False, add_generation_prompt=True,
+                                                 enable_thinking=False)
+    assert template_kwargs_for(ModelCard(name="m", max_model_len=8, chat_template=None),
+                               {"enable_thinking": False}) == {}
+
+
+@pytest.mark.anyio
+async def test_the_job_carries_the_template_kwargs_its_model_reads(harness: Harness,
+                                                                   client: httpx.AsyncClient) -> None:
+    async def serve(model: str) -> str:
+        job_id = await harness.take_job(model=model)
+        harness.publish_tokens(job_id, ["!"])
+        harness.publish_done(job_id, 1, FinishReason.LENGTH, 3, text="!")
+        return job_id
+
+    specs = []
+    for model, template in (("thinking", THINKING_TEMPLATE), ("plain", CHAT_TEMPLATE)):
+        harness.register_model(name=model, chat_template=template)
+        worker = asyncio.create_task(serve(model))
+        response = await client.post("/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2,
+            "chat_template_kwargs": {"enable_thinking": False, "not_read": [1, 2]}})
+        job_id = await worker
+        assert response.status_code == 200, response.text
+        specs.append(Job.fetch(job_id, connection=harness.context.sync,
+                               serializer=JSONSerializer).args[0])
+    thinking, plain = specs
+    assert thinking["chat_template_kwargs"] == {"enable_thinking": False}
+    assert "chat_template_kwargs" not in plain  # a model whose template reads neither
+
+
+@pytest.mark.anyio
+async def test_template_kwargs_may_not_set_what_the_request_sets(client: httpx.AsyncClient) -> None:
+    response = await client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hello"}],
+        "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "chat_template_kwargs" and "set by the request itself" in error["message"]

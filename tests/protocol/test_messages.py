@@ -44,6 +44,8 @@ def test_job_spec_round_trips_through_dict_and_json() -> None:
      "'continue_final_message' must be true or false"),
     ({"job_id": "j", "model": "m", "messages": [], "continue_final_message": True},
      "needs add_generation_prompt false"),
+    ({"job_id": "j", "model": "m", "messages": [], "chat_template_kwargs": [1]},
+     "'chat_template_kwargs' must be a JSON object"),
 ])
 def test_job_spec_rejects_malformed_payloads_with_value_error(data: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -53,13 +55,14 @@ def test_job_spec_rejects_malformed_payloads_with_value_error(data: object, mess
 def test_a_continued_chat_round_trips_and_the_defaults_stay_out_of_the_payload() -> None:
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello,"}]
     continued = JobSpec(job_id="j", model="m", messages=messages, add_generation_prompt=False,
-                        continue_final_message=True)
+                        continue_final_message=True, chat_template_kwargs={"enable_thinking": False})
     assert JobSpec.from_json(continued.to_json()) == continued
     assert continued.to_dict()["continue_final_message"] is True
     plain = JobSpec(job_id="j", model="m", messages=messages)
     # Workers that predate the fields read plain chats as before.
     assert "add_generation_prompt" not in plain.to_dict()
     assert "continue_final_message" not in plain.to_dict()
+    assert "chat_template_kwargs" not in plain.to_dict()
     assert JobSpec.from_dict(plain.to_dict()) == plain
 
 

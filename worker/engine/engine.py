@@ -311,13 +311,16 @@ class Engine:
         ]
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         """Token ids of a chat through the tokenizer's template: ready for the assistant's turn, or
         (continue_final_message) ending inside the last message, which the model continues.
-        ValueError where the template cannot continue it."""
+        ValueError where the template cannot continue it. `template_kwargs`: more variables for
+        the template (the API kept those it reads, none of apply_chat_template's own)."""
         text = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tokenize=False)
+            continue_final_message=continue_final_message, tokenize=False,
+            **(template_kwargs or {}))
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=False)
         return ids
 

@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from protocol.generation import FinishReason, SamplingParams, TokenEntry
 from worker.engine.batch_limits import BatchLimits
@@ -67,7 +68,8 @@ class SyntheticEngine:
         return 1 << 20
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False) -> list[int]:
+                    continue_final_message: bool = False,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
         return self.tokenizer.encode(" ".join(m["content"] for m in messages))
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,

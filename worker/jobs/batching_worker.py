@@ -338,7 +338,8 @@ class BatchingWorker:
             if spec.messages is not None:
                 prompt_ids = list(self.engine.encode_chat(
                     spec.messages, add_generation_prompt=spec.add_generation_prompt,
-                    continue_final_message=spec.continue_final_message))
+                    continue_final_message=spec.continue_final_message,
+                    template_kwargs=spec.chat_template_kwargs))
             elif spec.prompt_token_ids is not None:
                 prompt_ids = list(spec.prompt_token_ids)  # the engine checks them against its vocabulary
             else:
