@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from api import (
     routes_batches,
@@ -24,9 +25,15 @@ from api.batch_runner import BatchRunner
 from api.body_limit import BodyLimitMiddleware
 from api.context import AppContext
 from api.errors import install_error_handlers
+from api.idempotency_key import REPLAYED_HEADER
 from api.settings import ApiSettings
 
 log = logging.getLogger(__name__)
+
+# Answer headers a page's script may read across origins (CORS hides all but a few otherwise):
+# the jobs an OpenAI request queued, an idempotent replay, when to retry, a new job's URL.
+EXPOSED_HEADERS = ("X-Carpool-Job-Id", "X-Carpool-Job-Ids", REPLAYED_HEADER, "Retry-After",
+                   "Location")
 
 DESCRIPTION = """
 Carpool serves language models as asynchronous jobs: submit a job, then follow its tokens as
@@ -75,4 +82,11 @@ def create_app(settings: ApiSettings, context: AppContext | None = None) -> Fast
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,
                        routes=[route for router in routers for route in router.routes],
                        path_limits={"/v1/files": upload_limit})
+    if settings.cors_allowed_origins:
+        # Outermost (added last): a preflight is answered before any limit, and every answer,
+        # errors included, carries the headers a browser needs to read it. Keys travel in the
+        # Authorization header, never in cookies: no credentials mode.
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_allowed_origins,
+                           allow_methods=["*"], allow_headers=["*"],
+                           expose_headers=list(EXPOSED_HEADERS))
     return app

@@ -142,6 +142,12 @@ class ApiSettings(BaseSettings):
     batch_runner: bool = Field(
         True, description="Advance open batches in this API process (any number of processes "
         "may: a Redis lock per batch keeps them from duplicating work).")
+    cors_allowed_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["*"],
+        description="Origins whose web pages may call the API from a browser (CORS), "
+                    "comma-separated; * (the default, as vLLM's --allowed-origins) any, empty: "
+                    "none. Keys still apply: a page needs one to reach anything but the open "
+                    "routes.")
     log_level: str = Field("info")
 
     @field_validator("webhook_allowed_hosts", mode="before")
@@ -199,7 +205,7 @@ class ApiSettings(BaseSettings):
                                  f"for every key")
         return self
 
-    @field_validator("api_keys", mode="before")
+    @field_validator("api_keys", "cors_allowed_origins", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):
