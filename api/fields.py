@@ -9,7 +9,10 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BeforeValidator, Field
 
-MAX_STOP_STRINGS = 4  # OpenAI's limit
+from protocol.generation import MAX_STOP_STRINGS
+
+# Stop strings: as many as the worker takes (16), past OpenAI's 4, as vLLM takes more (evaluation
+# harnesses send a task's every delimiter).
 # The worker's own limits (worker/sampling_params.py): a job the API accepts past them would only
 # fail on the worker, after a 202. tests/reliability checks the two stay equal.
 MAX_STOP_STRING_CHARS = 256

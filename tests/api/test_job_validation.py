@@ -36,7 +36,7 @@ def _field_error(response: httpx.Response) -> tuple[list[Any], str]:
     ({"prompt": "x", "top_p": 0}, ["body", "top_p"], "greater than 0"),
     ({"prompt": "x", "top_p": 1.5}, ["body", "top_p"], "less than or equal to 1"),
     ({"prompt": "x", "top_k": -1}, ["body", "top_k"], "greater than or equal to 0"),
-    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, ["body", "stop"], "at most 4 items"),
+    ({"prompt": "x", "stop": [str(i) for i in range(17)]}, ["body", "stop"], "at most 16 items"),
     ({"prompt": "x", "stop": [""]}, ["body", "stop", 0], "at least 1 character"),
     ({"prompt": "x", "seed": 2**64}, ["body", "seed"], "less than or equal to"),
     # The worker refuses seeds outside 0..2**63-1 and stop strings over 256 characters: the API

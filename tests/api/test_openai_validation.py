@@ -45,7 +45,7 @@ def _error(response: httpx.Response) -> dict[str, Any]:
     ({"prompt": "x", "temperature": 2.1}, "temperature", "less than or equal to 2 (got 2.1)"),
     ({"prompt": "x", "top_p": 0.0}, "top_p", "greater than 0"),
     ({"prompt": "x", "top_k": -1}, "top_k", "greater than or equal to 0"),
-    ({"prompt": "x", "stop": ["1", "2", "3", "4", "5"]}, "stop", "at most 4 items"),
+    ({"prompt": "x", "stop": [str(i) for i in range(17)]}, "stop", "at most 16 items"),
     ({"prompt": "x", "n": 17}, "n", "at most 16 choices per prompt are accepted (got 17)"),
     ({"prompt": "x", "n": 0}, "n", "greater than or equal to 1"),
     ({"prompt": "x", "best_of": 2}, "best_of", "only best_of = 1"),
