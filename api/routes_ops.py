@@ -1,7 +1,9 @@
-"""Operating the service: /healthz (open), /metrics (Prometheus) and /v1/stats (JSON)."""
+"""Operating the service: /healthz and /health, /version (open), /metrics (Prometheus) and
+/v1/stats (JSON)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 from typing import Annotated, Any
 
@@ -33,6 +35,9 @@ class Health(BaseModel):
         "now: their jobs are accepted and wait in their queues until one starts.")
 
 
+# /health too: the path vLLM's server (and probes written for it) use.
+@open_router.get("/health", response_model=Health, summary="Liveness and readiness (vLLM's path)",
+                 responses={503: {"model": Health, "description": "Redis is unreachable."}})
 @open_router.get("/healthz", response_model=Health, summary="Liveness and readiness",
                  responses={503: {"model": Health, "description": "Redis is unreachable."}})
 async def healthz(ctx: Context) -> JSONResponse:
@@ -50,6 +55,22 @@ async def healthz(ctx: Context) -> JSONResponse:
     body = Health(status="ok" if workers else "no_workers", redis=True, workers=len(workers),
                   models=sorted(served), models_without_workers=sorted(set(known) - served))
     return JSONResponse(body.model_dump())
+
+
+class Version(BaseModel):
+    version: str = Field(description="The installed Carpool package's version.")
+
+
+@open_router.get("/version", response_model=Version, summary="Carpool's version (vLLM's route)")
+async def version() -> Version:
+    return Version(version=_package_version())
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("carpool")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout never installed
+        return "unknown"
 
 
 @router.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics",

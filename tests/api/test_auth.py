@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 
 import pytest
@@ -57,6 +58,8 @@ async def test_malformed_authorization_header(keyed_harness: Harness) -> None:
 async def test_healthz_and_docs_stay_open(keyed_harness: Harness) -> None:
     async with keyed_harness.client() as client:
         assert (await client.get("/healthz")).status_code == 200
+        assert (await client.get("/health")).status_code == 200  # vLLM's paths, for its probes
+        assert (await client.get("/version")).json() == {"version": importlib.metadata.version("carpool")}
         assert (await client.get("/openapi.json")).status_code == 200
 
 

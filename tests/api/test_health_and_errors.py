@@ -30,6 +30,7 @@ async def test_healthz_counts_live_workers(harness: Harness, client: httpx.Async
     assert response.status_code == 200
     assert response.json() == {"status": "ok", "redis": True, "workers": 2, "models": ["tiny"],
                                "models_without_workers": ["second"]}
+    assert (await client.get("/health")).json() == response.json()  # vLLM's path, the same answer
 
 
 async def test_healthz_skips_registered_workers_without_stats(harness: Harness,
