@@ -152,6 +152,25 @@ async def test_max_tokens_0_without_echo_is_refused(harness: Harness,
     assert sum(harness.sync.llen(f"rq:queue:{name}") for name in harness.keys.queue_names(MODEL)) == 0
 
 
+@pytest.mark.parametrize(("given", "tier"), [(-5, "high"), (0, "normal"), (2, "low"),
+                                             ("batch", "batch")])
+async def test_vllms_integer_priority_picks_the_tier_by_its_sign(
+        harness: Harness, client: httpx.AsyncClient, given: object, tier: str) -> None:
+    worker = asyncio.create_task(_serve(harness, [["x"]]))
+    response = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 1,
+                                                          "priority": given})
+    (job_id,) = await worker
+    assert response.status_code == 200, response.text
+    assert _spec(harness, job_id)["priority"] == tier
+
+
+async def test_a_priority_neither_a_tier_nor_an_integer_is_refused(client: httpx.AsyncClient) -> None:
+    for bad in ("urgent", True, 1.5):
+        response = await client.post("/v1/completions", json={"prompt": "hello", "priority": bad})
+        assert response.status_code == 400, bad
+        assert response.json()["error"]["param"] == "priority"
+
+
 async def test_all_n_jobs_are_admitted_or_none() -> None:
     from api_support import make_harness
 
