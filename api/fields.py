@@ -71,8 +71,18 @@ StopStrings = Annotated[
           description=f"Up to {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} "
                       "characters; generation stops before any of them (one string or a list)."),
 ]
+def _not_zero(value: int | None) -> int | None:
+    if value == 0:
+        raise ValueError("0 would keep no prompt: give at least 1, or -1 for the model's context")
+    return value
+
+
 IgnoreEos = Annotated[bool, Field(
     strict=True, description="Keep generating past the end-of-sequence token (for benchmarks).")]
+TruncatePromptTokens = Annotated[int, AfterValidator(_not_zero), Field(
+    strict=True, ge=-1,
+    description="vLLM's: keep only the prompt's last k tokens (after the chat template); -1: as "
+                "many as the model's context holds; default: the whole prompt.")]
 IncludeStopStr = Annotated[bool, Field(
     strict=True, description="vLLM's: keep the stop string that ended the text at its end.")]
 MaxTokens = Annotated[int, Field(

@@ -171,6 +171,9 @@ class JobService:
             request = await self._with_template_tools(card, request)
             self._check_sampling(card, request)
             prompt_tokens, is_exact, prompt_text = await self._count_prompt(card, request)
+            if prompt_tokens is not None:  # what the model will see of it (truncate_prompt_tokens)
+                prompt_tokens = request.sampling.truncated_prompt_length(prompt_tokens,
+                                                                         card.max_model_len)
             max_tokens = self._check_lengths(card, request, prompt_tokens, is_exact)
             sampling = request.sampling
             if request.explicit_fields is not None:

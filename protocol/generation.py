@@ -195,6 +195,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), by id
     min_p: float = 0.0  # drop tokens below min_p times the most likely token's probability
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
+    # vLLM's: keep only the prompt's last k tokens (left truncation, after any chat template);
+    # -1: as many as the model's context holds; None: the whole prompt.
+    truncate_prompt_tokens: int | None = None
     # None: none; k: each prompt token's logprob given the tokens before it (the raw model
     # distribution), with the k most likely there; the first prompt token has none.
     prompt_logprobs: int | None = None
@@ -286,6 +289,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise ValueError(f"{name} must be None or an int at least 0, got {value!r}")
+        truncate = self.truncate_prompt_tokens
+        if truncate is not None and (not _is_int(truncate) or (truncate < 1 and truncate != -1)):
+            raise ValueError(f"truncate_prompt_tokens must be None, -1 or an int at least 1, "
+                             f"got {truncate!r}")
 
     @property
     def has_penalties(self) -> bool:
@@ -301,6 +308,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def truncated_prompt_length(self, length: int, context: int) -> int:
+        """How many of a `length`-token prompt's tokens the model sees (truncate_prompt_tokens)
+        with a `context`-token model: the prompt's last ones."""
+        keep = context if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        return length if keep is None else min(length, keep)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data (tuples as lists; logit_bias as OpenAI's {"id": bias} object).
@@ -345,7 +358,8 @@ class SamplingParams:
 
 
 _OMITTED_AT_DEFAULT = frozenset({
-    "include_stop_str_in_output", "stop_token_ids", "min_tokens", "presence_penalty",
+    "include_stop_str_in_output", "truncate_prompt_tokens", "stop_token_ids", "min_tokens",
+    "presence_penalty",
     "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "logprobs", "prompt_logprobs"})
 
 

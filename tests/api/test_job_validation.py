@@ -94,6 +94,20 @@ async def test_chat_longer_than_the_context_counts_the_template(client: httpx.As
     assert response.json()["prompt_tokens"] == 31
 
 
+async def test_truncate_prompt_tokens_counts_what_the_model_will_see(client: httpx.AsyncClient) -> None:
+    # vLLM's: the prompt's last k tokens. 40 words do not fit the 32-token context; 10 do.
+    long = {"prompt": "hello " * 40, "max_tokens": 4}
+    assert (await client.post("/v1/jobs", json=long)).status_code == 422
+    response = await client.post("/v1/jobs", json={**long, "truncate_prompt_tokens": 10})
+    assert response.status_code == 202, response.text
+    assert response.json()["prompt_tokens"] == 10
+    # -1: as many as the context holds, which leaves nothing to generate here: said so.
+    loc, message = _field_error(await client.post("/v1/jobs", json={**long, "truncate_prompt_tokens": -1}))
+    assert loc == ["body", "prompt"] and "nothing would be left to generate" in message
+    loc, message = _field_error(await client.post("/v1/jobs", json={**long, "truncate_prompt_tokens": 0}))
+    assert loc == ["body", "truncate_prompt_tokens"] and "0 would keep no prompt" in message
+
+
 async def test_max_tokens_above_the_context(client: httpx.AsyncClient) -> None:
     loc, message = _field_error(
         await client.post("/v1/jobs", json={"prompt": "hello", "max_tokens": CONTEXT + 1}))

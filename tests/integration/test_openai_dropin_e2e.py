@@ -128,6 +128,20 @@ def test_include_stop_str_in_output_keeps_the_stop_string(api: ApiServer) -> Non
     assert "".join(c.choices[0].text for c in streamed if c.choices) == free[:start + len(stop)]
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(api: ApiServer) -> None:  # noqa: F811
+    client = api.openai()
+    long_prompt = " ".join(["The quick brown fox jumps over the lazy dog."] * 8)
+    ids = _tokenize(api, long_prompt)
+    assert len(ids) > 40
+    truncated = client.completions.create(model=api.model, prompt=long_prompt, max_tokens=6,
+                                          temperature=0.0, extra_body={
+                                              "truncate_prompt_tokens": 16, "ignore_eos": True})
+    last = client.completions.create(model=api.model, prompt=ids[-16:], max_tokens=6,
+                                     temperature=0.0, extra_body={"ignore_eos": True})
+    assert truncated.usage is not None and truncated.usage.prompt_tokens == 16
+    assert truncated.choices[0].text == last.choices[0].text
+
+
 def test_cached_tokens_and_continuous_usage(api: ApiServer) -> None:  # noqa: F811
     client = api.openai()
     # 40 token ids no other test sends: the second run finds the first 32 (two 16-token blocks;

@@ -148,6 +148,12 @@ def test_sampling_fields_round_trip_with_logit_bias_as_openai_object() -> None:
     spec = JobSpec.from_dict({**spec.to_dict(), "sampling": data})
     assert spec.sampling == sampling
     assert SamplingParams.from_fields({"logit_bias": {"17": 2.5, "3": 1}}).logit_bias == ((3, 1), (17, 2.5))
+    truncated = SamplingParams(truncate_prompt_tokens=10)
+    assert SamplingParams.from_dict(truncated.to_dict()) == truncated
+    assert [truncated.truncated_prompt_length(n, 64) for n in (4, 10, 50)] == [4, 10, 10]
+    whole_context = SamplingParams(truncate_prompt_tokens=-1)
+    assert [whole_context.truncated_prompt_length(n, 64) for n in (4, 100)] == [4, 64]
+    assert SamplingParams().truncated_prompt_length(100, 64) == 100
     kept = SamplingParams(stop=("END",), include_stop_str_in_output=True)
     assert kept.to_dict()["include_stop_str_in_output"] is True
     assert SamplingParams.from_dict(kept.to_dict()) == kept
@@ -156,6 +162,8 @@ def test_sampling_fields_round_trip_with_logit_bias_as_openai_object() -> None:
 @pytest.mark.parametrize("fields, message", [
     ({"presence_penalty": 2.5}, "presence_penalty must be in"),
     ({"include_stop_str_in_output": 1}, "include_stop_str_in_output must be a bool"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be None, -1 or an int at least 1"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be None, -1"),
     ({"frequency_penalty": -3}, "frequency_penalty must be in"),
     ({"repetition_penalty": 0.0}, "repetition_penalty must be a finite number above 0"),
     ({"min_p": 1.5}, "min_p must be in"),

@@ -344,6 +344,8 @@ class BatchingWorker:
                 prompt_ids = list(spec.prompt_token_ids)  # the engine checks them against its vocabulary
             else:
                 prompt_ids = list(self.engine.tokenizer.encode(spec.prompt))
+            keep = spec.sampling.truncated_prompt_length(len(prompt_ids), self.engine.max_model_len)
+            prompt_ids = prompt_ids[len(prompt_ids) - keep:]  # truncate_prompt_tokens: the last ones
             job.num_prompt_tokens = len(prompt_ids)
             if spec.sampling.prompt_logprobs is not None:
                 job.prompt_token_ids = tuple(prompt_ids)  # sent with the prompt logprobs
