@@ -9,11 +9,11 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, BeforeValidator, Field
 
-from protocol.generation import MAX_STOP_STRINGS
-
 # Stop strings: as many as the worker takes (16), past OpenAI's 4, as vLLM takes more (evaluation
 # harnesses send a task's every delimiter).
-# The worker's own limits (worker/sampling_params.py): a job the API accepts past them would only
+from protocol.generation import MAX_STOP_STRINGS
+
+# The worker's own limits (protocol/generation.py): a job the API accepts past them would only
 # fail on the worker, after a 202. tests/reliability checks the two stay equal.
 MAX_STOP_STRING_CHARS = 256
 SEED_MIN = 0
@@ -71,6 +71,8 @@ StopStrings = Annotated[
           description=f"Up to {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} "
                       "characters; generation stops before any of them (one string or a list)."),
 ]
+
+
 def _not_zero(value: int | None) -> int | None:
     if value == 0:
         raise ValueError("0 would keep no prompt: give at least 1, or -1 for the model's context")

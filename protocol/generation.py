@@ -359,8 +359,8 @@ class SamplingParams:
 
 _OMITTED_AT_DEFAULT = frozenset({
     "include_stop_str_in_output", "truncate_prompt_tokens", "stop_token_ids", "min_tokens",
-    "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "logit_bias", "min_p", "logprobs", "prompt_logprobs"})
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p",
+    "logprobs", "prompt_logprobs"})
 
 
 def _bias_pairs(value: Any) -> Any:
