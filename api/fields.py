@@ -81,10 +81,10 @@ def _not_zero(value: int | None) -> int | None:
 
 IgnoreEos = Annotated[bool, Field(
     strict=True, description="Keep generating past the end-of-sequence token (for benchmarks).")]
-TruncatePromptTokens = Annotated[int, AfterValidator(_not_zero), Field(
-    strict=True, ge=-1,
-    description="vLLM's: keep only the prompt's last k tokens (after the chat template); -1: as "
-                "many as the model's context holds; default: the whole prompt.")]
+TruncatePromptTokens = Annotated[
+    Annotated[int, AfterValidator(_not_zero), Field(strict=True, ge=-1)] | None,
+    Field(description="vLLM's: keep only the prompt's last k tokens (after the chat template); -1: "
+                      "as many as the model's context holds; default: the whole prompt.")]
 IncludeStopStr = Annotated[bool, Field(
     strict=True, description="vLLM's: keep the stop string that ended the text at its end.")]
 MaxTokens = Annotated[int, Field(

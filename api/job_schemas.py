@@ -64,7 +64,7 @@ class JobCreate(StructuredOutputParams):
     stop: StopStrings = []
     ignore_eos: IgnoreEos = False
     include_stop_str_in_output: IncludeStopStr = False
-    truncate_prompt_tokens: TruncatePromptTokens | None = None
+    truncate_prompt_tokens: TruncatePromptTokens = None
     stop_token_ids: StopTokenIds = []
     min_tokens: MinTokens = 0
     presence_penalty: PresencePenalty = 0.0

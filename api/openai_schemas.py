@@ -160,7 +160,7 @@ class _CommonParams(StructuredOutputParams):
     stop_token_ids: StopTokenIds = []
     ignore_eos: IgnoreEos = False
     include_stop_str_in_output: IncludeStopStr = False
-    truncate_prompt_tokens: TruncatePromptTokens | None = None
+    truncate_prompt_tokens: TruncatePromptTokens = None
     prompt_logprobs: int | None = Field(
         None, strict=True, ge=0,
         description="vLLM's: each prompt token's log-probability given the ones before it and the "
