@@ -21,6 +21,7 @@ from api.fields import (
     RepetitionPenalty,
     RetentionS,
     Seed,
+    SkipSpecialTokens,
     StopStrings,
     StopTokenIds,
     Temperature,
@@ -64,6 +65,7 @@ class JobCreate(StructuredOutputParams):
     stop: StopStrings = []
     ignore_eos: IgnoreEos = False
     include_stop_str_in_output: IncludeStopStr = False
+    skip_special_tokens: SkipSpecialTokens = True
     truncate_prompt_tokens: TruncatePromptTokens = None
     stop_token_ids: StopTokenIds = []
     min_tokens: MinTokens = 0

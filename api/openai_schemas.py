@@ -34,6 +34,7 @@ from api.fields import (
     PresencePenalty,
     RepetitionPenalty,
     Seed,
+    SkipSpecialTokens,
     StopStrings,
     StopTokenIds,
     Temperature,
@@ -160,6 +161,7 @@ class _CommonParams(StructuredOutputParams):
     stop_token_ids: StopTokenIds = []
     ignore_eos: IgnoreEos = False
     include_stop_str_in_output: IncludeStopStr = False
+    skip_special_tokens: SkipSpecialTokens = True
     truncate_prompt_tokens: TruncatePromptTokens = None
     prompt_logprobs: int | None = Field(
         None, strict=True, ge=0,

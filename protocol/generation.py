@@ -186,6 +186,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False  # vLLM's: the stop string that ended it is kept
+    skip_special_tokens: bool = True  # vLLM's: false writes special tokens' text (not EOS's)
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()  # end the generation like EOS (the token is kept)
     min_tokens: int = 0  # EOS, stop_token_ids and stop strings cannot end it before this many
@@ -237,7 +238,7 @@ class SamplingParams:
                 raise ValueError(
                     f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters, got {len(text)}"
                 )
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
@@ -358,7 +359,8 @@ class SamplingParams:
 
 
 _OMITTED_AT_DEFAULT = frozenset({
-    "include_stop_str_in_output", "truncate_prompt_tokens", "stop_token_ids", "min_tokens",
+    "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
+    "stop_token_ids", "min_tokens",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p",
     "logprobs", "prompt_logprobs"})
 

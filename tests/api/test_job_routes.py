@@ -77,6 +77,15 @@ async def test_a_job_may_keep_its_stop_string(harness: Harness, client: httpx.As
     assert spec["sampling"]["include_stop_str_in_output"] is True
 
 
+async def test_a_job_may_write_special_tokens(harness: Harness, client: httpx.AsyncClient) -> None:
+    plain = await _submit(client)
+    written = await _submit(client, skip_special_tokens=False)
+    specs = [Job.fetch(str(job["job_id"]), connection=harness.context.sync,
+                       serializer=JSONSerializer).args[0] for job in (plain, written)]
+    assert "skip_special_tokens" not in specs[0]["sampling"]  # the default stays out of the job
+    assert specs[1]["sampling"]["skip_special_tokens"] is False
+
+
 async def test_chat_job_keeps_its_messages(harness: Harness, client: httpx.AsyncClient) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     response = await client.post("/v1/jobs", json={"messages": messages})

@@ -48,6 +48,7 @@ def _field_error(response: httpx.Response) -> tuple[list[Any], str]:
     ({"prompt": "x", "ignore_eos": "yes"}, ["body", "ignore_eos"], "valid boolean"),
     ({"prompt": "x", "include_stop_str_in_output": 1}, ["body", "include_stop_str_in_output"],
      "valid boolean"),
+    ({"prompt": "x", "skip_special_tokens": "no"}, ["body", "skip_special_tokens"], "valid boolean"),
     ({"prompt": "x", "n": 0}, ["body", "n"], "greater than or equal to 1"),
     ({"prompt": "x", "n": 17}, ["body", "n"], "'n' must be at most 16 (got 17)"),
 ])

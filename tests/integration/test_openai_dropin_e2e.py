@@ -142,6 +142,16 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(api: ApiServer) ->
     assert truncated.choices[0].text == last.choices[0].text
 
 
+def test_skip_special_tokens_false_writes_them(api: ApiServer) -> None:  # noqa: F811
+    client = api.openai()
+    (im_start,) = _tokenize(api, "<|im_start|>")
+    forced = {"model": api.model, "prompt": PROMPT, "max_tokens": 3, "temperature": 0.0,
+              "logit_bias": {str(im_start): 100}}
+    assert client.completions.create(**forced).choices[0].text == ""  # type: ignore[call-overload]
+    written = client.completions.create(**forced, extra_body={"skip_special_tokens": False})  # type: ignore[call-overload]
+    assert written.choices[0].text == "<|im_start|>" * 3
+
+
 def test_cached_tokens_and_continuous_usage(api: ApiServer) -> None:  # noqa: F811
     client = api.openai()
     # 40 token ids no other test sends: the second run finds the first 32 (two 16-token blocks;

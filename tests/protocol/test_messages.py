@@ -162,6 +162,7 @@ def test_sampling_fields_round_trip_with_logit_bias_as_openai_object() -> None:
 @pytest.mark.parametrize("fields, message", [
     ({"presence_penalty": 2.5}, "presence_penalty must be in"),
     ({"include_stop_str_in_output": 1}, "include_stop_str_in_output must be a bool"),
+    ({"skip_special_tokens": 0}, "skip_special_tokens must be a bool"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be None, -1 or an int at least 1"),
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be None, -1"),
     ({"frequency_penalty": -3}, "frequency_penalty must be in"),

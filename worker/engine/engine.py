@@ -87,6 +87,7 @@ class Engine:
         )
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
         self._decode = make_decode(self.tokenizer)
+        self._decode_special = make_decode(self.tokenizer, skip_special_tokens=False)
         self._requests: dict[str, _Request] = {}
         self._pending: list[RequestOutput] = []  # aborts, reported by the next step
         self._rng = random.Random()  # seeds for unseeded requests; OS entropy
@@ -144,7 +145,8 @@ class Engine:
             needs_prompt_logprobs=params.prompt_logprobs is not None and not output,
             preempt_first=preempt_first,
         )
-        detokenizer = Detokenizer(self._decode, prompt, params.stop, params.min_tokens,
+        decode = self._decode if params.skip_special_tokens else self._decode_special
+        detokenizer = Detokenizer(decode, prompt, params.stop, params.min_tokens,
                                   include_stop=params.include_stop_str_in_output)
         for token_id in output:  # replay, so the deltas continue exactly where they stopped
             detokenizer.step(token_id)
@@ -222,6 +224,11 @@ class Engine:
         stop_hits: set[str] = set()
         sampling = (seq for seq, is_sampling in zip(scheduled.seqs, scheduled.is_sampling) if is_sampling)
         for seq, token_id in zip(sampling, sampled):
+            if (not seq.params.skip_special_tokens and not seq.params.ignore_eos
+                    and token_id in self.eos_token_ids):
+                # The EOS that ends it is not text, special tokens written or not (as vLLM).
+                texts[seq.request_id] = ""
+                continue
             text, hit_stop = self._requests[seq.request_id].detokenizer.step(token_id)
             texts[seq.request_id] = text
             if hit_stop:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -296,6 +297,21 @@ def test_chat_encoding_passes_template_kwargs_to_the_template(tiny_llama: Any) -
     messages = [{"role": "user", "content": "Hi"}]
     assert engine.tokenizer.decode(engine.encode_chat(messages, template_kwargs={"shout": True})) == "Hi!"
     assert engine.tokenizer.decode(engine.encode_chat(messages)) == "Hi"
+
+
+def test_skip_special_tokens_false_writes_them_but_not_the_ending_eos(tiny_llama: Any) -> None:
+    engine = make_engine(tiny_llama)
+    im_start = engine.tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert im_start not in engine.eos_token_ids and im_start in engine.tokenizer.all_special_ids
+    forced = SamplingParams(max_tokens=3, temperature=0.0, logit_bias=((im_start, 100.0),))
+    written, skipped = engine.generate(["Hello", "Hello"], [
+        dataclasses.replace(forced, skip_special_tokens=False), forced])
+    assert written.token_ids == skipped.token_ids == [im_start] * 3
+    assert (written.text, skipped.text) == ("<|im_start|>" * 3, "")
+    (eos,) = sorted(engine.eos_token_ids)[:1]
+    (ended,) = engine.generate(["Hello"], SamplingParams(
+        max_tokens=3, temperature=0.0, logit_bias=((eos, 100.0),), skip_special_tokens=False))
+    assert ended.token_ids == [eos] and ended.finish_reason is FinishReason.STOP and ended.text == ""
 
 
 # -- validation ------------------------------------------------------------------------------
