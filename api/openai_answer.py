@@ -48,7 +48,7 @@ async def wait_for_results(ctx: AppContext, jobs: list[ChoiceJob],
                 tokens = pieces[job.index]
                 done[job.index] = ChoiceResult(job, "".join(entry.text for entry in tokens),
                                                event.entry, tuple(tokens))
-            else:
+            elif not job.prompt_only:  # (the token run to score a prompt is never shown)
                 pieces[job.index].append(event.entry)
     if len(done) < len(jobs):
         # A job's keys expired while we waited (retention shorter than the job): nothing to show.
@@ -82,7 +82,7 @@ async def answer_body(ctx: AppContext, body: CompletionRequest | ChatCompletionR
             # The prompt's part first: the completion's text offsets continue after it.
             prompt = (await prompt_logprobs_of(ctx, formatter, result.job)
                       if sampling.prompt_logprobs is not None else None)
-            logprobs = formatter.format(() if result.job.prompt_only else result.tokens)
+            logprobs = formatter.format(result.tokens)
             if prompt is not None:
                 logprobs = {name: prompt[name] + logprobs[name] for name in logprobs}
         if is_chat:
@@ -92,8 +92,7 @@ async def answer_body(ctx: AppContext, body: CompletionRequest | ChatCompletionR
             choices.append({"index": result.job.index, "logprobs": logprobs,
                             "finish_reason": reason, "message": message})
         else:
-            text = "" if result.job.prompt_only else result.text
-            choices.append({"index": result.job.index, "text": result.job.echo + text,
+            choices.append({"index": result.job.index, "text": result.job.echo + result.text,
                             "logprobs": logprobs, "finish_reason": reason})
             if result.job.index in vllm_prompt:
                 choices[-1]["prompt_logprobs"] = vllm_prompt[result.job.index]
