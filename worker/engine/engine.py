@@ -224,8 +224,7 @@ class Engine:
         stop_hits: set[str] = set()
         sampling = (seq for seq, is_sampling in zip(scheduled.seqs, scheduled.is_sampling) if is_sampling)
         for seq, token_id in zip(sampling, sampled):
-            if (not seq.params.skip_special_tokens and not seq.params.ignore_eos
-                    and token_id in self.eos_token_ids):
+            if not seq.params.skip_special_tokens and self.scheduler.is_ending_eos(seq, token_id):
                 # The EOS that ends it is not text, special tokens written or not (as vLLM).
                 texts[seq.request_id] = ""
                 continue

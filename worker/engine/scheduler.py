@@ -284,9 +284,13 @@ class Scheduler:
             out.num_prefill_tokens += num_new
         scheduled.add(seq.request_id)
 
+    def is_ending_eos(self, seq: Sequence, token_id: int) -> bool:
+        """Whether `token_id` is an end-of-sequence token that ends `seq` (it does not ignore EOS)."""
+        return not seq.params.ignore_eos and token_id in self.eos_token_ids
+
     def _stop_reason(self, seq: Sequence, token_id: int, hit_stop_string: bool) -> FinishReason | None:
         # A stop string beats max_tokens on the same token, as EOS does.
-        if hit_stop_string or (not seq.params.ignore_eos and token_id in self.eos_token_ids):
+        if hit_stop_string or self.is_ending_eos(seq, token_id):
             return FinishReason.STOP
         if token_id in seq.params.stop_token_ids:  # sampled only from min_tokens on (masked before)
             return FinishReason.STOP
