@@ -87,24 +87,25 @@ def _continued(card: ModelCard, messages: list[dict[str, Any]],
 def template_kwargs_for(card: ModelCard, kwargs: dict[str, Any] | None) -> dict[str, Any]:
     """The chat_template_kwargs the model's template reads (as vLLM keeps them): a client may
     send Qwen3's enable_thinking to any model; where no template reads it, it changes nothing."""
-    if not kwargs or not card.chat_template:
-        return {}
-    try:
-        read = _variables(card.chat_template)
-    except jinja2.TemplateError:
-        return {}
-    return {name: value for name, value in kwargs.items()
+    read = _variables_read(card) if kwargs else frozenset()
+    return {name: value for name, value in (kwargs or {}).items()
             if name in read and name not in RESERVED_TEMPLATE_VARIABLES}
 
 
 def template_takes_tools(card: ModelCard) -> bool:
     """Whether the model's chat template reads the `tools` variable (renders tools itself)."""
+    return "tools" in _variables_read(card)
+
+
+def _variables_read(card: ModelCard) -> frozenset[str]:
+    """The variables the model's chat template reads; none without one, or where jinja cannot
+    parse it (the render then approximates)."""
     if not card.chat_template:
-        return False
+        return frozenset()
     try:
-        return "tools" in _variables(card.chat_template)
+        return _variables(card.chat_template)
     except jinja2.TemplateError:
-        return False
+        return frozenset()
 
 
 @lru_cache(maxsize=16)

@@ -124,6 +124,20 @@ def choice_sampling(sampling: SamplingParams, choice: int) -> SamplingParams:
     return dataclasses.replace(sampling, seed=(sampling.seed + choice) % (MAX_SEED + 1))
 
 
+def _render(card: ModelCard, request: GenerationRequest, messages: list[dict[str, Any]],
+            tools: list[dict[str, Any]] | None = None) -> tuple[str, bool]:
+    """`messages` rendered as the request asks (render_chat's text and exactness); a template
+    that refuses them is the client's 400, naming the request's input."""
+    try:
+        return render_chat(card, messages, tools=tools,
+                           add_generation_prompt=request.add_generation_prompt,
+                           continue_final_message=request.continue_final_message,
+                           template_kwargs=request.chat_template_kwargs)
+    except ChatTemplateError as exc:
+        raise InvalidRequestError(f"The model's chat template rejects these messages: {exc}",
+                                  param=request.input_param) from exc
+
+
 def new_job_id() -> str:
     return uuid.uuid4().hex  # RQ job ids allow only letters, digits, '_' and '-'
 
@@ -342,14 +356,7 @@ class JobService:
         tokenizer = await self._tokenizers.get(card)
         if tokenizer is None:
             return request
-        try:
-            text, is_exact = render_chat(card, request.template_messages, tools=request.template_tools,
-                                         add_generation_prompt=request.add_generation_prompt,
-                                         continue_final_message=request.continue_final_message,
-                                         template_kwargs=request.chat_template_kwargs)
-        except ChatTemplateError as exc:
-            raise InvalidRequestError(f"The model's chat template rejects these messages: {exc}",
-                                      param=request.input_param) from exc
+        text, is_exact = _render(card, request, request.template_messages, request.template_tools)
         if not is_exact:
             return request
         ids = tokenizer.encode(text, add_special_tokens=False).ids
@@ -374,14 +381,7 @@ class JobService:
                     param=request.input_param)
             return len(ids), True, tokenizer.decode(ids, skip_special_tokens=False)
         if request.messages is not None:
-            try:
-                text, is_exact = render_chat(card, request.messages,
-                                             add_generation_prompt=request.add_generation_prompt,
-                                             continue_final_message=request.continue_final_message,
-                                             template_kwargs=request.chat_template_kwargs)
-            except ChatTemplateError as exc:
-                raise InvalidRequestError(f"The model's chat template rejects these messages: {exc}",
-                                          param=request.input_param) from exc
+            text, is_exact = _render(card, request, request.messages)
             add_special_tokens = False  # a chat template writes its special tokens itself
         else:
             text, is_exact, add_special_tokens = request.prompt or "", True, True
