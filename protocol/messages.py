@@ -84,14 +84,13 @@ class JobSpec:
         data = {name: getattr(self, name) for name in self.__dataclass_fields__}
         data["sampling"] = self.sampling.to_dict()
         data["priority"] = self.priority.value
-        if self.prompt_token_ids is None:
-            del data["prompt_token_ids"]  # jobs read by workers that predate the field stay valid
-        if not self.webhook_url:
-            del data["webhook_url"]  # the same
-        for name, default in (("add_generation_prompt", True), ("continue_final_message", False),
+        # Fields newer than the first workers, left out at their defaults: jobs that use none of
+        # them stay valid to workers that predate them.
+        for name, default in (("prompt_token_ids", None), ("webhook_url", ""),
+                              ("add_generation_prompt", True), ("continue_final_message", False),
                               ("chat_template_kwargs", {})):
             if data[name] == default:
-                del data[name]  # the same
+                del data[name]
         return data
 
     @classmethod
