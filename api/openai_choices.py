@@ -15,8 +15,11 @@ from dataclasses import dataclass
 import redis.exceptions
 
 from api.context import AppContext
+from api.errors import JobFailedError
+from api.idempotency_key import REPLAYED_HEADER
+from api.job_service import AcceptedJob
 from api.job_stream import StreamEvent
-from protocol import StreamEntry
+from protocol import FinishReason, StreamEntry
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,26 @@ class ChoiceResult:
     text: str  # generated text only (without the echo)
     done: StreamEntry
     tokens: tuple[StreamEntry, ...] = ()  # its token entries (their logprobs, when asked)
+
+
+def choice_jobs(accepted: list[AcceptedJob], n: int, echoes: list[str],
+                prompt_only: bool = False) -> list[ChoiceJob]:
+    """The accepted jobs of one request as its choices, numbered as submitted (n per prompt);
+    `echoes`: per job, the text its choice starts with."""
+    return [ChoiceJob(index=index, prompt_number=index // n, job_id=job.spec.job_id, echo=echo,
+                      prompt_tokens=job.prompt_tokens or 0, is_new=not job.is_replay,
+                      prompt_only=prompt_only)
+            for index, (job, echo) in enumerate(zip(accepted, echoes, strict=True))]
+
+
+def job_headers(accepted: list[AcceptedJob]) -> dict[str, str]:
+    """The answer's headers naming its jobs (and saying when an Idempotency-Key replayed them)."""
+    headers = {"X-Carpool-Job-Id": accepted[0].spec.job_id}
+    if len(accepted) > 1:
+        headers["X-Carpool-Job-Ids"] = ",".join(job.spec.job_id for job in accepted)
+    if accepted[0].is_replay:
+        headers[REPLAYED_HEADER] = "true"
+    return headers
 
 
 class _End:
@@ -86,6 +109,16 @@ async def cancel_jobs(ctx: AppContext, jobs: list[ChoiceJob]) -> None:
                      status.value if status else "gone")
         except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
             log.warning("could not cancel abandoned job %s: %s", job.job_id, exc)
+
+
+async def raise_if_failed(ctx: AppContext, results: list[ChoiceResult],
+                          headers: dict[str, str]) -> None:
+    """A 500 naming the reason when a choice's job failed, its sibling choices canceled first."""
+    failed = next((r for r in results if r.done.finish_reason is FinishReason.ERROR), None)
+    if failed is not None:
+        await cancel_jobs(ctx, [r.job for r in results if r is not failed])
+        raise JobFailedError(f"The job failed: {failed.done.error or 'no reason given'}",
+                             code="job_failed", headers=headers)
 
 
 def summed_usage(results: list[ChoiceResult]) -> tuple[int, int, int]:

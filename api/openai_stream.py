@@ -1,0 +1,120 @@
+"""The chunks of one streamed OpenAI answer (chat or plain completion), as payload dicts: every
+choice's stream read side by side (api/openai_choices.py), its text through the tool-call parser
+when tools are in play, logprobs with the text they belong to, each choice's finish and the usage.
+/v1/completions and /v1/chat/completions send them as `data:` lines; /v1/responses turns the
+chat's into its own events (api/responses_events.py)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import redis.exceptions
+
+from api.context import AppContext
+from api.errors import openai_error_body
+from api.openai_answer import prompt_logprobs_of
+from api.openai_choices import ChoiceJob, ChoiceResult, cancel_jobs, merged_events, summed_usage
+from api.openai_chunks import ChunkWriter, openai_finish_reason, usage_dict
+from api.openai_logprobs import LogprobsFormatter
+from api.tool_parsers import StreamingToolParser, ToolParser, tool_finish_reason
+from protocol import FinishReason, StreamEntry
+
+log = logging.getLogger(__name__)
+
+
+async def chunk_payloads(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWriter,
+                         formatters: dict[int, LogprobsFormatter],
+                         prompt_logprobs: int | None,
+                         tool_parser: ToolParser | None = None,
+                         ) -> AsyncIterator[dict[str, Any] | None]:
+    """The answer's chunks in order; None when a keep-alive is due (nothing came for a while)."""
+    num_tokens = {job.index: 0 for job in jobs}
+    # With tools, each choice's text goes through a streaming parser: content and tool_calls deltas.
+    call_streams: dict[int, StreamingToolParser] = (
+        {job.index: tool_parser.stream() for job in jobs} if tool_parser is not None else {})
+    # Tokens whose text is held back (a possible stop string, a split character) send their
+    # logprobs with their choice's next chunk that carries text, or with its finish chunk.
+    unsent: dict[int, list[StreamEntry]] = {job.index: [] for job in jobs}
+
+    def logprobs(job: ChoiceJob) -> dict[str, Any] | None:
+        formatter = formatters.get(job.index)
+        if formatter is None or not unsent[job.index]:
+            return None
+        formatted = formatter.format(unsent[job.index])
+        unsent[job.index].clear()
+        return formatted
+
+    def usage_so_far(job: ChoiceJob) -> dict[str, Any]:
+        return usage_dict(job.prompt_tokens, num_tokens[job.index])
+
+    # echo with logprobs: a choice's echo chunk carries its prompt's logprobs, which the worker
+    # writes with the first token, so it goes out when the choice's first entry arrives.
+    echo_waits = {job.index for job in jobs if job.echo and job.index in formatters
+                  and prompt_logprobs is not None}
+
+    for job in jobs:
+        opening = writer.opening(job.index, usage_so_far(job))
+        if opening is not None:
+            yield opening
+        if job.echo and job.index not in echo_waits:
+            yield writer.text(job.echo, job.index, usage_so_far(job))
+    last_sent = time.monotonic()
+    results: list[ChoiceResult] = []
+    try:
+        async with aclosing(merged_events(ctx, jobs)) as events:
+            async for job, event in events:
+                if event is None:
+                    if time.monotonic() - last_sent >= ctx.settings.sse_keepalive_s:
+                        last_sent = time.monotonic()
+                        yield None
+                    continue
+                last_sent = time.monotonic()
+                entry = event.entry
+                if job.index in echo_waits:
+                    echo_waits.discard(job.index)
+                    yield writer.text(job.echo, job.index, usage_so_far(job),
+                                      await prompt_logprobs_of(ctx, formatters[job.index], job))
+                if not event.is_done:
+                    num_tokens[job.index] += 1
+                    if job.prompt_only:
+                        continue  # the one token that brought the prompt's logprobs: not shown
+                    if job.index in formatters:
+                        unsent[job.index].append(entry)
+                    if entry.text and job.index in call_streams:
+                        for delta in call_streams[job.index].feed(entry.text):
+                            yield writer.delta(delta, job.index, usage_so_far(job), logprobs(job))
+                    elif entry.text:  # text held back (a possible stop string) arrives later
+                        yield writer.text(entry.text, job.index, usage_so_far(job), logprobs(job))
+                    continue
+                if entry.finish_reason is FinishReason.ERROR:
+                    # The openai client raises APIError on a data line that carries "error".
+                    yield openai_error_body(f"The job failed: {entry.error or 'no reason given'}",
+                                            "server_error", None, "job_failed")
+                    await cancel_jobs(ctx, [j for j in jobs if j is not job
+                                            and j.index not in {r.job.index for r in results}])
+                    break
+                results.append(ChoiceResult(job, "", entry))
+                reason_name = None
+                call_stream = call_streams.get(job.index)
+                if call_stream is not None:
+                    for delta in call_stream.finish():
+                        yield writer.delta(delta, job.index, usage_so_far(job))
+                    reason_name = tool_finish_reason(openai_finish_reason(entry.finish_reason),
+                                                     call_stream.called)
+                yield writer.finish(entry.finish_reason, job.index,
+                                    usage_dict(entry.prompt_tokens, entry.completion_tokens),
+                                    logprobs(job), reason_name)
+            else:
+                if writer.include_usage:
+                    yield writer.usage(*summed_usage(results))
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        # Headers are long sent: say it in the stream, as OpenAI does for mid-stream failures.
+        job_ids = ", ".join(job.job_id for job in jobs)
+        log.warning("Redis lost while streaming jobs %s: %s", job_ids, exc)
+        yield openai_error_body("Redis became unreachable while streaming; the jobs go on: "
+                                "follow them at /v1/jobs/<job id>/stream (job ids "
+                                f"{job_ids})", "server_error", None, "service_unavailable")
