@@ -18,6 +18,7 @@ from api import (
     routes_openai,
     routes_ops,
     routes_playground,
+    routes_responses,
     routes_tokenize,
     routes_webhooks,
 )
@@ -71,7 +72,7 @@ def create_app(settings: ApiSettings, context: AppContext | None = None) -> Fast
     )
     app.state.context = ctx
     install_error_handlers(app, settings.retry_after_s)
-    routers = [routes_jobs.router, routes_openai.router, routes_files.router,
+    routers = [routes_jobs.router, routes_openai.router, routes_responses.router, routes_files.router,
                routes_batches.router, routes_tokenize.router,
                routes_ops.open_router, routes_ops.router, routes_webhooks.router,
                routes_playground.router]

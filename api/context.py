@@ -19,6 +19,7 @@ from api.job_service import JobService
 from api.job_stream import JobStream, StreamShard
 from api.key_policies import KeyPolicies, KeyPolicy
 from api.model_registry import ModelRegistry
+from api.responses_store import ResponseStore
 from api.settings import ApiSettings
 from api.state_reads import SharedStateReads
 from api.stream_hub import StreamHub
@@ -52,10 +53,13 @@ class AppContext:
     # The Batch API's files and batches (built from the settings when not handed in).
     files: FileStore = field(init=False)
     batches: BatchStore = field(init=False)
+    # The Responses API's stored responses (kept as long as a finished job's results).
+    responses: ResponseStore = field(init=False)
 
     def __post_init__(self) -> None:
         self.files = FileStore(self.aio, self.keys, self.settings.file_retention_s)
         self.batches = BatchStore(self.aio, self.keys, self.settings.batch_retention_s)
+        self.responses = ResponseStore(self.aio, self.keys, self.settings.result_ttl_s)
 
     @classmethod
     def build(cls, settings: ApiSettings, aio: aioredis.Redis | None = None,

@@ -48,7 +48,7 @@ from api.structured_output import StructuredOutputParams
 from protocol import Priority
 
 
-def _vllm_priority(value: Any) -> Any:
+def vllm_priority(value: Any) -> Any:
     """vLLM's priority is an int, lower first (0 by default): its sign picks the tier."""
     if isinstance(value, int) and not isinstance(value, bool):
         return Priority.HIGH if value < 0 else Priority.NORMAL if value == 0 else Priority.LOW
@@ -169,7 +169,7 @@ class _CommonParams(StructuredOutputParams):
                     "this many most likely there (raw model distribution; capped by the server's "
                     "max_logprobs), as a `prompt_logprobs` list (first entry null). Not with stream.")
     priority: Annotated[Priority, BeforeValidator(
-        _vllm_priority, json_schema_input_type=Priority | int)] = Field(
+        vllm_priority, json_schema_input_type=Priority | int)] = Field(
         Priority.NORMAL,
         description="Carpool queue: high, normal, low or batch (idle seats); or vLLM's integer "
                     "(lower is served first): below 0 high, 0 normal, above 0 low.")

@@ -133,6 +133,11 @@ class Keys:
         made (written in the enqueue's own transaction)."""
         return f"{self.prefix}:owner:{owner}:idempotency:{idempotency_key}"
 
+    def response(self, response_id: str) -> str:
+        """String with a TTL: a stored Responses API response (api/responses_store.py) as JSON,
+        with its owner, its input items and the chat a continuation starts from."""
+        return f"{self.prefix}:response:{response_id}"
+
     # The Batch API (api/batch_*): files and batches, owned by an API key, kept for a retention.
     def file(self, file_id: str) -> str:
         """Hash with a TTL: a file's metadata fields (api.batch_files.FileObject) and `content`."""

@@ -237,7 +237,8 @@ async def test_openapi_documents_every_route_and_field(client: httpx.AsyncClient
     schema = (await client.get("/openapi.json")).json()
     assert set(schema["paths"]) >= {
         "/v1/jobs", "/v1/jobs/{job_id}", "/v1/jobs/{job_id}/stream", "/v1/completions",
-        "/v1/chat/completions", "/v1/models", "/healthz", "/metrics"}
+        "/v1/chat/completions", "/v1/models", "/healthz", "/metrics", "/v1/responses",
+        "/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items"}
     undocumented = [
         f"{name}.{field}" for name, component in schema["components"]["schemas"].items()
         if name not in ("HTTPValidationError", "ValidationError")  # FastAPI's own

@@ -1,0 +1,106 @@
+"""The Responses API end to end: the official openai client's `responses` against the real API,
+a real worker on the tiny model and a real Redis. Greedy answers must equal the chat
+completions' for the same chat, token for token, whole or streamed."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.integration.test_api_e2e import KEY_A, ApiServer, api  # noqa: F401 (the fixture)
+
+pytestmark = pytest.mark.slow
+
+QUESTION = "What is 2+2?"
+
+
+def _chat_text(api: ApiServer, messages: list[dict[str, Any]], max_tokens: int) -> tuple[str, Any]:  # noqa: F811
+    answer = api.openai().chat.completions.create(model=api.model, messages=messages,  # type: ignore[arg-type]
+                                                  max_tokens=max_tokens, temperature=0.0)
+    return answer.choices[0].message.content or "", answer
+
+
+def test_a_response_is_the_chat_completion_of_the_same_chat(api: ApiServer) -> None:  # noqa: F811
+    client = api.openai()
+    response = client.responses.create(model=api.model, input=QUESTION, instructions="Be brief.",
+                                       max_output_tokens=12, temperature=0.0)
+    text, chat = _chat_text(api, [{"role": "system", "content": "Be brief."},
+                                  {"role": "user", "content": QUESTION}], 12)
+    assert response.output_text == text
+    assert response.usage is not None and chat.usage is not None
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (
+        chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    # The tiny model never stops on its own within 12 tokens: cut by max_output_tokens.
+    assert (response.status, response.incomplete_details.reason) == ("incomplete", "max_output_tokens")  # type: ignore[union-attr]
+
+    with client.responses.stream(model=api.model, input=QUESTION, instructions="Be brief.",
+                                 max_output_tokens=12, temperature=0.0) as stream:
+        deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
+    assert "".join(deltas) == text
+
+
+def test_continuing_with_previous_response_id_equals_the_whole_chat(api: ApiServer) -> None:  # noqa: F811
+    client = api.openai()
+    first = client.responses.create(model=api.model, input=QUESTION, max_output_tokens=6,
+                                    temperature=0.0)
+    second = client.responses.create(model=api.model, input="And 3+3?", max_output_tokens=6,
+                                     temperature=0.0, previous_response_id=first.id)
+    text, _ = _chat_text(api, [{"role": "user", "content": QUESTION},
+                               {"role": "assistant", "content": first.output_text},
+                               {"role": "user", "content": "And 3+3?"}], 6)
+    assert second.output_text == text
+    assert client.responses.retrieve(second.id).output_text == text
+    items = client.responses.input_items.list(second.id, order="asc")
+    assert [item.content[0].text for item in items.data] == ["And 3+3?"]  # type: ignore[union-attr]
+
+
+def test_output_logprobs_are_the_chats(api: ApiServer) -> None:  # noqa: F811
+    client = api.openai()
+    response = client.responses.create(model=api.model, input=QUESTION, max_output_tokens=6,
+                                       temperature=0.0, top_logprobs=2,
+                                       include=["message.output_text.logprobs"])
+    chat = client.chat.completions.create(model=api.model, messages=[{"role": "user", "content": QUESTION}],
+                                          max_tokens=6, temperature=0.0, logprobs=True, top_logprobs=2)
+    part = response.output[0].content[0]  # type: ignore[union-attr]
+    expected = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert [(lp.token, lp.logprob, len(lp.top_logprobs)) for lp in part.logprobs] == [  # type: ignore[union-attr]
+        (lp.token, lp.logprob, 2) for lp in expected]  # type: ignore[union-attr]
+
+
+def test_a_forced_function_call_and_its_result(api: ApiServer) -> None:  # noqa: F811
+    tool = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+                           "required": ["city"]}}
+    client = api.openai()
+    response = client.responses.create(model=api.model, input="Weather in Oslo?", tools=[tool],  # type: ignore[list-item]
+                                       tool_choice="required", parallel_tool_calls=False,
+                                       max_output_tokens=200, temperature=0.8)
+    [call] = response.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments) in ({"city": "Paris"}, {"city": "Oslo"})
+    answer = client.responses.create(model=api.model, previous_response_id=response.id, tools=[tool],  # type: ignore[list-item]
+                                     input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": "Sunny"}],
+                                     max_output_tokens=4, temperature=0.0)
+    assert answer.output[0].type == "message" and answer.usage is not None
+    assert answer.usage.input_tokens > response.usage.input_tokens  # type: ignore[union-attr]
+
+
+def test_langchain_on_the_responses_api(api: ApiServer) -> None:  # noqa: F811
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(base_url=f"{api.url}/v1", api_key=KEY_A, model=api.model,
+                                      use_responses_api=True, max_tokens=8, temperature=0.0,
+                                      max_retries=0)
+    text, _ = _chat_text(api, [{"role": "user", "content": QUESTION}], 8)
+    assert llm.invoke(QUESTION).text == text
+    assert "".join(chunk.text for chunk in llm.stream(QUESTION)) == text
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo"]}},
+                       "required": ["city"]}}}
+    caller = langchain_openai.ChatOpenAI(base_url=f"{api.url}/v1", api_key=KEY_A, model=api.model,
+                                         use_responses_api=True, max_tokens=200, max_retries=0)
+    message = caller.bind_tools([weather], tool_choice="get_weather").invoke("Weather in Oslo?")
+    assert [(call["name"], call["args"]) for call in message.tool_calls] == [("get_weather", {"city": "Oslo"})]
