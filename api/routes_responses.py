@@ -62,7 +62,10 @@ _STREAM_DOC = {"content": {"text/event-stream": {}},
                "description": "With `stream: true`: the Responses events, from response.created to "
                               "response.completed (or .incomplete / .failed)."}
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {
+    401: _ERRORS[401],
     404: {"model": OpenAIError, "description": "No stored response of that id (or another key's)."}}
+_LIST_ERRORS: dict[int | str, dict[str, Any]] = {
+    **_NOT_FOUND, 400: {"model": OpenAIError, "description": "A bad limit, order or after."}}
 # Chat-request names in errors, as the Responses request calls them.
 _RENAMES = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
             ("tool_choice.function.name", "tool_choice.name"), (".function.", "."),
@@ -144,7 +147,7 @@ async def delete_response(response_id: ResponseId, owner: Owner, ctx: Context) -
 
 
 @router.get("/responses/{response_id}/input_items", response_model=InputItemList,
-            summary="A stored response's input items (OpenAI)", responses=_NOT_FOUND)
+            summary="A stored response's input items (OpenAI)", responses=_LIST_ERRORS)
 async def list_input_items(
         response_id: ResponseId, owner: Owner, ctx: Context,
         limit: Annotated[int, Query(ge=1, le=100, description="Items per page.")] = 20,
