@@ -85,6 +85,8 @@ TruncatePromptTokens = Annotated[
     Annotated[int, AfterValidator(_not_zero), Field(strict=True, ge=-1)] | None,
     Field(description="vLLM's: keep only the prompt's last k tokens (after the chat template); -1: "
                       "as many as the model's context holds; default: the whole prompt.")]
+ParallelToolCalls = Annotated[bool | None, Field(
+    strict=True, description="With tool_choice required: allow more than one call (default true).")]
 SkipSpecialTokens = Annotated[bool, Field(
     strict=True, description="vLLM's: leave special tokens' text out of the output (the default); "
                              "false writes it (the end-of-sequence token that ends the text "

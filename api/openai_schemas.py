@@ -31,6 +31,7 @@ from api.fields import (
     MinP,
     MinTokens,
     NonEmptyText,
+    ParallelToolCalls,
     PresencePenalty,
     RepetitionPenalty,
     Seed,
@@ -351,9 +352,7 @@ class ChatCompletionRequest(_CommonParams, ChatRenderingParams):
     tool_choice: str | dict[str, Any] | None = Field(
         None, description="none, auto (default with tools), required, or {'type': 'function', "
                           "'function': {'name': ...}}; required and named are enforced by a grammar.")
-    parallel_tool_calls: bool | None = Field(
-        None, strict=True, description="With tool_choice required: allow more than one call "
-                                       "(default true).")
+    parallel_tool_calls: ParallelToolCalls = None
     store: bool | None = Field(None, strict=True, description="Accepted and ignored.")
     metadata: dict[str, str] | None = Field(None, description="Accepted and ignored.")
 

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
-from api.fields import MaxTokens, Temperature, Text, TopP
+from api.fields import MaxTokens, ParallelToolCalls, Temperature, Text, TopP
 from api.openai_schemas import vllm_priority
 from protocol import Priority
 
@@ -145,9 +145,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = Field(
         None, description="none, auto (default with tools), required, or {'type': 'function', "
                           "'name': ...}; required and named are enforced by a grammar.")
-    parallel_tool_calls: bool | None = Field(
-        None, strict=True, description="With tool_choice required: allow more than one call "
-                                       "(default true).")
+    parallel_tool_calls: ParallelToolCalls = None
     text: dict[str, Any] | None = Field(
         None, description="{'format': {'type': 'text'}}, {'format': {'type': 'json_object'}} or "
                           "{'format': {'type': 'json_schema', 'name', 'schema', 'strict'}}.")
