@@ -96,17 +96,17 @@ async def create_response(body: ResponsesRequest, request: Request, owner: Owner
     formatters = await logprobs_formatters(ctx, first.model, first.sampling, jobs, True)
     response_id = "resp_" + first.job_id
     created = int(first.created_at)
-    base: dict[str, Any] = {"id": response_id, "object": "response", "created_at": created,
-            "completed_at": None, "status": "in_progress", "background": False, "error": None,
-            "incomplete_details": None, "instructions": body.instructions,
-            "max_output_tokens": body.max_output_tokens, "metadata": body.metadata or {},
-            "model": first.model, "output": [],
-            "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": body.previous_response_id, "store": body.store,
-            "temperature": first.sampling.temperature, "text": body.text or {"format": {"type": "text"}},
-            "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
-            "top_logprobs": body.top_logprobs, "top_p": first.sampling.top_p,
-            "truncation": body.truncation or "disabled", "usage": None, "user": body.user}
+    base: dict[str, Any] = {
+        "id": response_id, "object": "response", "created_at": created, "completed_at": None,
+        "status": "in_progress", "background": False, "error": None, "incomplete_details": None,
+        "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+        "metadata": body.metadata or {}, "model": first.model, "output": [],
+        "parallel_tool_calls": body.parallel_tool_calls is not False,
+        "previous_response_id": body.previous_response_id, "store": body.store,
+        "temperature": first.sampling.temperature, "text": body.text or {"format": {"type": "text"}},
+        "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
+        "top_logprobs": body.top_logprobs, "top_p": first.sampling.top_p,
+        "truncation": body.truncation or "disabled", "usage": None, "user": body.user}
     message_id = "msg_" + first.job_id
 
     async def keep(response: dict[str, Any]) -> None:
