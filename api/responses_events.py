@@ -86,10 +86,6 @@ class ResponseEvents:
     _usage: dict[str, Any] | None = None
     _error: dict[str, Any] | None = None
 
-    @property
-    def output(self) -> list[dict[str, Any]]:
-        return self._output
-
     def start(self) -> list[dict[str, Any]]:
         return [self._event("response.created", response=self.response),
                 self._event("response.in_progress", response=self.response)]

@@ -68,8 +68,7 @@ _LIST_ERRORS: dict[int | str, dict[str, Any]] = {
     **_NOT_FOUND, 400: {"model": OpenAIError, "description": "A bad limit, order or after."}}
 # Chat-request names in errors, as the Responses request calls them.
 _RENAMES = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
-            ("tool_choice.function.name", "tool_choice.name"), (".function.", "."),
-            ("'messages'", "'input'"))
+            (".function.", "."), ("'messages'", "'input'"))
 
 
 @router.post("/responses", response_model=ResponseObject, summary="Create a response (OpenAI)",
