@@ -102,6 +102,8 @@ async def answer_body(ctx: AppContext, body: CompletionRequest | ChatCompletionR
         "usage": usage_dict(*summed_usage(results))}
     if is_chat and vllm_prompt:
         answer["prompt_logprobs"] = vllm_prompt[0]
+    if isinstance(body, ChatCompletionRequest) and body.tier_served is not None:
+        answer["service_tier"] = body.tier_served
     return answer
 
 

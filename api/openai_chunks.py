@@ -32,6 +32,7 @@ class ChunkWriter:
     model: str
     include_usage: bool
     continuous_usage: bool = False  # vLLM's continuous_usage_stats: usage so far on every chunk
+    service_tier: str | None = None  # on every chunk when the request named one, as OpenAI's
 
     def opening(self, index: int = 0, usage: dict[str, Any] | None = None) -> dict[str, Any] | None:
         """Chat streams open with the assistant's role and empty content, as OpenAI's do."""
@@ -78,6 +79,8 @@ class ChunkWriter:
             "model": self.model,
             "choices": choices,
         }
+        if self.service_tier is not None:
+            chunk["service_tier"] = self.service_tier
         if self.include_usage:
             # OpenAI sends null on every chunk but the last when asked; vLLM's
             # continuous_usage_stats puts the usage so far on each one.

@@ -34,7 +34,8 @@ def common_fields(body: CompletionRequest | ChatCompletionRequest, owner: str,
                   **extra: Any) -> dict[str, Any]:
     """The GenerationRequest fields every choice of `body` shares; `extra`: deadlines, the
     idempotency key, a priority other than the body's."""
-    return {"owner": owner, "model": body.model, "priority": body.priority,
+    priority = body.queue_priority() if isinstance(body, ChatCompletionRequest) else body.priority
+    return {"owner": owner, "model": body.model, "priority": priority,
             "explicit_fields": frozenset(body.model_fields_set), **extra}
 
 
@@ -83,7 +84,7 @@ def chat_requests(body: ChatCompletionRequest, settings: ApiSettings,
         sampling=choice_sampling(sampling, choice), template_tools=tools,
         template_messages=tool_messages, add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
-        chat_template_kwargs=body.chat_template_kwargs)
+        chat_template_kwargs=body.template_kwargs())
         for choice, sampling in _choices(body, body.prompt_logprobs, calling)]
     return ChatRequests(requests, calling, messages)
 

@@ -45,6 +45,7 @@ from api.fields import (
     TruncatePromptTokens,
     WebhookUrl,
 )
+from api.serving_fields import ServingFields
 from api.structured_output import StructuredOutputParams
 from protocol import Priority
 
@@ -323,7 +324,24 @@ class ChatRenderingParams(BaseModel):
         return False, True
 
 
-class ChatCompletionRequest(_CommonParams, ChatRenderingParams):
+class PredictedContent(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["content"] = Field(description="Always content.")
+    content: Text | list[TextContentPart] = Field(description="The text the answer is expected "
+                                                              "to resemble, or its text parts.")
+
+
+def _not_served(what: str) -> Any:
+    """A validator refusing any value but null, with `what` saying why and what to send."""
+    def refuse(value: Any) -> Any:
+        if value is not None:
+            raise _unsupported(what)
+        return value
+    return BeforeValidator(refuse)
+
+
+class ChatCompletionRequest(_CommonParams, ChatRenderingParams, ServingFields):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"model": "smollm2", "messages": [{"role": "user", "content": "What is 2+2?"}],
          "max_tokens": 64, "stream": True, "stream_options": {"include_usage": True}},
@@ -355,6 +373,37 @@ class ChatCompletionRequest(_CommonParams, ChatRenderingParams):
     parallel_tool_calls: ParallelToolCalls = None
     store: bool | None = Field(None, strict=True, description="Accepted and ignored.")
     metadata: dict[str, str] | None = Field(None, description="Accepted and ignored.")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
+        Field(None, description="Goes to the chat template as reasoning_effort (read by templates "
+                                "that think, e.g. gpt-oss's; ignored by the others), as "
+                                "chat_template_kwargs would pass it."))
+    verbosity: Literal["low", "medium", "high"] | None = Field(
+        None, description="Accepted and ignored: the served models have no verbosity control.")
+    prediction: PredictedContent | None = Field(
+        None, description="OpenAI's Predicted Outputs: accepted; the answer is the model's own "
+                          "either way (a prediction only lets a server answer sooner).")
+    modalities: list[Literal["text", "audio"]] | None = Field(
+        None, description="Only ['text']: the served models write text.")
+    audio: Annotated[dict[str, Any] | None, _not_served(
+        "audio output is not available: the served models write text")] = Field(
+        None, description="Not available (only null): the served models write text.")
+    web_search_options: Annotated[dict[str, Any] | None, _not_served(
+        "web search is a hosted tool this server does not have")] = Field(
+        None, description="Not available (only null): web search is not hosted here.")
+    functions: Annotated[list[dict[str, Any]] | None, _not_served(
+        "OpenAI's deprecated form of tools, not served: send tools=[{'type': 'function', "
+        "'function': {...}}]")] = Field(None, description="Not served (only null): send tools.")
+    function_call: Annotated[str | dict[str, Any] | None, _not_served(
+        "OpenAI's deprecated form of tool_choice, not served: send tools and tool_choice")] = Field(
+        None, description="Not served (only null): send tool_choice.")
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and "audio" in value:
+            raise _unsupported("audio output is not available: the served models write text "
+                               "(send ['text'] or leave it out)")
+        return value
 
     @field_validator("top_logprobs")
     @classmethod
@@ -367,6 +416,18 @@ class ChatCompletionRequest(_CommonParams, ChatRenderingParams):
     def num_logprobs(self) -> int | None:
         """SamplingParams.logprobs: how many alternatives per token (None: no logprobs)."""
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs with reasoning_effort among them; the two naming different
+        efforts is a 400."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        given = (self.chat_template_kwargs or {}).get("reasoning_effort")
+        if given is not None and given != self.reasoning_effort:
+            raise InvalidRequestError(
+                f"'reasoning_effort' is {self.reasoning_effort!r} but chat_template_kwargs' "
+                f"reasoning_effort is {given!r}: send one of them", param="reasoning_effort")
+        return {**(self.chat_template_kwargs or {}), "reasoning_effort": self.reasoning_effort}
 
     @property
     def requested_max_tokens(self) -> tuple[int | None, str]:
@@ -454,6 +515,8 @@ class ChatCompletion(BaseModel):
     model: str = Field(description="The model that ran it.")
     choices: list[ChatChoice] = Field(description="n choices.")
     usage: CompletionUsage = Field(description="Token counts.")
+    service_tier: str | None = Field(
+        None, description="default, flex or priority: only when the request named a service_tier.")
 
 
 class ModelObject(BaseModel):

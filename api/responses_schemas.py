@@ -16,6 +16,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_valida
 
 from api.fields import MaxTokens, ParallelToolCalls, Temperature, Text, TopP
 from api.openai_schemas import vllm_priority
+from api.serving_fields import ServingFields
 from protocol import Priority
 
 # `include` values: the one that asks for something this server makes (the output's token
@@ -100,7 +101,7 @@ def _input_items(value: Any) -> Any:
     return [_item(item, number) for number, item in enumerate(value)]
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(ServingFields):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"model": "smollm2", "input": "What is 2+2?", "max_output_tokens": 64},
     ]})
@@ -158,10 +159,9 @@ class ResponsesRequest(BaseModel):
     background: bool | None = Field(None, strict=True, description="Only false is supported.")
     metadata: dict[str, str] | None = Field(None, description="Kept with the response.")
     user: str | None = Field(None, description="Accepted and ignored.")
-    safety_identifier: str | None = Field(None, description="Accepted and ignored.")
-    prompt_cache_key: str | None = Field(None, description="Accepted and ignored (the prefix cache "
-                                                           "works on every request).")
-    service_tier: str | None = Field(None, description="Accepted and ignored.")
+    max_tool_calls: int | None = Field(
+        None, strict=True, ge=0, description="Accepted and ignored: it counts calls to hosted "
+                                             "tools, which this server does not have.")
     priority: Annotated[Priority, BeforeValidator(
         vllm_priority, json_schema_input_type=Priority | int)] = Field(
         Priority.NORMAL,
@@ -248,6 +248,8 @@ class ResponseObject(BaseModel):
     background: bool = Field(False, description="Always false.")
     metadata: dict[str, str] = Field(default_factory=dict, description="As given.")
     user: str | None = Field(None, description="As given.")
+    service_tier: str | None = Field(
+        None, description="default, flex or priority: only when the request named a service_tier.")
 
 
 class InputItemList(BaseModel):

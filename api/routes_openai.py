@@ -119,7 +119,9 @@ async def _answer(ctx: AppContext, request: Request,
     writer = ChunkWriter(is_chat=is_chat,
                          response_id=("chatcmpl-" if is_chat else "cmpl-") + first.job_id,
                          created=int(first.created_at), model=first.model,
-                         include_usage=body.include_usage, continuous_usage=body.continuous_usage)
+                         include_usage=body.include_usage, continuous_usage=body.continuous_usage,
+                         service_tier=(body.tier_served if isinstance(body, ChatCompletionRequest)
+                                       else None))
     headers = job_headers(accepted)
     formatters = await logprobs_formatters(ctx, first.model, first.sampling, jobs, is_chat)
     if body.stream:

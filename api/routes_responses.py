@@ -106,6 +106,8 @@ async def create_response(body: ResponsesRequest, request: Request, owner: Owner
         "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
         "top_logprobs": body.top_logprobs, "top_p": first.sampling.top_p,
         "truncation": body.truncation or "disabled", "usage": None, "user": body.user}
+    if body.tier_served is not None:
+        base["service_tier"] = body.tier_served
     message_id = "msg_" + first.job_id
 
     async def keep(response: dict[str, Any]) -> None:
@@ -194,7 +196,7 @@ def _chat_body(body: ResponsesRequest, messages: list[dict[str, Any]]) -> ChatCo
     """The chat request the Responses request means; only the fields it sets are set, so the
     model's generation defaults fill in the same others."""
     fields: dict[str, Any] = {"model": body.model, "messages": messages, "stream": body.stream,
-                              "priority": body.priority}
+                              "priority": body.queue_priority()}
     if body.stream:
         fields["stream_options"] = {"include_usage": True}
     if body.max_output_tokens is not None:

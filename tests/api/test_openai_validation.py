@@ -117,7 +117,7 @@ async def test_completions_rejects(client: httpx.AsyncClient, body: dict[str, An
      "must be at most max_completion_tokens (2)"),
     ({"messages": CHAT, "stop": 7}, "stop", "valid list"),
     ({"messages": CHAT, "seed": "1"}, "seed", "valid integer"),
-    ({"messages": CHAT, "functions": []}, "functions", "Unrecognized request argument"),
+    ({"messages": CHAT, "functions": []}, "functions", "deprecated form of tools, not served"),
     # Strict like every other number and flag (lax pydantic took 0.0 as false, and as 0).
     ({"messages": CHAT, "store": 0.0}, "store", "valid boolean"),
     ({"messages": CHAT, "top_logprobs": 0.0}, "top_logprobs", "valid integer"),
