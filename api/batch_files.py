@@ -20,7 +20,7 @@ from api.errors import InvalidRequestError, NotFoundError
 from api.owner_pages import newest_first
 from protocol import Keys
 
-BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 # Purposes a client may upload with; batch_output is the purpose of the files batches write.
 UPLOAD_PURPOSES = ("batch",)
 OUTPUT_PURPOSE = "batch_output"

@@ -36,7 +36,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio.to_thread
 import redis.exceptions
@@ -49,15 +49,28 @@ from api.errors import (
     ApiError,
     InvalidRequestError,
     KeyLimitError,
+    NotFoundError,
     QueueFullError,
     ServiceUnavailableError,
     describe_validation_error,
     openai_error_body,
 )
+from api.job_service import AcceptedJob
 from api.openai_answer import answer_body, logprobs_formatters, wait_for_results
 from api.openai_choices import ChoiceJob
 from api.openai_requests import chat_requests, common_fields, completion_requests
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
+from api.responses_conversation import chat_messages
+from api.responses_jobs import (
+    chat_body_of,
+    keep_response,
+    queued_sampling,
+    response_base,
+    responses_history,
+    submit_response,
+    whole_response,
+)
+from api.responses_schemas import ResponsesRequest
 from api.tool_parsers import get_parser
 from api.webhook_urls import webhook_url_of
 from protocol import JobState, JobStatus, Priority
@@ -65,12 +78,27 @@ from protocol import JobState, JobStatus, Priority
 log = logging.getLogger(__name__)
 
 CHAT_URL = "/v1/chat/completions"
+RESPONSES_URL = "/v1/responses"
 # Past any one step (a lapsed lock only lets another runner repeat work), and short, so a lock
 # left by a process that died (or a Redis that restarted) mid-step holds its batch up briefly.
 _LOCK_TTL_MS = 15_000
 # How long a cancelled or expired batch waits for its canceled jobs to end (OpenAI's batches stay
 # cancelling for up to 10 minutes); a job still unended then is answered as never run.
 _WIND_DOWN_GRACE_S = 600.0
+
+
+_Body = TypeVar("_Body", ChatCompletionRequest, CompletionRequest, ResponsesRequest)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Queued:
+    """What a line was queued as: its jobs, the text each choice starts with (echo), its n, and
+    whether tool calls are parsed out of its replies."""
+
+    accepted: list[AcceptedJob]
+    echoes: list[str]
+    n: int
+    parses_calls: bool
 
 
 class _Later(Exception):
@@ -203,30 +231,13 @@ class BatchRunner:
     async def _submit_line(self, batch: BatchRecord, line: BatchInputLine) -> LineJobs | None:
         """Queue one line as jobs; a line refused (bad body, unknown model, too long) is answered
         in the error file at once, with the error its route would have answered (None)."""
-        is_chat = line.url == CHAT_URL
         try:
             if line.body.get("stream"):
                 raise InvalidRequestError("'stream' is not available in a batch: each request's "
                                           "answer is written whole to the output file",
                                           param="stream")
-            try:
-                body = (ChatCompletionRequest if is_chat else CompletionRequest).model_validate(line.body)
-            except ValidationError as exc:
-                message, param = describe_validation_error(exc.errors())
-                raise InvalidRequestError(message, param=param) from exc
-            common = common_fields(body, batch.owner, priority=Priority.BATCH,
-                                   idempotency_key=f"carpool-batch:{batch.id}:{line.index}",
-                                   **webhook_url_of(body.webhook_url, {}))
-            parses_calls = False
-            if isinstance(body, ChatCompletionRequest):
-                chat = chat_requests(body, self.settings, common)
-                accepted = await self.ctx.jobs.submit_many(chat.requests)
-                echoes = [chat.echo if body.echo else ""] * len(accepted)
-                parses_calls = chat.calling.parses_calls
-            else:
-                accepted = await self.ctx.jobs.submit_many(
-                    completion_requests(body, self.settings, common))
-                echoes = [(job.prompt_text or "") if body.echo else "" for job in accepted]
+            queue = self._queue_response if line.url == RESPONSES_URL else self._queue_completion
+            queued = await queue(batch, line)
         except (QueueFullError, KeyLimitError, ServiceUnavailableError) as exc:
             log.info("batch %s: line %d waits (%s)", batch.id, line.index, exc.message)
             raise _Later from exc
@@ -237,9 +248,33 @@ class BatchRunner:
                 openai_error_body(exc.message, exc.error_type, exc.param, exc.code)))
             return None
         return LineJobs(custom_id=line.custom_id, body=line.body,
-                        job_ids=[job.spec.job_id for job in accepted],
-                        prompt_tokens=[job.prompt_tokens or 0 for job in accepted],
-                        echoes=echoes, n=body.n, parses_calls=parses_calls)
+                        job_ids=[job.spec.job_id for job in queued.accepted],
+                        prompt_tokens=[job.prompt_tokens or 0 for job in queued.accepted],
+                        echoes=queued.echoes, n=queued.n, parses_calls=queued.parses_calls)
+
+    async def _queue_completion(self, batch: BatchRecord, line: BatchInputLine) -> _Queued:
+        """A chat or plain completion line, queued as its route queues the request."""
+        body: ChatCompletionRequest | CompletionRequest = (
+            _validated(ChatCompletionRequest, line.body) if line.url == CHAT_URL
+            else _validated(CompletionRequest, line.body))
+        common = common_fields(body, batch.owner, priority=Priority.BATCH,
+                               idempotency_key=_idempotency_key(batch, line),
+                               **webhook_url_of(body.webhook_url, {}))
+        if isinstance(body, ChatCompletionRequest):
+            chat = chat_requests(body, self.settings, common)
+            accepted = await self.ctx.jobs.submit_many(chat.requests)
+            return _Queued(accepted, [chat.echo if body.echo else ""] * len(accepted), body.n,
+                           chat.calling.parses_calls)
+        accepted = await self.ctx.jobs.submit_many(completion_requests(body, self.settings, common))
+        return _Queued(accepted, [(job.prompt_text or "") if body.echo else "" for job in accepted],
+                       body.n, parses_calls=False)
+
+    async def _queue_response(self, batch: BatchRecord, line: BatchInputLine) -> _Queued:
+        """A /v1/responses line: its one chat completion job, as the route queues it."""
+        submitted = await submit_response(self.ctx, _validated(ResponsesRequest, line.body),
+                                          batch.owner, priority=Priority.BATCH,
+                                          idempotency_key=_idempotency_key(batch, line))
+        return _Queued(submitted.accepted, [""], 1, submitted.parses_calls)
 
     async def _write_answer(self, batch_id: str, index: int, kind: str, line: dict[str, Any]) -> None:
         """Line `index`'s answer (the first one written stays: BatchStore.answer); the line is
@@ -287,7 +322,8 @@ class BatchRunner:
         for index, line in sorted(pending.items()):
             ended = [statuses.get(job_id) for job_id in line.job_ids]
             if all(status is not None and status.is_final for status in ended):
-                await self._write_answer(batch.id, index, *await self._answer(line, ended, ending))
+                await self._write_answer(batch.id, index,
+                                         *await self._answer(batch, line, ended, ending))
             elif any(status is None for status in ended):
                 await self._write_answer(batch.id, index, ERROR, _error_line(
                     line.custom_id, "job_expired", "The request's job expired before its answer "
@@ -303,7 +339,7 @@ class BatchRunner:
             replies = await pipe.execute()
         return {job_id: JobStatus(reply) if reply else None for job_id, reply in zip(job_ids, replies)}
 
-    async def _answer(self, line: LineJobs, ended: list[JobStatus | None],
+    async def _answer(self, batch: BatchRecord, line: LineJobs, ended: list[JobStatus | None],
                       ending: tuple[str, str] | None) -> tuple[str, dict[str, Any]]:
         request_id = line.job_ids[0]
         if JobStatus.FAILED in ended:
@@ -315,7 +351,10 @@ class BatchRunner:
         if JobStatus.CANCELED in ended:
             code, message = ending or ("request_cancelled", "The request's job was canceled")
             return ERROR, _error_line(line.custom_id, code, message)
-        is_chat = "messages" in line.body
+        if batch.endpoint == RESPONSES_URL:
+            return OUTPUT, _response_line(line.custom_id, request_id, 200,
+                                          await self._response(batch.owner, line))
+        is_chat = batch.endpoint == CHAT_URL
         body = (ChatCompletionRequest if is_chat else CompletionRequest).model_validate(line.body)
         # The sampling the line's first choice was queued with (its logprobs counts), as queued.
         common = common_fields(body, "")
@@ -338,6 +377,31 @@ class BatchRunner:
             created=int(state.created_at), model=state.model, sampling=sampling,
             formatters=formatters, tool_parser=parser)
         return OUTPUT, _response_line(line.custom_id, request_id, 200, answer)
+
+    async def _response(self, owner: str, line: LineJobs) -> dict[str, Any]:
+        """A /v1/responses line's response object, stored as the route stores one (`store`). The
+        chat it continues is read again for that: a previous response gone meanwhile (deleted,
+        or past its retention) leaves this one continuing only its own input."""
+        body = ResponsesRequest.model_validate(line.body)
+        try:
+            history = await responses_history(self.ctx, body, owner)
+        except NotFoundError:
+            history = []
+        given = chat_messages(body.input)
+        chat_body = chat_body_of(body, given, history)
+        sampling = queued_sampling(chat_body, self.settings)
+        jobs = [ChoiceJob(index=0, prompt_number=0, job_id=line.job_ids[0], echo="",
+                          prompt_tokens=line.prompt_tokens[0])]
+        results = await wait_for_results(self.ctx, jobs)  # ended: its stream ends at once
+        assert results is not None  # (None only for a client that left)
+        state = JobState.from_fields(await self.ctx.aio.hgetall(self.ctx.keys.state(jobs[0].job_id)))
+        formatters = await logprobs_formatters(self.ctx, state.model, sampling, jobs, True)
+        parser = get_parser(self.settings.tool_parser) if line.parses_calls else None
+        base = response_base(body, jobs[0].job_id, int(state.created_at), state.model, sampling)
+        response = await whole_response(self.ctx, body, chat_body, results, base, sampling,
+                                        formatters, parser)
+        await keep_response(self.ctx, owner, body, history, given, response)
+        return response
 
     # cancelling -> cancelled; validating | in_progress -> expired
     async def _wind_down(self, batch: BatchRecord, final: BatchStatus, code: str,
@@ -421,6 +485,20 @@ class BatchRunner:
     def _forget(self, batch_id: str) -> None:
         for cache in (self._inputs, self._lines, self._poll_from, self._answered):
             cache.pop(batch_id, None)
+
+
+def _idempotency_key(batch: BatchRecord, line: BatchInputLine) -> str:
+    """The job service's Idempotency-Key of a line: queueing it again returns the same jobs."""
+    return f"carpool-batch:{batch.id}:{line.index}"
+
+
+def _validated(model: type[_Body], body: dict[str, Any]) -> _Body:
+    """`body` as the route's request `model`; a 400 naming the field, as the route answers."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        message, param = describe_validation_error(exc.errors())
+        raise InvalidRequestError(message, param=param) from exc
 
 
 def _response_line(custom_id: str, request_id: str, status_code: int,

@@ -61,8 +61,10 @@ async def answer_body(ctx: AppContext, body: CompletionRequest | ChatCompletionR
                       results: list[ChoiceResult], *, is_chat: bool, response_id: str,
                       created: int, model: str, sampling: SamplingParams,
                       formatters: dict[int, LogprobsFormatter],
-                      tool_parser: ToolParser | None = None) -> dict[str, Any]:
-    """The whole answer of choices that all finished (none failed)."""
+                      tool_parser: ToolParser | None = None,
+                      service_tier: str | None = None) -> dict[str, Any]:
+    """The whole answer of choices that all finished (none failed); `service_tier`: the tier it
+    names (None: none, as when the request named none)."""
     # vLLM's prompt_logprobs field (never streamed: the schema refuses it with stream), written
     # with each job's first token.
     vllm_prompt: dict[int, list[dict[str, dict[str, Any]] | None] | None] = {}
@@ -102,8 +104,8 @@ async def answer_body(ctx: AppContext, body: CompletionRequest | ChatCompletionR
         "usage": usage_dict(*summed_usage(results))}
     if is_chat and vllm_prompt:
         answer["prompt_logprobs"] = vllm_prompt[0]
-    if isinstance(body, ChatCompletionRequest) and body.tier_served is not None:
-        answer["service_tier"] = body.tier_served
+    if service_tier is not None:
+        answer["service_tier"] = service_tier
     return answer
 
 

@@ -38,7 +38,7 @@ class BatchCreateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: str = Field(description="A file uploaded with purpose 'batch'.")
-    endpoint: Literal["/v1/chat/completions", "/v1/completions"] = Field(
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"] = Field(
         description="The route every line of the input file calls.")
     completion_window: Literal["24h"] = Field(description="Only '24h', as OpenAI.")
     metadata: dict[str, str] | None = Field(None, description="Up to 16 key-value pairs.")

@@ -136,7 +136,8 @@ async def _answer(ctx: AppContext, request: Request,
     answer = await answer_body(ctx, body, results, is_chat=is_chat,
                                response_id=writer.response_id, created=writer.created,
                                model=writer.model, sampling=first.sampling,
-                               formatters=formatters, tool_parser=tool_parser)
+                               formatters=formatters, tool_parser=tool_parser,
+                               service_tier=writer.service_tier)
     return JSONResponse(answer, headers=headers)
 
 

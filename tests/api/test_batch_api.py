@@ -4,6 +4,7 @@ the queued jobs as a worker would."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -213,6 +214,88 @@ async def test_a_line_scoring_its_prompt_answers_the_prompt_alone(harness: Harne
                (await client.get(f"/v1/files/{done['output_file_id']}/content")).text.splitlines()]
     choice = line["response"]["body"]["choices"][0]
     assert (choice["text"], choice["finish_reason"]) == ("hello world", "length")
+
+
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+WEATHER = {"type": "function", "name": "get_weather",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}
+
+
+async def test_responses_lines_answer_stored_response_objects(harness: Harness,
+                                                              client: httpx.AsyncClient) -> None:
+    harness.register_model(context=4096)  # room for the tool's system prompt
+    worker = asyncio.create_task(harness.serve_next_job(["Blue"]))
+    earlier = (await client.post("/v1/responses", json={"input": "sky colour?"})).json()
+    await worker
+    url = "/v1/responses"
+    content = _jsonl(
+        _line("plain", {"model": MODEL, "input": "hello", "instructions": "be brief",
+                        "max_output_tokens": 2, "metadata": {"n": "1"}}, url),
+        _line("more", {"model": MODEL, "input": "and the sea?", "previous_response_id":
+                       earlier["id"]}, url),
+        _line("tool", {"model": MODEL, "input": "weather in Paris?", "tools": [WEATHER],
+                       "tool_choice": "required", "store": False}, url),
+        _line("bg", {"model": MODEL, "input": "x", "background": True}, url),
+        _line("lost", {"model": MODEL, "input": "x", "previous_response_id": "resp_nope"}, url))
+    batch = await _create(client, content, endpoint=url)
+    runner = BatchRunner(harness.context)
+    await runner.tick()  # validating -> in_progress
+    await runner.tick()  # the three good lines queued on the batch tier; two answered at once
+    assert harness.sync.llen(RQKeys.queue(harness.keys.queue_name(MODEL, Priority.BATCH))) == 3
+    plain = await harness.serve_next_job(["Hi", " there"], reason=FinishReason.LENGTH)
+    more = await harness.serve_next_job(["Green"])
+    tool = await harness.serve_next_job([CALL])
+    specs = [_job_spec(harness, job_id) for job_id in (plain, more, tool)]
+    assert [spec["priority"] for spec in specs] == ["batch"] * 3
+    assert specs[0]["messages"] == [{"role": "system", "content": "be brief"},
+                                    {"role": "user", "content": "hello"}]
+    assert specs[1]["messages"] == [{"role": "user", "content": "sky colour?"},
+                                    {"role": "assistant", "content": "Blue"},
+                                    {"role": "user", "content": "and the sea?"}]
+    await runner.tick()
+    done = (await client.get(f"/v1/batches/{batch['id']}")).json()
+    assert done["status"] == "completed", done
+    assert done["request_counts"] == {"total": 5, "completed": 3, "failed": 2}
+    output = {x["custom_id"]: x["response"] for x in [
+        json.loads(line) for line in
+        (await client.get(f"/v1/files/{done['output_file_id']}/content")).text.splitlines()]}
+    assert {name: (answer["status_code"], answer["request_id"]) for name, answer in output.items()} \
+        == {"plain": (200, plain), "more": (200, more), "tool": (200, tool)}
+    body = output["plain"]["body"]
+    assert (body["id"], body["object"], body["status"], body["incomplete_details"]) == (
+        f"resp_{plain}", "response", "incomplete", {"reason": "max_output_tokens"})
+    assert body["output"] == [{"id": f"msg_{plain}", "type": "message", "status": "incomplete",
+                               "role": "assistant", "content": [
+                                   {"type": "output_text", "text": "Hi there", "annotations": []}]}]
+    assert (body["instructions"], body["metadata"], body["usage"]["output_tokens"]) == (
+        "be brief", {"n": "1"}, 2)
+    assert output["more"]["body"]["previous_response_id"] == earlier["id"]
+    [call] = output["tool"]["body"]["output"]
+    assert (call["type"], call["name"], call["arguments"]) == (
+        "function_call", "get_weather", '{"city": "Paris"}')
+    # Stored as the route stores them (store: false aside), and continued the same way.
+    stored = await client.get(f"/v1/responses/resp_{plain}")
+    assert stored.status_code == 200 and stored.json() == body
+    assert (await client.get(f"/v1/responses/resp_{tool}")).status_code == 404
+    worker = asyncio.create_task(harness.serve_next_job(["ok"]))
+    await client.post("/v1/responses", json={"input": "go on", "previous_response_id": f"resp_{more}"})
+    assert [m["content"] for m in _job_spec(harness, await worker)["messages"]] == [
+        "sky colour?", "Blue", "and the sea?", "Green", "go on"]
+    errors = {x["custom_id"]: x["response"] for x in [
+        json.loads(line) for line in
+        (await client.get(f"/v1/files/{done['error_file_id']}/content")).text.splitlines()]}
+    assert {name: (answer["status_code"], answer["body"]["error"]["param"])
+            for name, answer in errors.items()} == {"bg": (400, "background"),
+                                                    "lost": (404, "previous_response_id")}
+
+
+def _job_spec(harness: Harness, job_id: str) -> dict:
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    spec: dict = Job.fetch(job_id, connection=harness.context.sync, serializer=JSONSerializer).args[0]
+    return spec
 
 
 async def test_a_runner_reads_the_answered_lines_back_only_after_another_answered_some(

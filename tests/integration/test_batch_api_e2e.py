@@ -158,6 +158,29 @@ def test_a_chat_batch_answers_as_the_chat_route_does(api: ApiServer, batch_fleet
         assert outputs[custom_id]["usage"]["prompt_tokens"] == direct.usage.prompt_tokens  # type: ignore[union-attr]
 
 
+def test_a_responses_batch_answers_as_the_responses_route_does(api: ApiServer,
+                                                              batch_fleet: Fleet) -> None:
+    client = api.openai(KEY)
+    bodies = {f"resp-{i}": {"model": api.model, "input": prompt, "max_output_tokens": 6,
+                            "temperature": 0.0} for i, prompt in enumerate(PROMPTS[:3])}
+    batch = _run_batch(client, "/v1/responses", bodies)
+    done = _wait_status(client, batch.id, {"completed", "failed"}, api, batch_fleet)
+    assert done.status == "completed", done
+    outputs = {line["custom_id"]: line["response"]["body"] for line in _lines(client, done.output_file_id)}
+    for custom_id, body in bodies.items():
+        direct = client.responses.create(model=body["model"], input=body["input"],
+                                         max_output_tokens=6, temperature=0.0)
+        answer = outputs[custom_id]
+        assert answer["object"] == "response"
+        assert answer["output"][0]["content"][0]["text"] == direct.output_text
+        assert answer["usage"]["input_tokens"] == direct.usage.input_tokens  # type: ignore[union-attr]
+        # Stored: the client reads it back as it was answered, and can continue it.
+        assert client.responses.retrieve(answer["id"]).output_text == direct.output_text
+    follow = client.responses.create(model=api.model, input="and then?", max_output_tokens=4,
+                                     previous_response_id=outputs["resp-0"]["id"])
+    assert follow.previous_response_id == outputs["resp-0"]["id"]  # found: stored by the batch
+
+
 def _pause(fleet: Fleet) -> None:
     for worker in fleet.workers:
         if worker.is_alive:
