@@ -60,16 +60,9 @@ from api.openai_answer import answer_body, logprobs_formatters, wait_for_results
 from api.openai_choices import ChoiceJob
 from api.openai_requests import chat_requests, common_fields, completion_requests
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
+from api.responses_background import history_of
 from api.responses_conversation import chat_messages
-from api.responses_jobs import (
-    chat_body_of,
-    keep_response,
-    queued_sampling,
-    response_base,
-    responses_history,
-    submit_response,
-    whole_response,
-)
+from api.responses_jobs import ended_response, keep_response, submit_response
 from api.responses_schemas import ResponsesRequest
 from api.tool_parsers import get_parser
 from api.webhook_urls import webhook_url_of
@@ -236,6 +229,10 @@ class BatchRunner:
                 raise InvalidRequestError("'stream' is not available in a batch: each request's "
                                           "answer is written whole to the output file",
                                           param="stream")
+            if line.body.get("background"):
+                raise InvalidRequestError("'background' is not available in a batch: a batch's "
+                                          "lines run in the background already",
+                                          param="background")
             queue = self._queue_response if line.url == RESPONSES_URL else self._queue_completion
             queued = await queue(batch, line)
         except (QueueFullError, KeyLimitError, ServiceUnavailableError) as exc:
@@ -271,8 +268,10 @@ class BatchRunner:
 
     async def _queue_response(self, batch: BatchRecord, line: BatchInputLine) -> _Queued:
         """A /v1/responses line: its one chat completion job, as the route queues it."""
-        submitted = await submit_response(self.ctx, _validated(ResponsesRequest, line.body),
-                                          batch.owner, priority=Priority.BATCH,
+        body = _validated(ResponsesRequest, line.body)
+        submitted = await submit_response(self.ctx, body, batch.owner,
+                                          await history_of(self.ctx, body, batch.owner),
+                                          priority=Priority.BATCH,
                                           idempotency_key=_idempotency_key(batch, line))
         return _Queued(submitted.accepted, [""], 1, submitted.parses_calls)
 
@@ -384,22 +383,11 @@ class BatchRunner:
         or past its retention) leaves this one continuing only its own input."""
         body = ResponsesRequest.model_validate(line.body)
         try:
-            history = await responses_history(self.ctx, body, owner)
+            history = await history_of(self.ctx, body, owner)
         except NotFoundError:
             history = []
         given = chat_messages(body.input)
-        chat_body = chat_body_of(body, given, history)
-        sampling = queued_sampling(chat_body, self.settings)
-        jobs = [ChoiceJob(index=0, prompt_number=0, job_id=line.job_ids[0], echo="",
-                          prompt_tokens=line.prompt_tokens[0])]
-        results = await wait_for_results(self.ctx, jobs)  # ended: its stream ends at once
-        assert results is not None  # (None only for a client that left)
-        state = JobState.from_fields(await self.ctx.aio.hgetall(self.ctx.keys.state(jobs[0].job_id)))
-        formatters = await logprobs_formatters(self.ctx, state.model, sampling, jobs, True)
-        parser = get_parser(self.settings.tool_parser) if line.parses_calls else None
-        base = response_base(body, jobs[0].job_id, int(state.created_at), state.model, sampling)
-        response = await whole_response(self.ctx, body, chat_body, results, base, sampling,
-                                        formatters, parser)
+        response = await ended_response(self.ctx, body, line.job_ids[0], history, given)
         await keep_response(self.ctx, owner, body, history, given, response)
         return response
 

@@ -18,8 +18,8 @@ from pydantic import ValidationError
 from api.context import AppContext
 from api.errors import InvalidRequestError
 from api.job_service import AcceptedJob, GenerationRequest
-from api.openai_answer import answer_body
-from api.openai_choices import ChoiceResult
+from api.openai_answer import answer_body, logprobs_formatters, wait_for_results
+from api.openai_choices import ChoiceJob, ChoiceResult
 from api.openai_logprobs import LogprobsFormatter
 from api.openai_requests import chat_requests, common_fields
 from api.openai_schemas import ChatCompletionRequest
@@ -27,9 +27,8 @@ from api.responses_conversation import chat_messages, output_messages, with_ids
 from api.responses_events import response_of
 from api.responses_schemas import ResponsesRequest
 from api.responses_store import StoredResponse
-from api.settings import ApiSettings
-from api.tool_parsers import ToolParser
-from protocol import SamplingParams
+from api.tool_parsers import ToolParser, get_parser
+from protocol import JobState, SamplingParams
 
 # Chat-request names in errors, as the Responses request calls them.
 _RENAMES = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
@@ -48,12 +47,10 @@ class SubmittedResponse:
 
 
 async def submit_response(ctx: AppContext, body: ResponsesRequest, owner: str,
-                          **extra: Any) -> SubmittedResponse:
-    """Queue the job that runs `body`; `extra`: common_fields' (deadlines, the idempotency key,
-    the webhook, a priority other than the body's). A 404 when previous_response_id names no
-    response `owner` stored; a 400 in the Responses request's names for what the chat's checks
-    refuse."""
-    history = await responses_history(ctx, body, owner)
+                          history: list[dict[str, Any]], **extra: Any) -> SubmittedResponse:
+    """Queue the job that runs `body` after `history` (the chat previous_response_id names);
+    `extra`: common_fields' (deadlines, the idempotency key, the webhook, a priority other than
+    the body's). A 400 in the Responses request's names for what the chat's checks refuse."""
     given = chat_messages(body.input)
     try:
         chat_body = chat_body_of(body, given, history)
@@ -64,20 +61,24 @@ async def submit_response(ctx: AppContext, body: ResponsesRequest, owner: str,
     return SubmittedResponse(chat_body, chat.calling.parses_calls, accepted, history, given)
 
 
-def queued_sampling(chat_body: ChatCompletionRequest, settings: ApiSettings) -> SamplingParams:
-    """The sampling the response's job was queued with (its logprobs count, a forced call's
-    grammar), as chat_requests made it."""
-    return chat_requests(chat_body, settings, common_fields(chat_body, "")).requests[0].sampling
-
-
-async def responses_history(ctx: AppContext, body: ResponsesRequest,
-                            owner: str) -> list[dict[str, Any]]:
-    """The stored chat previous_response_id names ([] for none); a 404 when `owner` stored no
-    response of that id (or it is past its retention)."""
-    if not body.previous_response_id:
-        return []
-    stored = await ctx.responses.get(body.previous_response_id, owner, "previous_response_id")
-    return stored.conversation
+async def ended_response(ctx: AppContext, body: ResponsesRequest, job_id: str,
+                         history: list[dict[str, Any]],
+                         given: list[dict[str, Any]]) -> dict[str, Any]:
+    """The response object of a job that ended without failing, answered later than its request
+    (a batch line, a background response): the job's queued sampling and tool parsing are
+    rebuilt from the request as chat_requests made them."""
+    chat_body = chat_body_of(body, given, history)
+    chat = chat_requests(chat_body, ctx.settings, common_fields(chat_body, ""))
+    sampling = chat.requests[0].sampling
+    state = JobState.from_fields(await ctx.aio.hgetall(ctx.keys.state(job_id)))
+    jobs = [ChoiceJob(index=0, prompt_number=0, job_id=job_id, echo="",
+                      prompt_tokens=state.prompt_tokens)]
+    results = await wait_for_results(ctx, jobs)  # ended: its stream ends at once
+    assert results is not None  # (None only for a client that left)
+    formatters = await logprobs_formatters(ctx, state.model, sampling, jobs, True)
+    parser = get_parser(ctx.settings.tool_parser) if chat.calling.parses_calls else None
+    base = response_base(body, job_id, int(state.created_at), state.model, sampling)
+    return await whole_response(ctx, body, chat_body, results, base, sampling, formatters, parser)
 
 
 def response_base(body: ResponsesRequest, job_id: str, created: int, model: str,
@@ -85,7 +86,8 @@ def response_base(body: ResponsesRequest, job_id: str, created: int, model: str,
     """The response object as created (in progress, no output yet)."""
     base: dict[str, Any] = {
         "id": "resp_" + job_id, "object": "response", "created_at": created, "completed_at": None,
-        "status": "in_progress", "background": False, "error": None, "incomplete_details": None,
+        "status": "in_progress", "background": bool(body.background), "error": None,
+        "incomplete_details": None,
         "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
         "metadata": body.metadata or {}, "model": model, "output": [],
         "parallel_tool_calls": body.parallel_tool_calls is not False,

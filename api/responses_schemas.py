@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from api.fields import MaxTokens, ParallelToolCalls, Temperature, Text, TopP
 from api.openai_schemas import vllm_priority
@@ -156,7 +156,10 @@ class ResponsesRequest(ServingFields):
     truncation: Literal["auto", "disabled"] | None = Field(
         None, description="Accepted; nothing is dropped: an input past the context is a 400 "
                           "either way.")
-    background: bool | None = Field(None, strict=True, description="Only false is supported.")
+    background: bool | None = Field(
+        None, strict=True, description="Answer at once with the response queued (a job) and poll "
+                                       "GET /v1/responses/{id}; POST .../cancel cancels it. Not "
+                                       "with stream; needs store.")
     metadata: dict[str, str] | None = Field(None, description="Kept with the response.")
     user: str | None = Field(None, description="Accepted and ignored.")
     max_tool_calls: int | None = Field(
@@ -178,10 +181,12 @@ class ResponsesRequest(ServingFields):
 
     @field_validator("background")
     @classmethod
-    def _not_background(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("background responses are not supported; submit a job "
-                             "(POST /v1/jobs) to run one in the background")
+    def _background_is_polled(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        if value and info.data.get("stream"):
+            raise ValueError("a background response is not streamed here: create it without "
+                             "stream and poll GET /v1/responses/{id}")
+        if value and info.data.get("store") is False:
+            raise ValueError("a background response must be stored (store: true), as OpenAI's")
         return value
 
     @property
@@ -245,7 +250,7 @@ class ResponseObject(BaseModel):
     text: dict[str, Any] = Field(default_factory=dict, description="The output format.")
     truncation: str = Field("disabled", description="As given.")
     store: bool = Field(True, description="Whether it is kept.")
-    background: bool = Field(False, description="Always false.")
+    background: bool = Field(False, description="Whether it was made in the background.")
     metadata: dict[str, str] = Field(default_factory=dict, description="As given.")
     user: str | None = Field(None, description="As given.")
     service_tier: str | None = Field(

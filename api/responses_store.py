@@ -23,12 +23,25 @@ class StoredResponse:
     owner: str
     response: dict[str, Any]
     input_items: list[dict[str, Any]]
+    # The chat a response naming this one continues; while `job_id` is set, the chat before
+    # its output (api/responses_background.py adds the output once the job ends).
     conversation: list[dict[str, Any]]
+    # A background response whose job has not been settled yet: the job, and the request (as
+    # sent) its answer is built from.
+    job_id: str | None = None
+    request: dict[str, Any] | None = None
+
+    @property
+    def is_pending(self) -> bool:
+        return self.job_id is not None
 
     def to_json(self) -> str:
-        return json.dumps({"owner": self.owner, "response": self.response,
-                           "input_items": self.input_items, "conversation": self.conversation},
-                          ensure_ascii=False, separators=(",", ":"))
+        record: dict[str, Any] = {"owner": self.owner, "response": self.response,
+                                  "input_items": self.input_items,
+                                  "conversation": self.conversation}
+        if self.job_id is not None:
+            record |= {"job_id": self.job_id, "request": self.request}
+        return json.dumps(record, ensure_ascii=False, separators=(",", ":"))
 
 
 class ResponseStore:
@@ -50,7 +63,7 @@ class ResponseStore:
                                 f"{self.retention_s} s, and only when made with store: true)",
                                 param=param, code="response_not_found")
         return StoredResponse(record["owner"], record["response"], record["input_items"],
-                              record["conversation"])
+                              record["conversation"], record.get("job_id"), record.get("request"))
 
     async def delete(self, response_id: str, owner: str) -> None:
         await self.get(response_id, owner)  # 404 for another key's, as for a missing one

@@ -31,6 +31,8 @@ from api.openai_chunks import ChunkWriter
 from api.openai_logprobs import LogprobsFormatter
 from api.openai_schemas import OpenAIError
 from api.openai_stream import chunk_payloads
+from api.responses_background import cancel, history_of, pending, settle
+from api.responses_conversation import with_ids
 from api.responses_events import ResponseEvents, sse_event
 from api.responses_jobs import (
     keep_response,
@@ -65,6 +67,8 @@ _STREAM_DOC = {"content": {"text/event-stream": {}},
 _NOT_FOUND: dict[int | str, dict[str, Any]] = {
     401: _ERRORS[401],
     404: {"model": OpenAIError, "description": "No stored response of that id (or another key's)."}}
+_CANCEL_ERRORS: dict[int | str, dict[str, Any]] = {
+    **_NOT_FOUND, 400: {"model": OpenAIError, "description": "Not a background response."}}
 _LIST_ERRORS: dict[int | str, dict[str, Any]] = {
     **_NOT_FOUND, 400: {"model": OpenAIError, "description": "A bad limit, order or after."}}
 
@@ -74,7 +78,7 @@ _LIST_ERRORS: dict[int | str, dict[str, Any]] = {
 async def create_response(body: ResponsesRequest, request: Request, owner: Owner,
                           ctx: Context) -> Response:
     submitted = await submit_response(
-        ctx, body, owner, **deadlines_of(request.headers),
+        ctx, body, owner, await history_of(ctx, body, owner), **deadlines_of(request.headers),
         idempotency_key=idempotency_key_of(request.headers), **webhook_url_of(None, request.headers))
     first = submitted.accepted[0].spec
     jobs = choice_jobs(submitted.accepted, 1, [""])
@@ -82,6 +86,11 @@ async def create_response(body: ResponsesRequest, request: Request, owner: Owner
     parser = get_parser(ctx.settings.tool_parser) if submitted.parses_calls else None
     formatters = await logprobs_formatters(ctx, first.model, first.sampling, jobs, True)
     base = response_base(body, first.job_id, int(first.created_at), first.model, first.sampling)
+    if body.background:
+        stored = pending(owner, body, first.job_id, base, with_ids(body.input),
+                         submitted.history + submitted.given)
+        await ctx.responses.save(stored)
+        return JSONResponse(stored.response, headers=headers)
     keep = partial(keep_response, ctx, owner, body, submitted.history, submitted.given)
     if body.stream:
         events = ResponseEvents(base, message_id_of(first.job_id), body.wants_logprobs)
@@ -102,7 +111,15 @@ async def create_response(body: ResponsesRequest, request: Request, owner: Owner
 @router.get("/responses/{response_id}", response_model=ResponseObject,
             summary="A stored response (OpenAI)", responses=_NOT_FOUND)
 async def get_response(response_id: ResponseId, owner: Owner, ctx: Context) -> JSONResponse:
-    return JSONResponse((await ctx.responses.get(response_id, owner)).response)
+    stored = await settle(ctx, await ctx.responses.get(response_id, owner))
+    return JSONResponse(stored.response)
+
+
+@router.post("/responses/{response_id}/cancel", response_model=ResponseObject,
+             summary="Cancel a background response (OpenAI)", responses=_CANCEL_ERRORS)
+async def cancel_response(response_id: ResponseId, owner: Owner, ctx: Context) -> JSONResponse:
+    stored = await cancel(ctx, await ctx.responses.get(response_id, owner))
+    return JSONResponse(stored.response)
 
 
 @router.delete("/responses/{response_id}", response_model=DeletedResponse,

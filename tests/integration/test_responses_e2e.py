@@ -5,6 +5,7 @@ completions' for the same chat, token for token, whole or streamed."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -54,6 +55,26 @@ def test_continuing_with_previous_response_id_equals_the_whole_chat(api: ApiServ
     assert client.responses.retrieve(second.id).output_text == text
     items = client.responses.input_items.list(second.id, order="asc")
     assert [item.content[0].text for item in items.data] == ["And 3+3?"]  # type: ignore[union-attr]
+
+
+def test_a_background_response_polls_to_the_same_answer(api: ApiServer) -> None:  # noqa: F811
+    client = api.openai()
+    created = client.responses.create(model=api.model, input=QUESTION, max_output_tokens=8,
+                                      temperature=0.0, background=True)
+    assert created.background and created.status in ("queued", "in_progress", "incomplete")
+    deadline = time.monotonic() + 60
+    while (polled := client.responses.retrieve(created.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, "the background response never finished"
+        time.sleep(0.1)
+    text, _ = _chat_text(api, [{"role": "user", "content": QUESTION}], 8)
+    assert (polled.status, polled.output_text) == ("incomplete", text)
+    # A long one cancelled while it runs ends cancelled, keeping a prefix of what it would say.
+    long = client.responses.create(model=api.model, input=QUESTION, max_output_tokens=400,
+                                   temperature=0.0, background=True)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled"
+    whole, _ = _chat_text(api, [{"role": "user", "content": QUESTION}], 400)
+    assert whole.startswith(client.responses.retrieve(long.id).output_text)
 
 
 def test_output_logprobs_are_the_chats(api: ApiServer) -> None:  # noqa: F811

@@ -1,0 +1,113 @@
+"""Background responses (`background: true`): answered at once, queued, and polled.
+
+The request becomes its job as any response's does (api/responses_jobs.py); the answer is the
+response object at status `queued`, stored with the job's id and the request, so that it can be
+answered later. Nothing runs per response while the job does: a read settles it. A read of a
+response whose job is still going answers its status now (`queued`, or `in_progress` once a
+worker holds it); the first read after the job ended builds the finished response from the job's
+stream, as the route would have answered it, and stores that in place of the pending one (two
+readers racing both build the same object: the job's stream is final). A failed job's response
+is `failed` with the job's error; a canceled one's `cancelled` with what it had generated.
+
+Cancel (POST /v1/responses/{id}/cancel) asks the job service to cancel the job and waits briefly
+for it to end, as a worker stops a running job at its next step; a job that has not ended in
+that time is still answered `cancelled` (the next read settles it with its output).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+from api.context import AppContext
+from api.errors import InvalidRequestError
+from api.responses_conversation import output_messages
+from api.responses_jobs import ended_response
+from api.responses_schemas import ResponsesRequest
+from api.responses_store import StoredResponse
+from protocol import JobState, JobStatus
+
+# How long a cancel waits for its job to end before answering.
+CANCEL_WAIT_S = 2.0
+_CANCEL_POLL_S = 0.05
+
+_LIVE_STATUS = {JobStatus.QUEUED: "queued", JobStatus.PREEMPTED: "in_progress",
+                JobStatus.RUNNING: "in_progress"}
+
+
+async def history_of(ctx: AppContext, body: ResponsesRequest, owner: str) -> list[dict[str, Any]]:
+    """The stored chat previous_response_id names ([] for none), a background one settled first:
+    a 404 when `owner` stored no response of that id (or it is past its retention), a 400 while
+    its job is still going (its output is not known yet)."""
+    if not body.previous_response_id:
+        return []
+    stored = await settle(ctx, await ctx.responses.get(body.previous_response_id, owner,
+                                                       "previous_response_id"))
+    if stored.is_pending:
+        raise InvalidRequestError(
+            f"'previous_response_id' names response '{body.previous_response_id}', which is still "
+            f"{stored.response['status']}: continue it once it has completed",
+            param="previous_response_id")
+    return stored.conversation
+
+
+def pending(owner: str, body: ResponsesRequest, job_id: str, response: dict[str, Any],
+            input_items: list[dict[str, Any]],
+            conversation: list[dict[str, Any]]) -> StoredResponse:
+    """What a background response is stored as until its job is settled: its response queued,
+    the chat before its output, and the request that answers it later."""
+    queued = {**response, "status": "queued"}
+    return StoredResponse(owner, queued, input_items, conversation, job_id,
+                          body.model_dump(mode="json", exclude_unset=True))
+
+
+async def settle(ctx: AppContext, stored: StoredResponse) -> StoredResponse:
+    """The stored response as it stands now: a settled one as it is; a pending one with its job's
+    status, or, once the job ended, finished (and stored so)."""
+    if stored.job_id is None or stored.request is None:
+        return stored
+    fields = await ctx.aio.hgetall(ctx.keys.state(stored.job_id))
+    if not fields:  # the job's records outlived: nothing left to answer from
+        return dataclasses.replace(stored, response=_failed(
+            stored.response, "job_expired", "The response's job expired before it was read"))
+    state = JobState.from_fields(fields)
+    if not state.status.is_final:
+        return dataclasses.replace(stored, response={**stored.response,
+                                                     "status": _LIVE_STATUS[state.status]})
+    body = ResponsesRequest.model_validate(stored.request)
+    if state.status is JobStatus.FAILED:
+        response = _failed(stored.response, "server_error",
+                           f"The job failed: {state.error or 'no reason given'}")
+    else:
+        # The stored conversation is the chat before the output: history and input together.
+        response = await ended_response(ctx, body, stored.job_id, [], stored.conversation)
+    settled = StoredResponse(stored.owner, response, stored.input_items,
+                             stored.conversation + output_messages(response["output"]))
+    await ctx.responses.save(settled)
+    return settled
+
+
+async def cancel(ctx: AppContext, stored: StoredResponse) -> StoredResponse:
+    """Cancel a background response's job; a settled one is answered as it is."""
+    if not stored.response.get("background"):
+        raise InvalidRequestError("Only a response made with background: true can be cancelled",
+                                  param="response_id", location="path")
+    if stored.job_id is None:
+        return stored
+    await ctx.jobs.cancel(stored.job_id, stored.owner)
+    deadline = time.monotonic() + CANCEL_WAIT_S
+    while True:
+        now = await settle(ctx, stored)
+        if now.job_id is None or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(_CANCEL_POLL_S)
+    if now.job_id is not None:
+        return dataclasses.replace(now, response={**now.response, "status": "cancelled"})
+    return now
+
+
+def _failed(response: dict[str, Any], code: str, message: str) -> dict[str, Any]:
+    return {**response, "status": "failed", "error": {"code": code, "message": message},
+            "completed_at": int(time.time())}
