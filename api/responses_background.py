@@ -6,7 +6,7 @@ answered later. Nothing runs per response while the job does: a read settles it.
 response whose job is still going answers its status now (`queued`, or `in_progress` once a
 worker holds it); the first read after the job ended builds the finished response from the job's
 stream, as the route would have answered it, and stores that in place of the pending one (two
-readers racing both build the same object: the job's stream is final). A failed job's response
+readers racing both build the same object: the job's stream and end time are final). A failed job's response
 is `failed` with the job's error; a canceled one's `cancelled` with what it had generated.
 
 Cancel (POST /v1/responses/{id}/cancel) asks the job service to cancel the job and waits briefly
@@ -69,7 +69,7 @@ async def settle(ctx: AppContext, stored: StoredResponse) -> StoredResponse:
     if stored.job_id is None or stored.request is None:
         return stored
     fields = await ctx.aio.hgetall(ctx.keys.state(stored.job_id))
-    if not fields:  # the job's records outlived: nothing left to answer from
+    if not fields:  # the job's records expired before the response: nothing to answer from
         return dataclasses.replace(stored, response=_failed(
             stored.response, "job_expired", "The response's job expired before it was read"))
     state = JobState.from_fields(fields)
@@ -83,6 +83,8 @@ async def settle(ctx: AppContext, stored: StoredResponse) -> StoredResponse:
     else:
         # The stored conversation is the chat before the output: history and input together.
         response = await ended_response(ctx, body, stored.job_id, [], stored.conversation)
+    if state.finished_at:  # the job's end, not this read's: racing readers store one object
+        response["completed_at"] = int(state.finished_at)
     settled = StoredResponse(stored.owner, response, stored.input_items,
                              stored.conversation + output_messages(response["output"]))
     await ctx.responses.save(settled)
