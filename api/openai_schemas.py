@@ -545,3 +545,9 @@ class OpenAIErrorBody(BaseModel):
 
 class OpenAIError(BaseModel):
     error: OpenAIErrorBody = Field(description="OpenAI's error shape.")
+
+
+def openai_error_docs(*cases: tuple[int, str]) -> dict[int | str, dict[str, Any]]:
+    """A route's documented failures, (status, when), each answered in OpenAI's error shape (the
+    API fuzz suite holds every route to what it documents)."""
+    return {status: {"model": OpenAIError, "description": when} for status, when in cases}

@@ -14,19 +14,18 @@ from api.batch_store import BatchStatus
 from api.context import AppContext, get_context
 from api.errors import OPENAI_TAG, ConflictError, InvalidRequestError, NotFoundError
 from api.fields import WebhookUrl
-from api.openai_schemas import OpenAIError
+from api.openai_schemas import openai_error_docs
 from api.owner_pages import list_object
 from api.webhook_urls import checked_webhook_url, webhook_url_of
 
 router = APIRouter(prefix="/v1", tags=[OPENAI_TAG], dependencies=[Depends(caller_owner)])
 
 # OpenAI's error shape on every failure, documented per route (the fuzz suite holds them to it).
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": OpenAIError, "description": what} for code, what in (
-        (400, "Invalid request (the message names the field)."), (401, "Missing or wrong API key."),
-        (404, "No such batch or input file (or not yours)."),
-        (409, "The batch already ended or is being cancelled."),
-        (503, "Redis unreachable (see Retry-After)."))}
+_ERRORS = openai_error_docs(
+    (400, "Invalid request (the message names the field)."), (401, "Missing or wrong API key."),
+    (404, "No such batch or input file (or not yours)."),
+    (409, "The batch already ended or is being cancelled."),
+    (503, "Redis unreachable (see Retry-After)."))
 
 Owner = Annotated[str, Depends(caller_owner)]
 Context = Annotated[AppContext, Depends(get_context)]

@@ -15,17 +15,16 @@ from api.batch_files import UPLOAD_PURPOSES, parse_batch_input
 from api.context import AppContext, get_context
 from api.errors import OPENAI_TAG, InvalidRequestError, PayloadTooLargeError
 from api.multipart_form import parse_form
-from api.openai_schemas import OpenAIError
+from api.openai_schemas import openai_error_docs
 from api.owner_pages import list_object
 
 router = APIRouter(prefix="/v1", tags=[OPENAI_TAG], dependencies=[Depends(caller_owner)])
 
 # OpenAI's error shape on every failure, documented per route (the fuzz suite holds them to it).
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": OpenAIError, "description": what} for code, what in (
-        (400, "Invalid request (the message names the field or the JSONL line)."),
-        (401, "Missing or wrong API key."), (404, "No such file (or not yours)."),
-        (413, "File over CARPOOL_MAX_FILE_BYTES."), (503, "Redis unreachable (see Retry-After)."))}
+_ERRORS = openai_error_docs(
+    (400, "Invalid request (the message names the field or the JSONL line)."),
+    (401, "Missing or wrong API key."), (404, "No such file (or not yours)."),
+    (413, "File over CARPOOL_MAX_FILE_BYTES."), (503, "Redis unreachable (see Retry-After)."))
 
 Owner = Annotated[str, Depends(caller_owner)]
 Context = Annotated[AppContext, Depends(get_context)]

@@ -34,6 +34,7 @@ from api.openai_schemas import (
     ModelList,
     ModelObject,
     OpenAIError,
+    openai_error_docs,
 )
 from api.openai_stream import chunk_payloads
 from api.sampling_defaults import served_defaults
@@ -47,14 +48,11 @@ router = APIRouter(prefix="/v1", tags=[OPENAI_TAG], dependencies=[Depends(caller
 Owner = Annotated[str, Depends(caller_owner)]
 Context = Annotated[AppContext, Depends(get_context)]
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": OpenAIError, "description": what} for code, what in (
-        (400, "Invalid request (the message names the field)."), (401, "Missing or wrong API key."),
-        (404, "No model of that name was ever served here."),
-        (413, "Body over the size limit."),
-        (429, "Queue full (see Retry-After)."), (500, "The job failed."),
-        (503, "Redis unreachable or no model registered yet (see Retry-After)."))
-}
+_ERRORS = openai_error_docs(
+    (400, "Invalid request (the message names the field)."), (401, "Missing or wrong API key."),
+    (404, "No model of that name was ever served here."), (413, "Body over the size limit."),
+    (429, "Queue full (see Retry-After)."), (500, "The job failed."),
+    (503, "Redis unreachable or no model registered yet (see Retry-After)."))
 _STREAM_DOC = {"content": {"text/event-stream": {}},
                "description": "With `stream: true`: chunks as `data:` lines, then `data: [DONE]`."}
 

@@ -29,7 +29,7 @@ from api.openai_answer import logprobs_formatters, wait_for_results
 from api.openai_choices import ChoiceJob, cancel_jobs, choice_jobs, job_headers, raise_if_failed
 from api.openai_chunks import ChunkWriter
 from api.openai_logprobs import LogprobsFormatter
-from api.openai_schemas import OpenAIError
+from api.openai_schemas import openai_error_docs
 from api.openai_stream import chunk_payloads
 from api.responses_background import cancel, history_of, pending, settle
 from api.responses_conversation import with_ids
@@ -54,23 +54,18 @@ Owner = Annotated[str, Depends(caller_owner)]
 Context = Annotated[AppContext, Depends(get_context)]
 ResponseId = Annotated[str, Path(description="The response's id (resp_...).")]
 
-_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": OpenAIError, "description": what} for code, what in (
-        (400, "Invalid request (the message names the field)."), (401, "Missing or wrong API key."),
-        (404, "No such model, or no stored response of that previous_response_id."),
-        (413, "Body over the size limit."), (429, "Queue full (see Retry-After)."),
-        (500, "The job failed."), (503, "Redis unreachable or no model registered yet."))
-}
+_ERRORS = openai_error_docs(
+    (400, "Invalid request (the message names the field)."), (401, "Missing or wrong API key."),
+    (404, "No such model, or no stored response of that previous_response_id."),
+    (413, "Body over the size limit."), (429, "Queue full (see Retry-After)."),
+    (500, "The job failed."), (503, "Redis unreachable or no model registered yet."))
 _STREAM_DOC = {"content": {"text/event-stream": {}},
                "description": "With `stream: true`: the Responses events, from response.created to "
                               "response.completed (or .incomplete / .failed)."}
-_NOT_FOUND: dict[int | str, dict[str, Any]] = {
-    401: _ERRORS[401],
-    404: {"model": OpenAIError, "description": "No stored response of that id (or another key's)."}}
-_CANCEL_ERRORS: dict[int | str, dict[str, Any]] = {
-    **_NOT_FOUND, 400: {"model": OpenAIError, "description": "Not a background response."}}
-_LIST_ERRORS: dict[int | str, dict[str, Any]] = {
-    **_NOT_FOUND, 400: {"model": OpenAIError, "description": "A bad limit, order or after."}}
+_NOT_FOUND = openai_error_docs((401, "Missing or wrong API key."),
+                               (404, "No stored response of that id (or another key's)."))
+_CANCEL_ERRORS = {**_NOT_FOUND, **openai_error_docs((400, "Not a background response."))}
+_LIST_ERRORS = {**_NOT_FOUND, **openai_error_docs((400, "A bad limit, order or after."))}
 
 
 @router.post("/responses", response_model=ResponseObject, summary="Create a response (OpenAI)",
