@@ -387,7 +387,9 @@ class BatchRunner:
         except NotFoundError:
             history = []
         given = chat_messages(body.input)
-        response = await ended_response(self.ctx, body, line.job_ids[0], history, given)
+        state = JobState.from_fields(
+            await self.ctx.aio.hgetall(self.ctx.keys.state(line.job_ids[0])))
+        response = await ended_response(self.ctx, body, state, history, given)
         await keep_response(self.ctx, owner, body, history, given, response)
         return response
 

@@ -82,7 +82,7 @@ async def settle(ctx: AppContext, stored: StoredResponse) -> StoredResponse:
                            f"The job failed: {state.error or 'no reason given'}")
     else:
         # The stored conversation is the chat before the output: history and input together.
-        response = await ended_response(ctx, body, stored.job_id, [], stored.conversation)
+        response = await ended_response(ctx, body, state, [], stored.conversation)
     if state.finished_at:  # the job's end, not this read's: racing readers store one object
         response["completed_at"] = int(state.finished_at)
     settled = StoredResponse(stored.owner, response, stored.input_items,

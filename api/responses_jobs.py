@@ -61,16 +61,17 @@ async def submit_response(ctx: AppContext, body: ResponsesRequest, owner: str,
     return SubmittedResponse(chat_body, chat.calling.parses_calls, accepted, history, given)
 
 
-async def ended_response(ctx: AppContext, body: ResponsesRequest, job_id: str,
+async def ended_response(ctx: AppContext, body: ResponsesRequest, state: JobState,
                          history: list[dict[str, Any]],
                          given: list[dict[str, Any]]) -> dict[str, Any]:
-    """The response object of a job that ended without failing, answered later than its request
-    (a batch line, a background response): the job's queued sampling and tool parsing are
-    rebuilt from the request as chat_requests made them."""
+    """The response object of a job that ended without failing (`state`: its state, as its
+    caller read it), answered later than its request (a batch line, a background response): the
+    job's queued sampling and tool parsing are rebuilt from the request as chat_requests made
+    them."""
     chat_body = chat_body_of(body, given, history)
     chat = chat_requests(chat_body, ctx.settings, common_fields(chat_body, ""))
     sampling = chat.requests[0].sampling
-    state = JobState.from_fields(await ctx.aio.hgetall(ctx.keys.state(job_id)))
+    job_id = state.job_id
     jobs = [ChoiceJob(index=0, prompt_number=0, job_id=job_id, echo="",
                       prompt_tokens=state.prompt_tokens)]
     results = await wait_for_results(ctx, jobs)  # ended: its stream ends at once

@@ -76,16 +76,16 @@ async def create_response(body: ResponsesRequest, request: Request, owner: Owner
         ctx, body, owner, await history_of(ctx, body, owner), **deadlines_of(request.headers),
         idempotency_key=idempotency_key_of(request.headers), **webhook_url_of(None, request.headers))
     first = submitted.accepted[0].spec
-    jobs = choice_jobs(submitted.accepted, 1, [""])
     headers = job_headers(submitted.accepted)
-    parser = get_parser(ctx.settings.tool_parser) if submitted.parses_calls else None
-    formatters = await logprobs_formatters(ctx, first.model, first.sampling, jobs, True)
     base = response_base(body, first.job_id, int(first.created_at), first.model, first.sampling)
-    if body.background:
+    if body.background:  # answered when read (api/responses_background.py): nothing to follow
         stored = pending(owner, body, first.job_id, base, with_ids(body.input),
                          submitted.history + submitted.given)
         await ctx.responses.save(stored)
         return JSONResponse(stored.response, headers=headers)
+    jobs = choice_jobs(submitted.accepted, 1, [""])
+    parser = get_parser(ctx.settings.tool_parser) if submitted.parses_calls else None
+    formatters = await logprobs_formatters(ctx, first.model, first.sampling, jobs, True)
     keep = partial(keep_response, ctx, owner, body, submitted.history, submitted.given)
     if body.stream:
         events = ResponseEvents(base, message_id_of(first.job_id), body.wants_logprobs)
