@@ -233,6 +233,11 @@ class BatchRunner:
                 raise InvalidRequestError("'background' is not available in a batch: a batch's "
                                           "lines run in the background already",
                                           param="background")
+            if line.url == RESPONSES_URL and line.body.get("conversation") is not None:
+                raise InvalidRequestError("'conversation' is not available in a batch: lines run "
+                                          "in any order, so none can take turns in one; continue "
+                                          "a stored response with previous_response_id",
+                                          param="conversation")
             queue = self._queue_response if line.url == RESPONSES_URL else self._queue_completion
             queued = await queue(batch, line)
         except (QueueFullError, KeyLimitError, ServiceUnavailableError) as exc:

@@ -128,6 +128,23 @@ WebhookUrl = Annotated[str | None, Field(
                 "CARPOOL_WEBHOOK_ALLOWED_HOSTS (400 otherwise). Default: none.")]
 
 
+def _small_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
+    # OpenAI's limits on metadata, wherever an object keeps some.
+    if value is None:
+        return value
+    if len(value) > 16:
+        raise ValueError(f"at most 16 pairs (got {len(value)})")
+    for key, item in value.items():
+        if len(key) > 64 or len(item) > 512:
+            raise ValueError(f"keys are at most 64 characters and values 512 (key '{key[:64]}')")
+    return value
+
+
+Metadata = Annotated[dict[str, str] | None, AfterValidator(_small_metadata), Field(
+    description="Up to 16 key-value pairs (keys up to 64 characters, values up to 512), kept "
+                "with the object.")]
+
+
 def _logit_bias_keys(value: dict[str, float] | None) -> dict[str, float] | None:
     # JSON object keys are strings: each must spell a token id (vocabulary checked per model).
     seen: set[int] = set()

@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from api.context import AppContext
+from api.conversation_turns import add_turn, conversation_history
 from api.errors import InvalidRequestError
 from api.responses_conversation import output_messages
 from api.responses_jobs import ended_response
@@ -38,9 +39,12 @@ _LIVE_STATUS = {JobStatus.QUEUED: "queued", JobStatus.PREEMPTED: "in_progress",
 
 
 async def history_of(ctx: AppContext, body: ResponsesRequest, owner: str) -> list[dict[str, Any]]:
-    """The stored chat previous_response_id names ([] for none), a background one settled first:
-    a 404 when `owner` stored no response of that id (or it is past its retention), a 400 while
-    its job is still going (its output is not known yet)."""
+    """The chat a response continues: its conversation's items, or the stored chat
+    previous_response_id names, a background one settled first ([] for neither): a 404 when
+    `owner` has no such conversation or stored no response of that id (or it is past its
+    retention), a 400 while that response's job is still going (its output is not known yet)."""
+    if body.conversation is not None:
+        return await conversation_history(ctx, body.conversation, owner)
     if not body.previous_response_id:
         return []
     stored = await settle(ctx, await ctx.responses.get(body.previous_response_id, owner,
@@ -88,6 +92,7 @@ async def settle(ctx: AppContext, stored: StoredResponse) -> StoredResponse:
     settled = StoredResponse(stored.owner, response, stored.input_items,
                              stored.conversation + output_messages(response["output"]))
     await ctx.responses.save(settled)
+    await add_turn(ctx, body.conversation, stored.input_items, response)
     return settled
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from api.context import AppContext
+from api.conversation_turns import add_turn
 from api.errors import InvalidRequestError
 from api.job_service import AcceptedJob, GenerationRequest
 from api.openai_answer import answer_body, logprobs_formatters, wait_for_results
@@ -99,6 +100,8 @@ def response_base(body: ResponsesRequest, job_id: str, created: int, model: str,
         "truncation": body.truncation or "disabled", "usage": None, "user": body.user}
     if body.tier_served is not None:
         base["service_tier"] = body.tier_served
+    if body.conversation is not None:
+        base["conversation"] = {"id": body.conversation}
     return base
 
 
@@ -121,10 +124,13 @@ async def keep_response(ctx: AppContext, owner: str, body: ResponsesRequest,
                         history: list[dict[str, Any]], given: list[dict[str, Any]],
                         response: dict[str, Any]) -> None:
     """Store the response (with `store`, the default): itself, its input items, and the chat a
-    response naming it as previous_response_id continues (without this one's instructions)."""
+    response naming it as previous_response_id continues (without this one's instructions); and
+    add its turn to the conversation it names, if any."""
+    input_items = with_ids(body.input)
     if body.store:
         conversation = history + given + output_messages(response["output"])
-        await ctx.responses.save(StoredResponse(owner, response, with_ids(body.input), conversation))
+        await ctx.responses.save(StoredResponse(owner, response, input_items, conversation))
+    await add_turn(ctx, body.conversation, input_items, response)
 
 
 def chat_body_of(body: ResponsesRequest, given: list[dict[str, Any]],

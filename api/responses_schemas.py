@@ -60,11 +60,11 @@ def _string(item: dict[str, Any], name: str, where: str) -> str:
     return value
 
 
-def _item(item: Any, number: int) -> dict[str, Any]:
-    """One input item, normalized: {type, role, content (text)} for a message,
-    {type, call_id, name, arguments} for a function call, {type, call_id, output (text)} for its
-    output; each keeps an `id` it came with."""
-    where = f"input[{number}]"
+def normalized_item(item: Any, where: str) -> dict[str, Any]:
+    """One input item (`where`: its place, for errors), normalized: {type, role, content (text)}
+    for a message, {type, call_id, name, arguments} for a function call, {type, call_id, output
+    (text)} for its output; each keeps an `id` it came with. Conversation items
+    (api/conversations_schemas.py) are the same kinds."""
     if not isinstance(item, dict):
         raise ValueError(f"{where} must be an object (a message or a function call item)")
     kind = item.get("type", "message")
@@ -98,7 +98,18 @@ def _input_items(value: Any) -> Any:
     if not isinstance(value, list) or not value:
         raise ValueError("give a text or a non-empty list of items (messages, function calls, "
                          "function call outputs)")
-    return [_item(item, number) for number, item in enumerate(value)]
+    return [normalized_item(item, f"input[{number}]") for number, item in enumerate(value)]
+
+
+def _conversation_id(value: Any) -> Any:
+    """OpenAI's two forms of `conversation`, an id or {"id": ...}, as the id."""
+    if isinstance(value, dict):
+        if set(value) != {"id"} or not isinstance(value["id"], str):
+            raise ValueError('give the conversation\'s id, or an object {"id": "conv_..."}')
+        value = value["id"]
+    if isinstance(value, str) and not value:
+        raise ValueError("the conversation id is empty")
+    return value
 
 
 class ResponsesRequest(ServingFields):
@@ -118,6 +129,11 @@ class ResponsesRequest(ServingFields):
     previous_response_id: str | None = Field(
         None, strict=True,
         description="Continue a stored response: its input and output come before this input.")
+    conversation: Annotated[str | None, BeforeValidator(
+        _conversation_id, json_schema_input_type=str | dict[str, str] | None)] = Field(
+        None, description="A conversation (its id, or {\"id\": ...}; POST /v1/conversations): "
+                          "its items come before the input, and this response's input and "
+                          "output join it once it has completed. Not with previous_response_id.")
     max_output_tokens: MaxTokens | None = Field(
         None, description="Most tokens to generate; default: what the context leaves.")
     temperature: Temperature | None = Field(
@@ -177,6 +193,14 @@ class ResponsesRequest(ServingFields):
         unknown = sorted(set(value or ()) - _INCLUDABLE)
         if unknown:
             raise ValueError(f"unknown value {unknown[0]!r} (known: {', '.join(sorted(_INCLUDABLE))})")
+        return value
+
+    @field_validator("conversation")
+    @classmethod
+    def _one_history(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None and info.data.get("previous_response_id"):
+            raise ValueError("give conversation or previous_response_id, not both: a response "
+                             "continues one history")
         return value
 
     @field_validator("background")
@@ -240,6 +264,8 @@ class ResponseObject(BaseModel):
         None, description="{'reason': 'max_output_tokens'} when incomplete.")
     instructions: str | None = Field(None, description="As given.")
     previous_response_id: str | None = Field(None, description="As given.")
+    conversation: dict[str, str] | None = Field(
+        None, description="The conversation it belongs to, {id}, when the request named one.")
     max_output_tokens: int | None = Field(None, description="As given.")
     temperature: float | None = Field(None, description="The temperature it ran with.")
     top_p: float | None = Field(None, description="The top_p it ran with.")

@@ -6,14 +6,14 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from api.auth import caller_owner
 from api.batch_files import BATCH_ENDPOINTS
 from api.batch_store import BatchStatus
 from api.context import AppContext, get_context
 from api.errors import OPENAI_TAG, ConflictError, InvalidRequestError, NotFoundError
-from api.fields import WebhookUrl
+from api.fields import Metadata, WebhookUrl
 from api.openai_schemas import openai_error_docs
 from api.owner_pages import list_object
 from api.webhook_urls import checked_webhook_url, webhook_url_of
@@ -40,22 +40,10 @@ class BatchCreateRequest(BaseModel):
     endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/responses"] = Field(
         description="The route every line of the input file calls.")
     completion_window: Literal["24h"] = Field(description="Only '24h', as OpenAI.")
-    metadata: dict[str, str] | None = Field(None, description="Up to 16 key-value pairs.")
+    metadata: Metadata = None
     webhook_url: WebhookUrl = None  # Carpool's extension (or the X-Carpool-Webhook-Url header)
     output_expires_after: dict[str, Any] | None = Field(
         None, description="Accepted for compatibility; output files follow CARPOOL_FILE_RETENTION_S.")
-
-    @field_validator("metadata")
-    @classmethod
-    def _small_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value is None:
-            return value
-        if len(value) > 16:
-            raise ValueError(f"at most 16 pairs (got {len(value)})")
-        for key, item in value.items():
-            if len(key) > 64 or len(item) > 512:
-                raise ValueError(f"keys are at most 64 characters and values 512 (key '{key[:64]}')")
-        return value
 
 
 @router.post("/batches", summary="Create a batch from an uploaded input file", responses=_ERRORS)

@@ -17,14 +17,15 @@ from functools import partial
 from typing import Annotated, Any
 
 import redis.exceptions
-from fastapi import APIRouter, Depends, Path, Query, Request, Response
+from fastapi import APIRouter, Depends, Path, Request, Response
 from fastapi.responses import JSONResponse
 
 from api.auth import caller_owner
 from api.context import AppContext, get_context
 from api.deadline_headers import deadlines_of
-from api.errors import OPENAI_TAG, InvalidRequestError
+from api.errors import OPENAI_TAG
 from api.idempotency_key import idempotency_key_of
+from api.item_pages import After, Limit, Order, item_page
 from api.openai_answer import logprobs_formatters, wait_for_results
 from api.openai_choices import ChoiceJob, cancel_jobs, choice_jobs, job_headers, raise_if_failed
 from api.openai_chunks import ChunkWriter
@@ -126,26 +127,10 @@ async def delete_response(response_id: ResponseId, owner: Owner, ctx: Context) -
 
 @router.get("/responses/{response_id}/input_items", response_model=InputItemList,
             summary="A stored response's input items (OpenAI)", responses=_LIST_ERRORS)
-async def list_input_items(
-        response_id: ResponseId, owner: Owner, ctx: Context,
-        limit: Annotated[int, Query(ge=1, le=100, description="Items per page.")] = 20,
-        order: Annotated[str, Query(pattern="^(asc|desc)$",
-                                    description="desc (newest first, OpenAI's default) or asc.")]
-        = "desc",
-        after: Annotated[str | None, Query(description="List the items after this item id.")]
-        = None) -> InputItemList:
+async def list_input_items(response_id: ResponseId, owner: Owner, ctx: Context, limit: Limit = 20,
+                           order: Order = "desc", after: After = None) -> InputItemList:
     items = (await ctx.responses.get(response_id, owner)).input_items
-    if order == "desc":
-        items = items[::-1]
-    if after is not None:
-        position = next((i for i, item in enumerate(items) if item["id"] == after), None)
-        if position is None:
-            raise InvalidRequestError(f"'after' names no input item of response '{response_id}' "
-                                      f"(got {after!r})", param="after", location="query")
-        items = items[position + 1:]
-    page = items[:limit]
-    return InputItemList(object="list", data=page, first_id=page[0]["id"] if page else None,
-                         last_id=page[-1]["id"] if page else None, has_more=len(items) > limit)
+    return InputItemList(**item_page(items, order, after, limit, f"response '{response_id}'"))
 
 
 async def _stream(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWriter,

@@ -138,6 +138,21 @@ class Keys:
         with its owner, its input items and the chat a continuation starts from."""
         return f"{self.prefix}:response:{response_id}"
 
+    # The Conversations API (api/conversations_store.py): a conversation's record and its items,
+    # kept for the server's result retention after their last write.
+    def conversation(self, conversation_id: str) -> str:
+        """Hash with a TTL: a conversation's owner, created_at and metadata (JSON)."""
+        return f"{self.prefix}:conversation:{conversation_id}"
+
+    def conversation_items(self, conversation_id: str) -> str:
+        """List with a TTL: a conversation's items as JSON, oldest first."""
+        return f"{self.prefix}:conversation:{conversation_id}:items"
+
+    def conversation_response(self, response_id: str) -> str:
+        """String with a TTL: set once a response's input and output joined its conversation, so
+        that two readers settling one background response add them once."""
+        return f"{self.prefix}:response:{response_id}:in-conversation"
+
     # The Batch API (api/batch_*): files and batches, owned by an API key, kept for a retention.
     def file(self, file_id: str) -> str:
         """Hash with a TTL: a file's metadata fields (api.batch_files.FileObject) and `content`."""

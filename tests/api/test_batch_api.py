@@ -237,11 +237,12 @@ async def test_responses_lines_answer_stored_response_objects(harness: Harness,
         _line("tool", {"model": MODEL, "input": "weather in Paris?", "tools": [WEATHER],
                        "tool_choice": "required", "store": False}, url),
         _line("bg", {"model": MODEL, "input": "x", "background": True}, url),
+        _line("turn", {"model": MODEL, "input": "x", "conversation": "conv_1"}, url),
         _line("lost", {"model": MODEL, "input": "x", "previous_response_id": "resp_nope"}, url))
     batch = await _create(client, content, endpoint=url)
     runner = BatchRunner(harness.context)
     await runner.tick()  # validating -> in_progress
-    await runner.tick()  # the three good lines queued on the batch tier; two answered at once
+    await runner.tick()  # the three good lines queued on the batch tier; three answered at once
     assert harness.sync.llen(RQKeys.queue(harness.keys.queue_name(MODEL, Priority.BATCH))) == 3
     plain = await harness.serve_next_job(["Hi", " there"], reason=FinishReason.LENGTH)
     more = await harness.serve_next_job(["Green"])
@@ -256,7 +257,7 @@ async def test_responses_lines_answer_stored_response_objects(harness: Harness,
     await runner.tick()
     done = (await client.get(f"/v1/batches/{batch['id']}")).json()
     assert done["status"] == "completed", done
-    assert done["request_counts"] == {"total": 5, "completed": 3, "failed": 2}
+    assert done["request_counts"] == {"total": 6, "completed": 3, "failed": 3}
     output = {x["custom_id"]: x["response"] for x in [
         json.loads(line) for line in
         (await client.get(f"/v1/files/{done['output_file_id']}/content")).text.splitlines()]}
@@ -287,6 +288,7 @@ async def test_responses_lines_answer_stored_response_objects(harness: Harness,
         (await client.get(f"/v1/files/{done['error_file_id']}/content")).text.splitlines()]}
     assert {name: (answer["status_code"], answer["body"]["error"]["param"])
             for name, answer in errors.items()} == {"bg": (400, "background"),
+                                                    "turn": (400, "conversation"),
                                                     "lost": (404, "previous_response_id")}
 
 

@@ -355,7 +355,8 @@ async def test_a_client_leaving_cancels_its_job(harness: Harness, stream: bool) 
     ({"input": "hi", "max_output_tokens": 100}, "max_output_tokens", "context length"),
     ({"input": "hi", "include": ["message.output_text.everything"]}, "include", "unknown value"),
     ({"input": "hi", "temperature": 3}, "temperature", "2"),
-    ({"input": "hi", "conversation": "conv_1"}, "conversation", "conversation"),
+    ({"input": "hi", "conversation": {"id": "conv_1", "name": "x"}}, "conversation",
+     "conversation's id"),
 ])
 async def test_bad_requests_are_400_naming_the_field(harness: Harness, client: httpx.AsyncClient,
                                                     body: dict[str, Any], param: str, words: str) -> None:

@@ -57,6 +57,24 @@ def test_continuing_with_previous_response_id_equals_the_whole_chat(api: ApiServ
     assert [item.content[0].text for item in items.data] == ["And 3+3?"]  # type: ignore[union-attr]
 
 
+def test_turns_in_a_conversation_equal_the_whole_chat(api: ApiServer) -> None:  # noqa: F811
+    client = api.openai()
+    conversation = client.conversations.create(
+        items=[{"type": "message", "role": "user", "content": "My name is Ada."}])
+    first = client.responses.create(model=api.model, input=QUESTION, max_output_tokens=6,
+                                    temperature=0.0, conversation=conversation.id)
+    second = client.responses.create(model=api.model, input="And 3+3?", max_output_tokens=6,
+                                     temperature=0.0, conversation={"id": conversation.id})
+    chat = [{"role": "user", "content": "My name is Ada."}, {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": first.output_text}]
+    assert first.output_text == _chat_text(api, chat[:2], 6)[0]
+    text, _ = _chat_text(api, [*chat, {"role": "user", "content": "And 3+3?"}], 6)
+    assert second.output_text == text and second.conversation.id == conversation.id  # type: ignore[union-attr]
+    items = client.conversations.items.list(conversation.id, order="asc")
+    assert [item.content[0].text for item in items.data] == [  # type: ignore[union-attr]
+        "My name is Ada.", QUESTION, first.output_text, "And 3+3?", text]
+
+
 def test_a_background_response_polls_to_the_same_answer(api: ApiServer) -> None:  # noqa: F811
     client = api.openai()
     created = client.responses.create(model=api.model, input=QUESTION, max_output_tokens=8,

@@ -1,0 +1,33 @@
+"""A page of a list of items as OpenAI lists them (a stored response's input items, a
+conversation's items): in `order`, after the item `after`, `limit` at a time, with `has_more`.
+The whole list is in hand: these lists are the chats a model reads, not an owner's objects
+(api/owner_pages.py pages those from an index)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import Query
+
+from api.errors import InvalidRequestError
+from api.owner_pages import list_object
+
+Limit = Annotated[int, Query(ge=1, le=100, description="Items per page.")]
+Order = Annotated[Literal["asc", "desc"], Query(
+    description="desc (newest first, OpenAI's default) or asc.")]
+After = Annotated[str | None, Query(description="List the items after this item id.")]
+
+
+def item_page(items: list[dict[str, Any]], order: str, after: str | None, limit: int,
+              of: str) -> dict[str, Any]:
+    """The page of `items` (oldest first) a listing asks for; a 400 when `after` names no item
+    (`of`: whose items, for that message)."""
+    if order == "desc":
+        items = items[::-1]
+    if after is not None:
+        position = next((i for i, item in enumerate(items) if item["id"] == after), None)
+        if position is None:
+            raise InvalidRequestError(f"'after' names no item of {of} (got {after!r})",
+                                      param="after", location="query")
+        items = items[position + 1:]
+    return list_object(items[:limit], len(items) > limit)
