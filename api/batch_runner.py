@@ -36,11 +36,10 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio.to_thread
 import redis.exceptions
-from pydantic import ValidationError
 
 from api.batch_files import OUTPUT_PURPOSE, BatchInputLine, FileStore, parse_batch_input
 from api.batch_store import ERROR, OUTPUT, BatchRecord, BatchStatus, BatchStore, LineJobs
@@ -52,8 +51,8 @@ from api.errors import (
     NotFoundError,
     QueueFullError,
     ServiceUnavailableError,
-    describe_validation_error,
     openai_error_body,
+    validated,
 )
 from api.job_service import AcceptedJob
 from api.openai_answer import answer_body, logprobs_formatters, wait_for_results
@@ -79,8 +78,6 @@ _LOCK_TTL_MS = 15_000
 # cancelling for up to 10 minutes); a job still unended then is answered as never run.
 _WIND_DOWN_GRACE_S = 600.0
 
-
-_Body = TypeVar("_Body", ChatCompletionRequest, CompletionRequest, ResponsesRequest)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -257,8 +254,8 @@ class BatchRunner:
     async def _queue_completion(self, batch: BatchRecord, line: BatchInputLine) -> _Queued:
         """A chat or plain completion line, queued as its route queues the request."""
         body: ChatCompletionRequest | CompletionRequest = (
-            _validated(ChatCompletionRequest, line.body) if line.url == CHAT_URL
-            else _validated(CompletionRequest, line.body))
+            validated(ChatCompletionRequest, line.body) if line.url == CHAT_URL
+            else validated(CompletionRequest, line.body))
         common = common_fields(body, batch.owner, priority=Priority.BATCH,
                                idempotency_key=_idempotency_key(batch, line),
                                **webhook_url_of(body.webhook_url, {}))
@@ -273,7 +270,7 @@ class BatchRunner:
 
     async def _queue_response(self, batch: BatchRecord, line: BatchInputLine) -> _Queued:
         """A /v1/responses line: its one chat completion job, as the route queues it."""
-        body = _validated(ResponsesRequest, line.body)
+        body = validated(ResponsesRequest, line.body)
         submitted = await submit_response(self.ctx, body, batch.owner,
                                           await history_of(self.ctx, body, batch.owner),
                                           priority=Priority.BATCH,
@@ -485,15 +482,6 @@ class BatchRunner:
 def _idempotency_key(batch: BatchRecord, line: BatchInputLine) -> str:
     """The job service's Idempotency-Key of a line: queueing it again returns the same jobs."""
     return f"carpool-batch:{batch.id}:{line.index}"
-
-
-def _validated(model: type[_Body], body: dict[str, Any]) -> _Body:
-    """`body` as the route's request `model`; a 400 naming the field, as the route answers."""
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        message, param = describe_validation_error(exc.errors())
-        raise InvalidRequestError(message, param=param) from exc
 
 
 def _response_line(custom_id: str, request_id: str, status_code: int,

@@ -28,7 +28,7 @@ from api.chat_template import (
     template_kwargs_for,
     template_takes_tools,
 )
-from api.errors import ConflictError, InvalidRequestError, NotFoundError
+from api.errors import ConflictError, InvalidRequestError, NotFoundError, ServiceUnavailableError
 from api.idempotency_key import IDEMPOTENCY_HEADER
 from api.key_policies import KeyPolicies
 from api.model_registry import ModelRegistry
@@ -155,6 +155,7 @@ class JobService:
         self._keys = keys
         self._models = models
         self._tokenizers = tokenizers
+        self._retry_after_s = retry_after_s
         self._admission = QueueAdmission(keys, max_queue_depth, retry_after_s,
                                          max_background_depth=max_batch_queue_depth)
         self._submissions = SubmissionBatcher(sync)
@@ -179,10 +180,7 @@ class JobService:
             await checked_webhook_url(hook.webhook_url, self._webhook_allow_list, hook.webhook_param)
         checked = []
         for request in requests:
-            if request.chat_template_kwargs:  # those the model's template reads travel on
-                request = dataclasses.replace(request, chat_template_kwargs=template_kwargs_for(
-                    card, request.chat_template_kwargs))
-            request = await self._with_template_tools(card, request)
+            request = await self._rendered(card, request)
             self._check_sampling(card, request)
             prompt_tokens, is_exact, prompt_text = await self._count_prompt(card, request)
             if prompt_tokens is not None:  # what the model will see of it (truncate_prompt_tokens)
@@ -344,6 +342,25 @@ class JobService:
                     raise InvalidRequestError(
                         f"'{param}' names token id {token_id}, outside the vocabulary of model "
                         f"'{card.name}' (ids 0 to {card.vocab_size - 1})", param=param)
+
+    async def prompt_tokens(self, request: GenerationRequest) -> int:
+        """The prompt's length in the model's tokens, as a submission of `request` counts it (its
+        template's tools and kwargs applied): what its job's usage would report. A 503 while the
+        model has no tokenizer published."""
+        card = await self._models.resolve(request.model, recent=True)
+        count, _, _ = await self._count_prompt(card, await self._rendered(card, request))
+        if count is None:
+            raise ServiceUnavailableError(f"No tokenizer is published for model '{card.name}' "
+                                          "yet", self._retry_after_s)
+        return count
+
+    async def _rendered(self, card: ModelCard, request: GenerationRequest) -> GenerationRequest:
+        """The request as the model's template takes it: the template kwargs it reads, and its
+        tools rendered by the template where it renders them."""
+        if request.chat_template_kwargs:  # those the model's template reads travel on
+            request = dataclasses.replace(request, chat_template_kwargs=template_kwargs_for(
+                card, request.chat_template_kwargs))
+        return await self._with_template_tools(card, request)
 
     async def _with_template_tools(self, card: ModelCard,
                                    request: GenerationRequest) -> GenerationRequest:

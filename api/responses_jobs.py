@@ -62,6 +62,18 @@ async def submit_response(ctx: AppContext, body: ResponsesRequest, owner: str,
     return SubmittedResponse(chat_body, chat.calling.parses_calls, accepted, history, given)
 
 
+async def input_tokens(ctx: AppContext, body: ResponsesRequest, owner: str,
+                       history: list[dict[str, Any]], given: list[dict[str, Any]]) -> int:
+    """The prompt tokens of the job `body` would be queued as (after `history`, with `given` as
+    its input): what its usage would report as input_tokens."""
+    try:
+        chat_body = chat_body_of(body, given, history)
+        chat = chat_requests(chat_body, ctx.settings, common_fields(chat_body, owner))
+        return await ctx.jobs.prompt_tokens(_named_as_responses(chat.requests[0]))
+    except InvalidRequestError as exc:
+        raise _in_responses_terms(exc) from None
+
+
 async def ended_response(ctx: AppContext, body: ResponsesRequest, state: JobState,
                          history: list[dict[str, Any]],
                          given: list[dict[str, Any]]) -> dict[str, Any]:

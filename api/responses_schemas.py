@@ -219,6 +219,37 @@ class ResponsesRequest(ServingFields):
 
 
 # The answer (documented at /docs; the route writes the same fields as plain JSON).
+class InputTokensRequest(BaseModel):
+    """POST /v1/responses/input_tokens: the fields that make a response's prompt, each checked as
+    POST /v1/responses checks it."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"model": "smollm2", "input": "What is 2+2?", "instructions": "Be brief."},
+    ]})
+
+    model: str | None = Field(None, description="A model from GET /v1/models; default: the first.")
+    input: Any = Field(None, description="As on POST /v1/responses; may be left out with "
+                                         "instructions, a conversation or a previous response.")
+    instructions: Any = Field(None, description="As on POST /v1/responses.")
+    conversation: Any = Field(None, description="As on POST /v1/responses: its items count.")
+    previous_response_id: Any = Field(None, description="As on POST /v1/responses: its chat "
+                                                        "counts.")
+    tools: Any = Field(None, description="As on POST /v1/responses (they count where the chat "
+                                         "template or the tool prompt writes them).")
+    tool_choice: Any = Field(None, description="As on POST /v1/responses.")
+    parallel_tool_calls: Any = Field(None, description="As on POST /v1/responses.")
+    text: Any = Field(None, description="As on POST /v1/responses.")
+    reasoning: Any = Field(None, description="As on POST /v1/responses.")
+    truncation: Any = Field(None, description="As on POST /v1/responses.")
+
+
+class InputTokens(BaseModel):
+    object: Literal["response.input_tokens"] = Field("response.input_tokens",
+                                                     description="The kind of object.")
+    input_tokens: int = Field(description="The prompt's tokens, as a response's usage counts "
+                                          "its input_tokens.")
+
+
 class ResponseOutputText(BaseModel):
     type: Literal["output_text"] = Field("output_text", description="Always output_text.")
     text: str = Field(description="The generated text.")

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 from api.auth import caller_owner
 from api.context import AppContext, get_context
 from api.deadline_headers import deadlines_of
-from api.errors import OPENAI_TAG
+from api.errors import OPENAI_TAG, InvalidRequestError, validated
 from api.idempotency_key import idempotency_key_of
 from api.item_pages import After, Limit, Order, item_page
 from api.openai_answer import logprobs_formatters, wait_for_results
@@ -33,16 +33,24 @@ from api.openai_logprobs import LogprobsFormatter
 from api.openai_schemas import openai_error_docs
 from api.openai_stream import chunk_payloads
 from api.responses_background import cancel, history_of, pending, settle
-from api.responses_conversation import with_ids
+from api.responses_conversation import chat_messages, with_ids
 from api.responses_events import ResponseEvents, sse_event
 from api.responses_jobs import (
+    input_tokens,
     keep_response,
     message_id_of,
     response_base,
     submit_response,
     whole_response,
 )
-from api.responses_schemas import DeletedResponse, InputItemList, ResponseObject, ResponsesRequest
+from api.responses_schemas import (
+    DeletedResponse,
+    InputItemList,
+    InputTokens,
+    InputTokensRequest,
+    ResponseObject,
+    ResponsesRequest,
+)
 from api.sse import EventStreamResponse, sse_comment
 from api.tool_parsers import ToolParser, get_parser
 from api.webhook_urls import webhook_url_of
@@ -65,6 +73,10 @@ _STREAM_DOC = {"content": {"text/event-stream": {}},
                               "response.completed (or .incomplete / .failed)."}
 _NOT_FOUND = openai_error_docs((401, "Missing or wrong API key."),
                                (404, "No stored response of that id (or another key's)."))
+_COUNT_ERRORS = openai_error_docs(
+    (400, "Invalid request (the message names the field)."), (401, "Missing or wrong API key."),
+    (404, "No such model, conversation or stored response of that previous_response_id."),
+    (413, "Body over the size limit."), (503, "Redis unreachable, or no tokenizer published yet."))
 _CANCEL_ERRORS = {**_NOT_FOUND, **openai_error_docs((400, "Not a background response."))}
 _LIST_ERRORS = {**_NOT_FOUND, **openai_error_docs((400, "A bad limit, order or after."))}
 
@@ -102,6 +114,24 @@ async def create_response(body: ResponsesRequest, request: Request, owner: Owner
                                     formatters, parser)
     await keep(response)
     return JSONResponse(response, headers=headers)
+
+
+@router.post("/responses/input_tokens", response_model=InputTokens,
+             summary="Count a response's input tokens (OpenAI)", responses=_COUNT_ERRORS)
+async def count_input_tokens(body: InputTokensRequest, owner: Owner, ctx: Context) -> InputTokens:
+    fields = body.model_dump(exclude_unset=True)
+    given_input = fields.pop("input", None)
+    # Checked as a response request; with no input of its own, a stand-in input passes the
+    # request's check and is never read (only the history and instructions count then).
+    request = validated(ResponsesRequest, {
+        **fields, "input": given_input if given_input is not None else "(none)"})
+    history = await history_of(ctx, request, owner)
+    given = chat_messages(request.input) if given_input is not None else []
+    if not (history or given or request.instructions):
+        raise InvalidRequestError("Nothing to count: give input, instructions, a conversation or "
+                                  "a previous_response_id", param="input")
+    return InputTokens(object="response.input_tokens",
+                       input_tokens=await input_tokens(ctx, request, owner, history, given))
 
 
 @router.get("/responses/{response_id}", response_model=ResponseObject,

@@ -73,6 +73,12 @@ def test_turns_in_a_conversation_equal_the_whole_chat(api: ApiServer) -> None:  
     items = client.conversations.items.list(conversation.id, order="asc")
     assert [item.content[0].text for item in items.data] == [  # type: ignore[union-attr]
         "My name is Ada.", QUESTION, first.output_text, "And 3+3?", text]
+    # The count of a next turn is the input_tokens its response's usage reports.
+    counted = client.responses.input_tokens.count(model=api.model, input="And 4+4?",
+                                                  conversation=conversation.id)
+    third = client.responses.create(model=api.model, input="And 4+4?", max_output_tokens=2,
+                                    temperature=0.0, conversation=conversation.id)
+    assert third.usage is not None and counted.input_tokens == third.usage.input_tokens
 
 
 def test_a_background_response_polls_to_the_same_answer(api: ApiServer) -> None:  # noqa: F811
