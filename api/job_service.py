@@ -124,6 +124,16 @@ def choice_sampling(sampling: SamplingParams, choice: int) -> SamplingParams:
     return dataclasses.replace(sampling, seed=(sampling.seed + choice) % (MAX_SEED + 1))
 
 
+def _seen_text(tokenizer: Tokenizer, ids: list[int], text: str | None,
+               request: GenerationRequest, card: ModelCard) -> str:
+    """The text of the prompt tokens the model sees: `text` (None: the ids decoded) when it sees
+    them all, else its last tokens (truncate_prompt_tokens) decoded."""
+    seen = request.sampling.truncated_prompt_length(len(ids), card.max_model_len)
+    if text is not None and seen == len(ids):
+        return text
+    return str(tokenizer.decode(ids[len(ids) - seen:], skip_special_tokens=False))
+
+
 def _render(card: ModelCard, request: GenerationRequest, messages: list[dict[str, Any]],
             tools: list[dict[str, Any]] | None = None) -> tuple[str, bool]:
     """`messages` rendered as the request asks (render_chat's text and exactness); a template
@@ -383,7 +393,8 @@ class JobService:
     async def _count_prompt(self, card: ModelCard,
                             request: GenerationRequest) -> tuple[int | None, bool, str | None]:
         """Prompt length in the model's tokens, whether that count is exact, and the prompt as
-        text (None for a chat, or token ids without a tokenizer)."""
+        text (None for a chat, or token ids without a tokenizer): as the model sees it, so with
+        truncate_prompt_tokens the text of its last tokens (what echo answers with, as vLLM's)."""
         tokenizer = await self._tokenizers.get(card)
         if request.prompt_token_ids is not None:
             ids = request.prompt_token_ids
@@ -396,7 +407,7 @@ class JobService:
                     f"'{request.input_param}' holds token id {outside[0]}, outside the "
                     f"vocabulary of model '{card.name}' (ids 0 to {vocab_size - 1})",
                     param=request.input_param)
-            return len(ids), True, tokenizer.decode(ids, skip_special_tokens=False)
+            return len(ids), True, _seen_text(tokenizer, ids, None, request, card)
         if request.messages is not None:
             text, is_exact = _render(card, request, request.messages)
             add_special_tokens = False  # a chat template writes its special tokens itself
@@ -410,6 +421,8 @@ class JobService:
                 partial(tokenizer.encode, text, add_special_tokens=add_special_tokens))
         else:
             encoding = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if prompt_text is not None:
+            prompt_text = _seen_text(tokenizer, encoding.ids, prompt_text, request, card)
         return len(encoding.ids), is_exact, prompt_text
 
     def _check_lengths(self, card: ModelCard, request: GenerationRequest, prompt_tokens: int | None,

@@ -84,6 +84,24 @@ async def test_a_list_of_prompts_text_and_token_ids_with_echo(harness: Harness,
     assert body["usage"]["completion_tokens"] == 4
 
 
+async def test_echo_with_truncate_prompt_tokens_shows_what_the_model_saw(
+        harness: Harness, client: httpx.AsyncClient) -> None:
+    # The model sees a truncated prompt's last tokens: echo answers with those, as vLLM's.
+    worker = asyncio.create_task(_serve(harness, [["x"], ["y"]]))
+    response = await client.post("/v1/completions", json={
+        "prompt": ["hello world the a", [3, 4, 8, 9]], "echo": True, "max_tokens": 1,
+        "truncate_prompt_tokens": 2})
+    await worker
+    assert response.status_code == 200, response.text
+    seen = word_tokenizer().decode([8, 9], skip_special_tokens=False)  # "the a"
+    assert [c["text"] for c in response.json()["choices"]] == [seen + "x", seen + "y"]
+    worker = asyncio.create_task(_serve(harness, [["z"]]))
+    whole = await client.post("/v1/completions", json={  # shorter than the truncation: as given
+        "prompt": "hello world", "echo": True, "max_tokens": 1, "truncate_prompt_tokens": 5})
+    await worker
+    assert [c["text"] for c in whole.json()["choices"]] == ["hello worldz"]
+
+
 async def test_streamed_choices_carry_their_index_and_usage_on_every_chunk(
         harness: Harness, client: httpx.AsyncClient) -> None:
     worker = asyncio.create_task(_serve(harness, [["a", "b"], ["c"]]))
