@@ -88,7 +88,7 @@ async def answer_body(ctx: AppContext, body: CompletionRequest | ChatCompletionR
             if prompt is not None:
                 logprobs = {name: prompt[name] + logprobs[name] for name in logprobs}
         if is_chat:
-            message, reason = chat_message(tool_parser, result.text, reason)
+            message, reason = chat_message(tool_parser, result.text, reason, result.job.job_id)
             if result.job.echo:  # vLLM's chat echo: the continued assistant message reads whole
                 message["content"] = result.job.echo + (message.get("content") or "")
             choices.append({"index": result.job.index, "logprobs": logprobs,

@@ -20,7 +20,7 @@ from api.openai_answer import prompt_logprobs_of
 from api.openai_choices import ChoiceJob, ChoiceResult, cancel_jobs, merged_events, summed_usage
 from api.openai_chunks import ChunkWriter, openai_finish_reason, usage_dict
 from api.openai_logprobs import LogprobsFormatter
-from api.tool_parsers import StreamingToolParser, ToolParser, tool_finish_reason
+from api.tool_parsers import CallIds, StreamingToolParser, ToolParser, tool_finish_reason
 from protocol import FinishReason, StreamEntry
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,8 @@ async def chunk_payloads(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
     num_tokens = {job.index: 0 for job in jobs}
     # With tools, each choice's text goes through a streaming parser: content and tool_calls deltas.
     call_streams: dict[int, StreamingToolParser] = (
-        {job.index: tool_parser.stream() for job in jobs} if tool_parser is not None else {})
+        {job.index: tool_parser.stream(CallIds(job.job_id)) for job in jobs}
+        if tool_parser is not None else {})
     # Tokens whose text is held back (a possible stop string, a split character) send their
     # logprobs with their choice's next chunk that carries text, or with its finish chunk.
     unsent: dict[int, list[StreamEntry]] = {job.index: [] for job in jobs}

@@ -7,9 +7,9 @@ the server picks one with CARPOOL_TOOL_PARSER (default "hermes").
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -17,8 +17,18 @@ from typing import Any, Protocol
 from api.tool_calls import CALL_CLOSE, CALL_OPEN
 
 
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
+@dataclass(slots=True)
+class CallIds:
+    """The ids of one job's tool calls, in the order they come: derived from the job's id, so
+    every reading of its output (the answer, its stream, a background response's replay) names
+    its calls alike."""
+
+    job_id: str
+    _count: int = 0
+
+    def next(self) -> str:
+        self._count += 1
+        return "call_" + hashlib.sha256(f"{self.job_id}:{self._count}".encode()).hexdigest()[:24]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,9 +50,9 @@ class StreamingToolParser(Protocol):
 
 
 class ToolParser(Protocol):
-    def parse(self, text: str) -> ParsedOutput: ...
+    def parse(self, text: str, call_ids: CallIds) -> ParsedOutput: ...
 
-    def stream(self) -> StreamingToolParser: ...
+    def stream(self, call_ids: CallIds) -> StreamingToolParser: ...
 
 
 _PARSERS: dict[str, Callable[[], ToolParser]] = {}
@@ -63,7 +73,7 @@ def get_parser(name: str) -> ToolParser:
         raise ValueError(f"unknown tool parser {name!r} (known: {', '.join(parser_names())})") from None
 
 
-def _call(body: str) -> dict[str, Any] | None:
+def _call(body: str, call_ids: CallIds) -> dict[str, Any] | None:
     """One call's OpenAI shape from the JSON between the tags; None if it is not a call."""
     try:
         value = json.loads(body)
@@ -72,7 +82,7 @@ def _call(body: str) -> dict[str, Any] | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", value.get("parameters", {}))
-    return {"id": new_call_id(), "type": "function",
+    return {"id": call_ids.next(), "type": "function",
             "function": {"name": value["name"],
                          "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
@@ -82,12 +92,12 @@ class HermesToolParser:
 
     _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
 
-    def parse(self, text: str) -> ParsedOutput:
+    def parse(self, text: str, call_ids: CallIds) -> ParsedOutput:
         calls: list[dict[str, Any]] = []
         outside: list[str] = []
         position = 0
         for match in self._CALL.finditer(text):
-            call = _call(match.group(1))
+            call = _call(match.group(1), call_ids)
             if call is None:
                 continue  # not JSON of a call: leave it in the content
             outside.append(text[position:match.start()])
@@ -99,8 +109,8 @@ class HermesToolParser:
         content = "".join(outside).strip()
         return ParsedOutput(content or None, calls)
 
-    def stream(self) -> HermesStreamingParser:
-        return HermesStreamingParser()
+    def stream(self, call_ids: CallIds) -> HermesStreamingParser:
+        return HermesStreamingParser(call_ids)
 
 
 @dataclass(slots=True)
@@ -108,6 +118,7 @@ class HermesStreamingParser:
     """Streams text outside calls as content (holding back what may start `<tool_call>`) and each
     complete call as two deltas: id, type and name (arguments ""), then the arguments."""
 
+    call_ids: CallIds
     _buffer: str = ""
     _in_call: bool = False
     _count: int = 0
@@ -152,7 +163,7 @@ class HermesStreamingParser:
             return False
         body, self._buffer = self._buffer[:end], self._buffer[end + len(CALL_CLOSE):]
         self._in_call = False
-        call = _call(body)
+        call = _call(body, self.call_ids)
         if call is None:
             self._content(CALL_OPEN + body + CALL_CLOSE)
             return True
@@ -185,11 +196,13 @@ def tool_finish_reason(reason: str | None, called: bool) -> str | None:
     return "tool_calls" if called and reason == "stop" else reason
 
 
-def chat_message(parser: ToolParser | None, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
-    """A chat choice's message and finish_reason, with the calls `parser` finds in `text`."""
+def chat_message(parser: ToolParser | None, text: str, reason: str | None,
+                 job_id: str) -> tuple[dict[str, Any], str | None]:
+    """A chat choice's message and finish_reason, with the calls `parser` finds in `text` (the
+    output of job `job_id`)."""
     if parser is None:
         return {"role": "assistant", "content": text}, reason
-    parsed = parser.parse(text)
+    parsed = parser.parse(text, CallIds(job_id))
     if not parsed.tool_calls:
         return {"role": "assistant", "content": text}, reason
     return ({"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls},

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
 
 from api.errors import InvalidRequestError
 from api.tool_calls import NO_TOOLS, call_schema, plain_messages, tool_calling_of, tools_system_prompt
-from api.tool_parsers import HermesToolParser, chat_message, get_parser, parser_names
+from api.tool_parsers import CallIds, HermesToolParser, chat_message, get_parser, parser_names
 from protocol import StructuredOutputKind
 
 WEATHER = {"type": "function", "function": {
@@ -118,33 +119,39 @@ def _plain(calls: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
 def test_hermes_parses_calls_and_keeps_the_text_outside() -> None:
     text = ('Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
             '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
-    parsed = HermesToolParser().parse(text)
+    parsed = HermesToolParser().parse(text, CallIds("job1"))
     assert parsed.content == "Let me look."
     assert _plain(parsed.tool_calls) == [("function", "get_weather", '{"city": "Paris"}'),
                                          ("function", "get_time", "{}")]
-    assert all(c["id"].startswith("call_") for c in parsed.tool_calls)
+    assert all(re.fullmatch("call_[0-9a-f]{24}", c["id"]) for c in parsed.tool_calls)
     assert len({c["id"] for c in parsed.tool_calls}) == 2
+    # A job's calls are named alike at every reading of its output, and unlike another job's.
+    ids = [c["id"] for c in parsed.tool_calls]
+    assert [c["id"] for c in HermesToolParser().parse(text, CallIds("job1")).tool_calls] == ids
+    assert not {c["id"] for c in HermesToolParser().parse(text, CallIds("job2")).tool_calls} & set(ids)
 
 
 def test_hermes_leaves_text_without_valid_calls_alone() -> None:
     for text in ("just words", "<tool_call>not json</tool_call>", '<tool_call>{"name": "f"'):
-        parsed = HermesToolParser().parse(text)
+        parsed = HermesToolParser().parse(text, CallIds("job1"))
         assert (parsed.content, parsed.tool_calls) == (text, [])
 
 
 def test_chat_message_and_finish_reason() -> None:
     parser = HermesToolParser()
-    message, reason = chat_message(parser, '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>', "stop")
+    message, reason = chat_message(parser, '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>', "stop",
+                                   "job1")
     assert reason == "tool_calls"
     assert message["content"] is None and _plain(message["tool_calls"]) == [("function", "f", '{"a": 1}')]
-    assert chat_message(parser, "hi", "stop") == ({"role": "assistant", "content": "hi"}, "stop")
-    assert chat_message(None, "<tool_call>{}</tool_call>", "length")[1] == "length"
+    assert message["tool_calls"][0]["id"] == CallIds("job1").next()
+    assert chat_message(parser, "hi", "stop", "job1") == ({"role": "assistant", "content": "hi"}, "stop")
+    assert chat_message(None, "<tool_call>{}</tool_call>", "length", "job1")[1] == "length"
 
 
 def test_hermes_streams_content_then_call_deltas_whatever_the_split() -> None:
     text = 'Sure. <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "g"}</tool_call>'
     for size in (1, 3, 7, len(text)):
-        stream = HermesToolParser().stream()
+        stream = HermesToolParser().stream(CallIds("job1"))
         deltas = [d for i in range(0, len(text), size) for d in stream.feed(text[i:i + size])]
         deltas += stream.finish()
         content = "".join(d.get("content", "") for d in deltas)
@@ -153,15 +160,18 @@ def test_hermes_streams_content_then_call_deltas_whatever_the_split() -> None:
         assert [(c["index"], c.get("type"), c["function"].get("name"), c["function"]["arguments"])
                 for c in calls] == [(0, "function", "f", ""), (0, None, None, '{"a": 1}'),
                                     (1, "function", "g", ""), (1, None, None, "{}")]
-        assert calls[0]["id"].startswith("call_") and "id" not in calls[1]
+        # The stream names the calls as the whole answer's parse does.
+        assert [calls[0]["id"], calls[2]["id"]] == [
+            c["id"] for c in HermesToolParser().parse(text, CallIds("job1")).tool_calls]
+        assert "id" not in calls[1]
         assert stream.called
 
 
 def test_hermes_stream_gives_back_held_text_and_unclosed_calls_as_content() -> None:
-    stream = HermesToolParser().stream()
+    stream = HermesToolParser().stream(CallIds("job1"))
     assert stream.feed("a <tool") == [{"content": "a "}]
     assert stream.finish() == [{"content": "<tool"}]
-    stream = HermesToolParser().stream()
+    stream = HermesToolParser().stream(CallIds("job1"))
     assert stream.feed('<tool_call>{"name"') == []
     assert stream.finish() == [{"content": '<tool_call>{"name"'}]
     assert not stream.called
