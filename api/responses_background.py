@@ -1,4 +1,5 @@
-"""Background responses (`background: true`): answered at once, queued, and polled.
+"""Background responses (`background: true`): answered at once, queued, and polled (or streamed:
+api/responses_replay.py).
 
 The request becomes its job as any response's does (api/responses_jobs.py); the answer is the
 response object at status `queued`, stored with the job's id and the request, so that it can be
@@ -7,7 +8,8 @@ response whose job is still going answers its status now (`queued`, or `in_progr
 worker holds it); the first read after the job ended builds the finished response from the job's
 stream, as the route would have answered it, and stores that in place of the pending one (two
 readers racing both build the same object: the job's stream and end time are final). A failed job's response
-is `failed` with the job's error; a canceled one's `cancelled` with what it had generated.
+is `failed` with the job's error; a canceled one's `cancelled` with what it had generated. The
+settled record keeps the request, from which its events can be streamed again.
 
 Cancel (POST /v1/responses/{id}/cancel) asks the job service to cancel the job and waits briefly
 for it to end, as a worker stops a running job at its next step; a job that has not ended in
@@ -90,7 +92,8 @@ async def settle(ctx: AppContext, stored: StoredResponse) -> StoredResponse:
     if state.finished_at:  # the job's end, not this read's: racing readers store one object
         response["completed_at"] = int(state.finished_at)
     settled = StoredResponse(stored.owner, response, stored.input_items,
-                             stored.conversation + output_messages(response["output"]))
+                             stored.conversation + output_messages(response["output"]),
+                             request=stored.request)
     await ctx.responses.save(settled)
     await add_turn(ctx, body.conversation, stored.input_items, response)
     return settled

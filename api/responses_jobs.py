@@ -74,25 +74,45 @@ async def input_tokens(ctx: AppContext, body: ResponsesRequest, owner: str,
         raise _in_responses_terms(exc) from None
 
 
+@dataclass(frozen=True, slots=True)
+class JobReading:
+    """What reading a response's job after its request (a batch line, a background response)
+    takes, rebuilt from the request as chat_requests made it: its sampling and tool parsing, the
+    choice that follows the job, its logprobs formatters, and the response as created."""
+
+    sampling: SamplingParams
+    parser: ToolParser | None
+    jobs: list[ChoiceJob]
+    formatters: dict[int, LogprobsFormatter]
+    base: dict[str, Any]
+
+
+async def job_reading(ctx: AppContext, body: ResponsesRequest, state: JobState) -> JobReading:
+    """How to read the job `state` describes (as its caller read it) as `body`'s response. The
+    chat rebuilt is the request's own input: its sampling and tools do not depend on the chat it
+    continued."""
+    chat_body = chat_body_of(body, chat_messages(body.input), [])
+    chat = chat_requests(chat_body, ctx.settings, common_fields(chat_body, ""))
+    sampling = chat.requests[0].sampling
+    jobs = [ChoiceJob(index=0, prompt_number=0, job_id=state.job_id, echo="",
+                      prompt_tokens=state.prompt_tokens)]
+    formatters = await logprobs_formatters(ctx, state.model, sampling, jobs, True)
+    parser = get_parser(ctx.settings.tool_parser) if chat.calling.parses_calls else None
+    base = response_base(body, state.job_id, int(state.created_at), state.model, sampling)
+    return JobReading(sampling, parser, jobs, formatters, base)
+
+
 async def ended_response(ctx: AppContext, body: ResponsesRequest, state: JobState,
                          history: list[dict[str, Any]],
                          given: list[dict[str, Any]]) -> dict[str, Any]:
     """The response object of a job that ended without failing (`state`: its state, as its
-    caller read it), answered later than its request (a batch line, a background response): the
-    job's queued sampling and tool parsing are rebuilt from the request as chat_requests made
-    them."""
-    chat_body = chat_body_of(body, given, history)
-    chat = chat_requests(chat_body, ctx.settings, common_fields(chat_body, ""))
-    sampling = chat.requests[0].sampling
-    job_id = state.job_id
-    jobs = [ChoiceJob(index=0, prompt_number=0, job_id=job_id, echo="",
-                      prompt_tokens=state.prompt_tokens)]
-    results = await wait_for_results(ctx, jobs)  # ended: its stream ends at once
+    caller read it), answered later than its request (a batch line, a background response)."""
+    reading = await job_reading(ctx, body, state)
+    results = await wait_for_results(ctx, reading.jobs)  # ended: its stream ends at once
     assert results is not None  # (None only for a client that left)
-    formatters = await logprobs_formatters(ctx, state.model, sampling, jobs, True)
-    parser = get_parser(ctx.settings.tool_parser) if chat.calling.parses_calls else None
-    base = response_base(body, job_id, int(state.created_at), state.model, sampling)
-    return await whole_response(ctx, body, chat_body, results, base, sampling, formatters, parser)
+    return await whole_response(ctx, body, chat_body_of(body, given, history), results,
+                                reading.base, reading.sampling, reading.formatters,
+                                reading.parser)
 
 
 def response_base(body: ResponsesRequest, job_id: str, created: int, model: str,

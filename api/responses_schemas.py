@@ -173,9 +173,11 @@ class ResponsesRequest(ServingFields):
         None, description="Accepted; nothing is dropped: an input past the context is a 400 "
                           "either way.")
     background: bool | None = Field(
-        None, strict=True, description="Answer at once with the response queued (a job) and poll "
-                                       "GET /v1/responses/{id}; POST .../cancel cancels it. Not "
-                                       "with stream; needs store.")
+        None, strict=True, description="Run it as a job that outlives the request: answered at "
+                                       "once queued (poll GET /v1/responses/{id}), or with "
+                                       "stream its events, which GET ...?stream=true resumes "
+                                       "(starting_after); leaving does not cancel it, POST "
+                                       ".../cancel does. Needs store.")
     metadata: dict[str, str] | None = Field(None, description="Kept with the response.")
     user: str | None = Field(None, description="Accepted and ignored.")
     max_tool_calls: int | None = Field(
@@ -205,10 +207,7 @@ class ResponsesRequest(ServingFields):
 
     @field_validator("background")
     @classmethod
-    def _background_is_polled(cls, value: bool | None, info: ValidationInfo) -> bool | None:
-        if value and info.data.get("stream"):
-            raise ValueError("a background response is not streamed here: create it without "
-                             "stream and poll GET /v1/responses/{id}")
+    def _background_is_stored(cls, value: bool | None, info: ValidationInfo) -> bool | None:
         if value and info.data.get("store") is False:
             raise ValueError("a background response must be stored (store: true), as OpenAI's")
         return value

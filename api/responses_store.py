@@ -26,8 +26,8 @@ class StoredResponse:
     # The chat a response naming this one continues; while `job_id` is set, the chat before
     # its output (api/responses_background.py adds the output once the job ends).
     conversation: list[dict[str, Any]]
-    # A background response whose job has not been settled yet: the job, and the request (as
-    # sent) its answer is built from.
+    # A background response whose job has not been settled yet: the job; and for any background
+    # response the request (as sent) its answer and its events are built from.
     job_id: str | None = None
     request: dict[str, Any] | None = None
 
@@ -40,7 +40,9 @@ class StoredResponse:
                                   "input_items": self.input_items,
                                   "conversation": self.conversation}
         if self.job_id is not None:
-            record |= {"job_id": self.job_id, "request": self.request}
+            record["job_id"] = self.job_id
+        if self.request is not None:
+            record["request"] = self.request
         return json.dumps(record, ensure_ascii=False, separators=(",", ":"))
 
 

@@ -17,7 +17,7 @@ from functools import partial
 from typing import Annotated, Any
 
 import redis.exceptions
-from fastapi import APIRouter, Depends, Path, Request, Response
+from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from api.auth import caller_owner
@@ -43,6 +43,7 @@ from api.responses_jobs import (
     submit_response,
     whole_response,
 )
+from api.responses_replay import replay_of, response_events
 from api.responses_schemas import (
     DeletedResponse,
     InputItemList,
@@ -73,6 +74,11 @@ _STREAM_DOC = {"content": {"text/event-stream": {}},
                               "response.completed (or .incomplete / .failed)."}
 _NOT_FOUND = openai_error_docs((401, "Missing or wrong API key."),
                                (404, "No stored response of that id (or another key's)."))
+_GET_ERRORS = {**_NOT_FOUND, **openai_error_docs(
+    (400, "stream for a response made without background, or a bad starting_after."))}
+_REPLAY_DOC = {"content": {"text/event-stream": {}},
+               "description": "With `stream=true`: a background response's events, numbered as "
+                              "when it was created with stream."}
 _COUNT_ERRORS = openai_error_docs(
     (400, "Invalid request (the message names the field)."), (401, "Missing or wrong API key."),
     (404, "No such model, conversation or stored response of that previous_response_id."),
@@ -91,10 +97,14 @@ async def create_response(body: ResponsesRequest, request: Request, owner: Owner
     first = submitted.accepted[0].spec
     headers = job_headers(submitted.accepted)
     base = response_base(body, first.job_id, int(first.created_at), first.model, first.sampling)
-    if body.background:  # answered when read (api/responses_background.py): nothing to follow
+    if body.background:  # answered when read (api/responses_background.py), or streamed
         stored = pending(owner, body, first.job_id, base, with_ids(body.input),
                          submitted.history + submitted.given)
         await ctx.responses.save(stored)
+        if body.stream:  # no cancel when the client leaves: it runs in the background
+            reading, with_logprobs = await replay_of(ctx, stored)
+            return EventStreamResponse(response_events(ctx, stored, reading, with_logprobs, None),
+                                       headers=headers)
         return JSONResponse(stored.response, headers=headers)
     jobs = choice_jobs(submitted.accepted, 1, [""])
     parser = get_parser(ctx.settings.tool_parser) if submitted.parses_calls else None
@@ -135,10 +145,22 @@ async def count_input_tokens(body: InputTokensRequest, owner: Owner, ctx: Contex
 
 
 @router.get("/responses/{response_id}", response_model=ResponseObject,
-            summary="A stored response (OpenAI)", responses=_NOT_FOUND)
-async def get_response(response_id: ResponseId, owner: Owner, ctx: Context) -> JSONResponse:
-    stored = await settle(ctx, await ctx.responses.get(response_id, owner))
-    return JSONResponse(stored.response)
+            summary="A stored response, or a background one's events (OpenAI)",
+            responses={**_GET_ERRORS, 200: _REPLAY_DOC})
+async def get_response(
+        response_id: ResponseId, owner: Owner, ctx: Context,
+        stream: Annotated[bool, Query(description="A background response's events (Server-Sent "
+                                                  "Events) to its end, instead of the object.")]
+        = False,
+        starting_after: Annotated[int | None, Query(
+            ge=0, description="With stream: only the events after this sequence_number (to "
+                              "resume a stream that broke off).")] = None) -> Response:
+    stored = await ctx.responses.get(response_id, owner)
+    if stream:
+        reading, with_logprobs = await replay_of(ctx, stored)
+        return EventStreamResponse(response_events(ctx, stored, reading, with_logprobs,
+                                                   starting_after))
+    return JSONResponse((await settle(ctx, stored)).response)
 
 
 @router.post("/responses/{response_id}/cancel", response_model=ResponseObject,

@@ -5,17 +5,23 @@ the official openai client. A test plays the worker (api_support.Harness)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from api_support import MODEL, Harness
+from api_support import MODEL, Harness, parse_sse
 
 from protocol import FinishReason, JobStatus, Priority
 from protocol.rq_keys import RQKeys
 
 pytestmark = pytest.mark.anyio
+
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}
 
 
 async def _create(client: httpx.AsyncClient, **fields: Any) -> dict[str, Any]:
@@ -164,3 +170,88 @@ async def test_the_official_client_creates_polls_and_cancels(harness: Harness) -
     other = await client.responses.create(model=MODEL, input="again", background=True)
     cancelled = await client.responses.cancel(other.id)
     assert cancelled.status == "cancelled"
+
+
+def _events(text: str) -> list[dict[str, Any]]:
+    return [json.loads(event["data"]) for event in parse_sse(text) if "data" in event]
+
+
+async def _streamed(client: httpx.AsyncClient, method: str, path: str,
+                    **kwargs: Any) -> list[dict[str, Any]]:
+    answer = await client.request(method, path, **kwargs)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["content-type"].startswith("text/event-stream")
+    return _events(answer.text)
+
+
+async def test_a_background_stream_is_numbered_alike_at_every_reading(
+        harness: Harness, client: httpx.AsyncClient) -> None:
+    async def worker() -> str:
+        job_id = await harness.take_job()
+        harness.publish_tokens(job_id, ["Once"])
+        harness.publish_run(job_id, [" upon", " a", " time"], start=1)  # one entry, three tokens
+        harness.publish_done(job_id, 4, FinishReason.STOP, 7, text="Once upon a time")
+        return job_id
+
+    running = asyncio.create_task(worker())
+    live = await _streamed(client, "POST", "/v1/responses",
+                           json={"input": "hello", "background": True, "stream": True})
+    job_id = await running
+    response_id = f"resp_{job_id}"
+    assert [event["sequence_number"] for event in live] == list(range(len(live)))
+    assert [event["type"] for event in live] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", *["response.output_text.delta"] * 4,
+        "response.output_text.done", "response.content_part.done", "response.output_item.done",
+        "response.completed"]
+    assert [event["delta"] for event in live[4:8]] == ["Once", " upon", " a", " time"]
+    assert live[0]["response"]["background"] is True
+    # The last event carries the stored response, as GET answers it.
+    stored = await _get(client, response_id)
+    assert (stored["status"], stored["output"][0]["content"][0]["text"]) == (
+        "completed", "Once upon a time")
+    assert live[-1]["response"] == stored
+    # Read again, whole or after a sequence number: the same events.
+    assert await _streamed(client, "GET", f"/v1/responses/{response_id}",
+                           params={"stream": "true"}) == live
+    assert await _streamed(client, "GET", f"/v1/responses/{response_id}",
+                           params={"stream": "true", "starting_after": 5}) == live[6:]
+    assert await _streamed(client, "GET", f"/v1/responses/{response_id}",
+                           params={"stream": "true", "starting_after": 99}) == []
+
+
+async def test_a_polled_background_response_can_be_streamed(
+        harness: Harness, client: httpx.AsyncClient) -> None:
+    harness.register_model(context=4096)  # room for the tool's system prompt
+    created = await _create(client, tools=[WEATHER], tool_choice="required")
+    worker = asyncio.create_task(harness.serve_next_job([CALL]))
+    events = await _streamed(client, "GET", f"/v1/responses/{created['id']}",
+                             params={"stream": "true"})
+    await worker
+    stored = await _get(client, created["id"])
+    [call] = stored["output"]
+    added = [event["item"] for event in events if event["type"] == "response.output_item.added"]
+    # The call streamed is the call stored: the same id, parsed from the same job.
+    assert [(item["type"], item["id"], item["call_id"]) for item in added] == [
+        ("function_call", call["id"], call["call_id"])]
+    assert events[-1] == {**events[-1], "type": "response.completed", "response": stored}
+
+
+async def test_only_background_responses_stream_from_get(
+        harness: Harness, client: httpx.AsyncClient) -> None:
+    worker = asyncio.create_task(harness.serve_next_job(["Hi"]))
+    foreground = (await client.post("/v1/responses", json={"input": "hello"})).json()
+    await worker
+    answer = await client.get(f"/v1/responses/{foreground['id']}", params={"stream": "true"})
+    assert answer.status_code == 400
+    assert answer.json()["error"] == {
+        "message": "Only a response made with background: true can be streamed here; this one "
+                   "was answered to its request", "type": "invalid_request_error",
+        "param": "stream", "code": "invalid_value"}
+    created = await _create(client)
+    answer = await client.get(f"/v1/responses/{created['id']}",
+                              params={"stream": "true", "starting_after": -1})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "query.starting_after"
+    harness.sync.delete(harness.keys.state(created["id"].removeprefix("resp_")))  # expired
+    answer = await client.get(f"/v1/responses/{created['id']}", params={"stream": "true"})
+    assert answer.status_code == 404 and "is gone" in answer.json()["error"]["message"]

@@ -333,7 +333,7 @@ async def test_a_client_leaving_cancels_its_job(harness: Harness, stream: bool) 
 
 
 @pytest.mark.parametrize(("body", "param", "words"), [
-    ({"input": "hi", "background": True, "stream": True}, "background", "not streamed here"),
+    ({"input": "hi", "background": True, "stream": "yes"}, "stream", "boolean"),
     ({"input": "hi", "background": True, "store": False}, "background", "must be stored"),
     ({"input": [{"type": "reasoning", "id": "rs_1"}]}, "input", "'reasoning'"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},

@@ -101,6 +101,30 @@ def test_a_background_response_polls_to_the_same_answer(api: ApiServer) -> None:
     assert whole.startswith(client.responses.retrieve(long.id).output_text)
 
 
+def test_a_background_stream_resumes_where_it_broke_off(api: ApiServer) -> None:  # noqa: F811
+    client = api.openai()
+    first_part = []
+    with client.responses.create(model=api.model, input=QUESTION, max_output_tokens=40,
+                                 temperature=0.0, background=True, stream=True) as stream:
+        for event in stream:
+            first_part.append(event.model_dump())
+            if len(first_part) == 6:
+                break  # the client leaves: the response goes on
+    response_id = first_part[0]["response"]["id"]
+    rest = [event.model_dump() for event in client.responses.retrieve(
+        response_id, stream=True, starting_after=first_part[-1]["sequence_number"])]
+    whole = [event.model_dump() for event in client.responses.retrieve(response_id, stream=True)]
+    # Live tokens, then the stream's runs, read again: the same events under the same numbers.
+    assert first_part + rest == whole
+    assert [event["sequence_number"] for event in whole] == list(range(len(whole)))
+    text, _ = _chat_text(api, [{"role": "user", "content": QUESTION}], 40)
+    done = client.responses.retrieve(response_id)
+    assert (done.status, done.output_text) == ("incomplete", text)
+    assert "".join(event["delta"] for event in whole
+                   if event["type"] == "response.output_text.delta") == text
+    assert whole[-1]["response"] == done.model_dump()
+
+
 def test_output_logprobs_are_the_chats(api: ApiServer) -> None:  # noqa: F811
     client = api.openai()
     response = client.responses.create(model=api.model, input=QUESTION, max_output_tokens=6,
