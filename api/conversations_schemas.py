@@ -63,10 +63,3 @@ class DeletedConversation(BaseModel):
                                                     description="The kind of object.")
     deleted: bool = Field(description="Always true.")
 
-
-class ConversationItemList(BaseModel):
-    object: Literal["list"] = Field("list", description="The kind of object.")
-    data: list[dict[str, Any]] = Field(description="The items, each with its id.")
-    first_id: str | None = Field(description="The first item's id on this page.")
-    last_id: str | None = Field(description="The last item's id on this page.")
-    has_more: bool = Field(description="Whether more items follow (pass last_id as after).")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from fastapi import Query
+from pydantic import BaseModel, Field
 
 from api.errors import InvalidRequestError
 from api.owner_pages import list_object
@@ -18,8 +19,16 @@ Order = Annotated[Literal["asc", "desc"], Query(
 After = Annotated[str | None, Query(description="List the items after this item id.")]
 
 
+class ItemList(BaseModel):
+    object: Literal["list"] = Field("list", description="The kind of object.")
+    data: list[dict[str, Any]] = Field(description="The items, each with its id.")
+    first_id: str | None = Field(description="The first item's id on this page.")
+    last_id: str | None = Field(description="The last item's id on this page.")
+    has_more: bool = Field(description="Whether more items follow (pass last_id as after).")
+
+
 def item_page(items: list[dict[str, Any]], order: str, after: str | None, limit: int,
-              of: str) -> dict[str, Any]:
+              of: str) -> ItemList:
     """The page of `items` (oldest first) a listing asks for; a 400 when `after` names no item
     (`of`: whose items, for that message)."""
     if order == "desc":
@@ -30,4 +39,4 @@ def item_page(items: list[dict[str, Any]], order: str, after: str | None, limit:
             raise InvalidRequestError(f"'after' names no item of {of} (got {after!r})",
                                       param="after", location="query")
         items = items[position + 1:]
-    return list_object(items[:limit], len(items) > limit)
+    return ItemList(**list_object(items[:limit], len(items) > limit))

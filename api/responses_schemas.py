@@ -313,14 +313,6 @@ class ResponseObject(BaseModel):
         None, description="default, flex or priority: only when the request named a service_tier.")
 
 
-class InputItemList(BaseModel):
-    object: Literal["list"] = Field("list", description="The kind of object.")
-    data: list[dict[str, Any]] = Field(description="The response's input items, each with its id.")
-    first_id: str | None = Field(description="The first item's id on this page.")
-    last_id: str | None = Field(description="The last item's id on this page.")
-    has_more: bool = Field(description="Whether more items follow (pass last_id as after).")
-
-
 class DeletedResponse(BaseModel):
     id: str = Field(description="The response deleted.")
     object: Literal["response"] = Field("response", description="The kind of object.")

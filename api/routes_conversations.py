@@ -12,14 +12,13 @@ from api.auth import caller_owner
 from api.context import AppContext, get_context
 from api.conversations_schemas import (
     ConversationCreateRequest,
-    ConversationItemList,
     ConversationObject,
     ConversationUpdateRequest,
     DeletedConversation,
     ItemsCreateRequest,
 )
 from api.errors import OPENAI_TAG
-from api.item_pages import After, Limit, Order, item_page
+from api.item_pages import After, ItemList, Limit, Order, item_page
 from api.openai_schemas import openai_error_docs
 from api.owner_pages import list_object
 from api.responses_conversation import with_ids
@@ -74,25 +73,24 @@ async def delete_conversation(conversation_id: ConversationId, owner: Owner,
     return DeletedConversation(id=conversation_id, object="conversation.deleted", deleted=True)
 
 
-@router.post("/conversations/{conversation_id}/items", response_model=ConversationItemList,
+@router.post("/conversations/{conversation_id}/items", response_model=ItemList,
              summary="Add items to a conversation (OpenAI)", responses=_BAD_OR_NOT_FOUND)
 async def add_items(conversation_id: ConversationId, body: ItemsCreateRequest, owner: Owner,
-                    ctx: Context) -> ConversationItemList:
+                    ctx: Context) -> ItemList:
     conversation = await ctx.conversations.get(conversation_id, owner)
     items = with_ids(body.items)
     await ctx.conversations.add(conversation, items)
-    return ConversationItemList(**list_object(items, False))
+    return ItemList(**list_object(items, False))
 
 
-@router.get("/conversations/{conversation_id}/items", response_model=ConversationItemList,
+@router.get("/conversations/{conversation_id}/items", response_model=ItemList,
             summary="A conversation's items (OpenAI)", responses=_BAD_OR_NOT_FOUND)
 async def list_items(conversation_id: ConversationId, owner: Owner, ctx: Context,
                      limit: Limit = 20, order: Order = "desc",
-                     after: After = None) -> ConversationItemList:
+                     after: After = None) -> ItemList:
     conversation = await ctx.conversations.get(conversation_id, owner)
     items = await ctx.conversations.items(conversation)
-    return ConversationItemList(**item_page(items, order, after, limit,
-                                            f"conversation '{conversation_id}'"))
+    return item_page(items, order, after, limit, f"conversation '{conversation_id}'")
 
 
 @router.get("/conversations/{conversation_id}/items/{item_id}", summary="One item (OpenAI)",

@@ -25,7 +25,7 @@ from api.context import AppContext, get_context
 from api.deadline_headers import deadlines_of
 from api.errors import OPENAI_TAG, InvalidRequestError, validated
 from api.idempotency_key import idempotency_key_of
-from api.item_pages import After, Limit, Order, item_page
+from api.item_pages import After, ItemList, Limit, Order, item_page
 from api.openai_answer import logprobs_formatters, wait_for_results
 from api.openai_choices import ChoiceJob, cancel_jobs, choice_jobs, job_headers, raise_if_failed
 from api.openai_chunks import ChunkWriter
@@ -46,7 +46,6 @@ from api.responses_jobs import (
 from api.responses_replay import replay_of, response_events
 from api.responses_schemas import (
     DeletedResponse,
-    InputItemList,
     InputTokens,
     InputTokensRequest,
     ResponseObject,
@@ -177,12 +176,12 @@ async def delete_response(response_id: ResponseId, owner: Owner, ctx: Context) -
     return DeletedResponse(id=response_id, object="response", deleted=True)
 
 
-@router.get("/responses/{response_id}/input_items", response_model=InputItemList,
+@router.get("/responses/{response_id}/input_items", response_model=ItemList,
             summary="A stored response's input items (OpenAI)", responses=_LIST_ERRORS)
 async def list_input_items(response_id: ResponseId, owner: Owner, ctx: Context, limit: Limit = 20,
-                           order: Order = "desc", after: After = None) -> InputItemList:
+                           order: Order = "desc", after: After = None) -> ItemList:
     items = (await ctx.responses.get(response_id, owner)).input_items
-    return InputItemList(**item_page(items, order, after, limit, f"response '{response_id}'"))
+    return item_page(items, order, after, limit, f"response '{response_id}'")
 
 
 async def _stream(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWriter,
