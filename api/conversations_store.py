@@ -8,7 +8,8 @@ from the whole list in the process.
 
 A response naming a conversation adds its input and output items when it ends (`add_once`):
 once per response, in one script, so two readers settling one background response do not add
-them twice.
+them twice. A background response's turn is settled by whoever reads first: it, or the
+conversation's next response (the conversation's pending set).
 """
 
 from __future__ import annotations
@@ -95,7 +96,24 @@ class ConversationStore:
 
     async def delete(self, conversation: Conversation) -> None:
         await self._aio.delete(self._keys.conversation(conversation.id),
-                               self._keys.conversation_items(conversation.id))
+                               self._keys.conversation_items(conversation.id),
+                               self._keys.conversation_pending(conversation.id))
+
+    async def add_pending(self, conversation_id: str, response_id: str) -> None:
+        """A background response taking a turn: its turn joins when it is settled."""
+        pending = self._keys.conversation_pending(conversation_id)
+        async with self._aio.pipeline(transaction=True) as pipe:
+            pipe.rpush(pending, response_id)
+            pipe.expire(pending, self.retention_s)
+            await pipe.execute()
+
+    async def pending(self, conversation_id: str) -> list[str]:
+        """Its background responses not yet joined, in the order they were made."""
+        listed = await self._aio.lrange(self._keys.conversation_pending(conversation_id), 0, -1)
+        return cast(list[str], listed)
+
+    async def drop_pending(self, conversation_id: str, response_id: str) -> None:
+        await self._aio.lrem(self._keys.conversation_pending(conversation_id), 0, response_id)
 
     async def items(self, conversation: Conversation) -> list[dict[str, Any]]:
         """Every item, oldest first."""

@@ -25,7 +25,7 @@ from typing import Any
 
 from api.context import AppContext
 from api.conversation_turns import add_turn, conversation_history
-from api.errors import InvalidRequestError
+from api.errors import InvalidRequestError, NotFoundError
 from api.responses_conversation import output_messages
 from api.responses_jobs import ended_response
 from api.responses_schemas import ResponsesRequest
@@ -46,6 +46,7 @@ async def history_of(ctx: AppContext, body: ResponsesRequest, owner: str) -> lis
     `owner` has no such conversation or stored no response of that id (or it is past its
     retention), a 400 while that response's job is still going (its output is not known yet)."""
     if body.conversation is not None:
+        await _settle_pending_turns(ctx, body.conversation, owner)
         return await conversation_history(ctx, body.conversation, owner)
     if not body.previous_response_id:
         return []
@@ -57,6 +58,18 @@ async def history_of(ctx: AppContext, body: ResponsesRequest, owner: str) -> lis
             f"{stored.response['status']}: continue it once it has completed",
             param="previous_response_id")
     return stored.conversation
+
+
+async def _settle_pending_turns(ctx: AppContext, conversation_id: str, owner: str) -> None:
+    """Settle the conversation's background responses whose jobs ended, so that their turns join
+    it before the next turn reads it (one still running joins once it has ended and is read)."""
+    for response_id in await ctx.conversations.pending(conversation_id):
+        try:
+            stored = await settle(ctx, await ctx.responses.get(response_id, owner))
+        except NotFoundError:  # deleted, or past its retention: no turn will come
+            stored = None
+        if stored is None or not stored.is_pending:
+            await ctx.conversations.drop_pending(conversation_id, response_id)
 
 
 def pending(owner: str, body: ResponsesRequest, job_id: str, response: dict[str, Any],

@@ -100,6 +100,8 @@ async def create_response(body: ResponsesRequest, request: Request, owner: Owner
         stored = pending(owner, body, first.job_id, base, with_ids(body.input),
                          submitted.history + submitted.given)
         await ctx.responses.save(stored)
+        if body.conversation is not None:
+            await ctx.conversations.add_pending(body.conversation, stored.response["id"])
         if body.stream:  # no cancel when the client leaves: it runs in the background
             reading, with_logprobs = await replay_of(ctx, stored)
             return EventStreamResponse(response_events(ctx, stored, reading, with_logprobs, None),

@@ -148,6 +148,11 @@ class Keys:
         """List with a TTL: a conversation's items as JSON, oldest first."""
         return f"{self.prefix}:conversation:{conversation_id}:items"
 
+    def conversation_pending(self, conversation_id: str) -> str:
+        """List with a TTL: the background responses taking a turn in the conversation whose turn
+        has not joined it yet, in the order they were made (settled by its next reader)."""
+        return f"{self.prefix}:conversation:{conversation_id}:pending"
+
     def conversation_response(self, response_id: str) -> str:
         """String with a TTL: set once a response's input and output joined its conversation, so
         that two readers settling one background response add them once."""

@@ -172,6 +172,42 @@ async def test_a_background_turn_joins_once_settled(harness: Harness,
     assert items == [_user(items[0]["id"], "hello"), _assistant(job_id, "Hi")]
 
 
+async def test_the_next_turn_settles_background_turns_nobody_read(
+        harness: Harness, client: httpx.AsyncClient) -> None:
+    conversation = (await client.post("/v1/conversations", json={})).json()["id"]
+    first = (await client.post("/v1/responses", json={
+        "input": "one", "conversation": conversation, "background": True})).json()
+    second = (await client.post("/v1/responses", json={
+        "input": "two", "conversation": conversation, "background": True})).json()
+    await harness.serve_next_job(["1"])
+    running = await harness.take_job()  # the second is still running
+    worker = asyncio.create_task(harness.serve_next_job(["3"]))
+    third = await client.post("/v1/responses", json={"input": "three",
+                                                     "conversation": conversation})
+    third_job = await worker
+    assert third.status_code == 200, third.text
+    # The first ended: its turn joined before the third read the conversation; the second's not.
+    assert _messages(harness, third_job) == [
+        {"role": "user", "content": "one"}, {"role": "assistant", "content": "1"},
+        {"role": "user", "content": "three"}]
+    harness.finish_job(running, ["2"])
+    worker = asyncio.create_task(harness.serve_next_job(["4"]))
+    fourth = await client.post("/v1/responses", json={"input": "four",
+                                                      "conversation": conversation})
+    fourth_job = await worker
+    assert fourth.status_code == 200, fourth.text
+    assert [m["content"] for m in _messages(harness, fourth_job)] == [
+        "one", "1", "three", "3", "two", "2", "four"]  # turns join in the order they ended
+    assert harness.sync.llen(harness.keys.conversation_pending(conversation)) == 0
+    assert (await _get_status(client, first["id"]), await _get_status(client, second["id"])) == (
+        "completed", "completed")
+
+
+async def _get_status(client: httpx.AsyncClient, response_id: str) -> str:
+    status: str = (await client.get(f"/v1/responses/{response_id}")).json()["status"]
+    return status
+
+
 async def test_failed_and_cancelled_turns_add_nothing(harness: Harness,
                                                       client: httpx.AsyncClient) -> None:
     conversation = (await client.post("/v1/conversations", json={})).json()["id"]
