@@ -46,7 +46,7 @@ async def history_of(ctx: AppContext, body: ResponsesRequest, owner: str) -> lis
     `owner` has no such conversation or stored no response of that id (or it is past its
     retention), a 400 while that response's job is still going (its output is not known yet)."""
     if body.conversation is not None:
-        await _settle_pending_turns(ctx, body.conversation, owner)
+        await settle_pending_turns(ctx, body.conversation, owner)
         return await conversation_history(ctx, body.conversation, owner)
     if not body.previous_response_id:
         return []
@@ -60,9 +60,10 @@ async def history_of(ctx: AppContext, body: ResponsesRequest, owner: str) -> lis
     return stored.conversation
 
 
-async def _settle_pending_turns(ctx: AppContext, conversation_id: str, owner: str) -> None:
+async def settle_pending_turns(ctx: AppContext, conversation_id: str, owner: str) -> None:
     """Settle the conversation's background responses whose jobs ended, so that their turns join
-    it before the next turn reads it (one still running joins once it has ended and is read)."""
+    it before it is read (by its next turn, or its items' listing); one still running joins once
+    it has ended and something reads."""
     for response_id in await ctx.conversations.pending(conversation_id):
         try:
             stored = await settle(ctx, await ctx.responses.get(response_id, owner))

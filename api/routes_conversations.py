@@ -1,6 +1,7 @@
 """OpenAI's Conversations API: a conversation and its items, which a response naming it
 (`conversation` on POST /v1/responses) reads before its input and adds its input and output to
-once it ends (api/responses_conversations.py). Each belongs to the API key that created it."""
+once it ends (api/conversation_turns.py; a background response's turn joins before the items
+are read: api/responses_background.py). Each belongs to the API key that created it."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from api.errors import OPENAI_TAG
 from api.item_pages import After, ItemList, Limit, Order, item_page
 from api.openai_schemas import openai_error_docs
 from api.owner_pages import list_object
+from api.responses_background import settle_pending_turns
 from api.responses_conversation import with_ids
 
 router = APIRouter(prefix="/v1", tags=[OPENAI_TAG], dependencies=[Depends(caller_owner)])
@@ -89,6 +91,7 @@ async def list_items(conversation_id: ConversationId, owner: Owner, ctx: Context
                      limit: Limit = 20, order: Order = "desc",
                      after: After = None) -> ItemList:
     conversation = await ctx.conversations.get(conversation_id, owner)
+    await settle_pending_turns(ctx, conversation_id, owner)
     items = await ctx.conversations.items(conversation)
     return item_page(items, order, after, limit, f"conversation '{conversation_id}'")
 
@@ -99,6 +102,7 @@ async def list_items(conversation_id: ConversationId, owner: Owner, ctx: Context
 async def get_item(conversation_id: ConversationId, item_id: ItemId, owner: Owner,
                    ctx: Context) -> dict[str, object]:
     conversation = await ctx.conversations.get(conversation_id, owner)
+    await settle_pending_turns(ctx, conversation_id, owner)
     return await ctx.conversations.item(conversation, item_id)
 
 

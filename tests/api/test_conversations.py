@@ -160,8 +160,11 @@ async def test_a_background_turn_joins_once_settled(harness: Harness,
         "input": "hello", "conversation": conversation, "background": True})).json()
     assert await _items(client, conversation) == []  # nothing until it ends
     job_id = await harness.serve_next_job(["Hi"])
-    assert await _items(client, conversation) == []  # ... and is read
-    for _ in range(2):  # read twice (and the second read's settle finds it added)
+    # Listing the items settles it: its turn is there, though nobody read the response.
+    items = await _items(client, conversation)
+    assert items == [_user(items[0]["id"], "hello"), _assistant(job_id, "Hi")]
+    assert harness.sync.llen(harness.keys.conversation_pending(conversation)) == 0
+    for _ in range(2):  # read twice (and each read's settle finds it added)
         assert (await client.get(f"/v1/responses/{created['id']}")).json()["status"] == "completed"
     # A settle racing the first (the stored pending record read before it was replaced) adds
     # nothing more either.
