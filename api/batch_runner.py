@@ -79,7 +79,6 @@ _LOCK_TTL_MS = 15_000
 _WIND_DOWN_GRACE_S = 600.0
 
 
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Queued:
     """What a line was queued as: its jobs, the text each choice starts with (echo), its n, and

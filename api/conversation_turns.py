@@ -9,17 +9,15 @@ from __future__ import annotations
 from typing import Any
 
 from api.context import AppContext
+from api.conversations_store import Conversation
 from api.responses_conversation import chat_messages
 from api.responses_schemas import normalized_item
 
 _ADDED_WHEN = ("completed", "incomplete")
 
 
-async def conversation_history(ctx: AppContext, conversation_id: str,
-                               owner: str) -> list[dict[str, Any]]:
-    """The conversation's items as chat messages; a 404 naming `conversation` when `owner` has
-    no conversation of that id."""
-    conversation = await ctx.conversations.get(conversation_id, owner, param="conversation")
+async def conversation_history(ctx: AppContext, conversation: Conversation) -> list[dict[str, Any]]:
+    """The conversation's items as chat messages."""
     items = await ctx.conversations.items(conversation)
     return chat_messages([normalized_item(item, f"conversation item {number}")
                           for number, item in enumerate(items)])

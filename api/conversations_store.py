@@ -8,8 +8,8 @@ from the whole list in the process.
 
 A response naming a conversation adds its input and output items when it ends (`add_once`):
 once per response, in one script, so two readers settling one background response do not add
-them twice. A background response's turn is settled by whoever reads first: it, or the
-conversation's next response (the conversation's pending set).
+them twice. A background response's turn is settled by whoever reads first: it, the
+conversation's next response or its items' listing (the conversation's pending list).
 """
 
 from __future__ import annotations
@@ -17,10 +17,13 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 
 from api.errors import NotFoundError
 from protocol import Keys
@@ -66,14 +69,11 @@ class ConversationStore:
         conversation = Conversation("conv_" + uuid.uuid4().hex, owner, int(time.time()), metadata)
         record, listed = self._keys.conversation(conversation.id), self._keys.conversation_items(
             conversation.id)
-        async with self._aio.pipeline(transaction=True) as pipe:
+        async with self._writing(conversation.id) as pipe:
             pipe.hset(record, mapping={"owner": owner, "created_at": conversation.created_at,
                                        "metadata": json.dumps(metadata)})
             if items:
                 pipe.rpush(listed, *[_dumps(item) for item in items])
-            pipe.expire(record, self.retention_s)
-            pipe.expire(listed, self.retention_s)
-            await pipe.execute()
         return conversation
 
     async def get(self, conversation_id: str, owner: str,
@@ -89,9 +89,8 @@ class ConversationStore:
 
     async def set_metadata(self, conversation: Conversation,
                            metadata: dict[str, str]) -> Conversation:
-        await self._aio.hset(self._keys.conversation(conversation.id), "metadata",
-                             json.dumps(metadata))
-        await self._touch(conversation.id)
+        async with self._writing(conversation.id) as pipe:
+            pipe.hset(self._keys.conversation(conversation.id), "metadata", json.dumps(metadata))
         return Conversation(conversation.id, conversation.owner, conversation.created_at, metadata)
 
     async def delete(self, conversation: Conversation) -> None:
@@ -128,9 +127,9 @@ class ConversationStore:
         raise self._no_item(conversation, item_id)
 
     async def add(self, conversation: Conversation, items: list[dict[str, Any]]) -> None:
-        await self._aio.rpush(self._keys.conversation_items(conversation.id),
-                              *[_dumps(item) for item in items])
-        await self._touch(conversation.id)
+        async with self._writing(conversation.id) as pipe:
+            pipe.rpush(self._keys.conversation_items(conversation.id),
+                       *[_dumps(item) for item in items])
 
     async def add_once(self, conversation_id: str, response_id: str,
                        items: list[dict[str, Any]]) -> bool:
@@ -147,13 +146,17 @@ class ConversationStore:
         listed = self._keys.conversation_items(conversation.id)
         for encoded in cast(list[str], await self._aio.lrange(listed, 0, -1)):
             if json.loads(encoded).get("id") == item_id:
-                await self._aio.lrem(listed, 1, encoded)
-                await self._touch(conversation.id)
+                async with self._writing(conversation.id) as pipe:
+                    pipe.lrem(listed, 1, encoded)
                 return
         raise self._no_item(conversation, item_id)
 
-    async def _touch(self, conversation_id: str) -> None:
-        async with self._aio.pipeline(transaction=False) as pipe:
+    @asynccontextmanager
+    async def _writing(self, conversation_id: str) -> AsyncIterator[Pipeline]:
+        """A transaction for a change to the conversation, sent with the renewal of its
+        retention (the change's last write): one round trip."""
+        async with self._aio.pipeline(transaction=True) as pipe:
+            yield pipe
             pipe.expire(self._keys.conversation(conversation_id), self.retention_s)
             pipe.expire(self._keys.conversation_items(conversation_id), self.retention_s)
             await pipe.execute()

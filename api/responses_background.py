@@ -25,6 +25,7 @@ from typing import Any
 
 from api.context import AppContext
 from api.conversation_turns import add_turn, conversation_history
+from api.conversations_store import Conversation
 from api.errors import InvalidRequestError, NotFoundError
 from api.responses_conversation import output_messages
 from api.responses_jobs import ended_response
@@ -46,8 +47,9 @@ async def history_of(ctx: AppContext, body: ResponsesRequest, owner: str) -> lis
     `owner` has no such conversation or stored no response of that id (or it is past its
     retention), a 400 while that response's job is still going (its output is not known yet)."""
     if body.conversation is not None:
-        await settle_pending_turns(ctx, body.conversation, owner)
-        return await conversation_history(ctx, body.conversation, owner)
+        conversation = await ctx.conversations.get(body.conversation, owner, param="conversation")
+        await settle_pending_turns(ctx, conversation)
+        return await conversation_history(ctx, conversation)
     if not body.previous_response_id:
         return []
     stored = await settle(ctx, await ctx.responses.get(body.previous_response_id, owner,
@@ -60,17 +62,18 @@ async def history_of(ctx: AppContext, body: ResponsesRequest, owner: str) -> lis
     return stored.conversation
 
 
-async def settle_pending_turns(ctx: AppContext, conversation_id: str, owner: str) -> None:
+async def settle_pending_turns(ctx: AppContext, conversation: Conversation) -> None:
     """Settle the conversation's background responses whose jobs ended, so that their turns join
     it before it is read (by its next turn, or its items' listing); one still running joins once
-    it has ended and something reads."""
-    for response_id in await ctx.conversations.pending(conversation_id):
+    it has ended and something reads. `conversation` is its owner's (ConversationStore.get), so
+    its responses are read as theirs."""
+    for response_id in await ctx.conversations.pending(conversation.id):
         try:
-            stored = await settle(ctx, await ctx.responses.get(response_id, owner))
+            stored = await settle(ctx, await ctx.responses.get(response_id, conversation.owner))
         except NotFoundError:  # deleted, or past its retention: no turn will come
             stored = None
         if stored is None or not stored.is_pending:
-            await ctx.conversations.drop_pending(conversation_id, response_id)
+            await ctx.conversations.drop_pending(conversation.id, response_id)
 
 
 def pending(owner: str, body: ResponsesRequest, job_id: str, response: dict[str, Any],

@@ -91,7 +91,7 @@ async def list_items(conversation_id: ConversationId, owner: Owner, ctx: Context
                      limit: Limit = 20, order: Order = "desc",
                      after: After = None) -> ItemList:
     conversation = await ctx.conversations.get(conversation_id, owner)
-    await settle_pending_turns(ctx, conversation_id, owner)
+    await settle_pending_turns(ctx, conversation)
     items = await ctx.conversations.items(conversation)
     return item_page(items, order, after, limit, f"conversation '{conversation_id}'")
 
@@ -102,7 +102,7 @@ async def list_items(conversation_id: ConversationId, owner: Owner, ctx: Context
 async def get_item(conversation_id: ConversationId, item_id: ItemId, owner: Owner,
                    ctx: Context) -> dict[str, object]:
     conversation = await ctx.conversations.get(conversation_id, owner)
-    await settle_pending_turns(ctx, conversation_id, owner)
+    await settle_pending_turns(ctx, conversation)
     return await ctx.conversations.item(conversation, item_id)
 
 

@@ -103,14 +103,26 @@ async def test_the_official_client_manages_a_conversation_and_its_items(harness:
 
 
 async def test_a_conversation_is_its_keys_own(keyed_harness: Harness) -> None:
-    mine = await _openai(keyed_harness, KEY_A).conversations.create()
+    owner = _openai(keyed_harness, KEY_A)
+    mine = await owner.conversations.create()
+    # A background turn of the owner's, ended and not read yet.
+    await owner.responses.create(model=MODEL, input="hello", conversation=mine.id, background=True)
+    await keyed_harness.serve_next_job(["Hi"])
     theirs = _openai(keyed_harness, KEY_B)
     for call in (theirs.conversations.retrieve(mine.id), theirs.conversations.delete(mine.id),
                  theirs.conversations.items.list(mine.id),
-                 theirs.responses.create(model=MODEL, input="hi", conversation=mine.id)):
+                 theirs.responses.create(model=MODEL, input="hi", conversation=mine.id),
+                 theirs.responses.input_tokens.count(model=MODEL, input="hi",
+                                                     conversation=mine.id)):
         with pytest.raises(openai.NotFoundError):
             await call
-    assert (await _openai(keyed_harness, KEY_A).conversations.retrieve(mine.id)).id == mine.id
+    assert (await owner.conversations.retrieve(mine.id)).id == mine.id
+    # Another key's attempts left the owner's pending turn alone; the owner's listing settles it.
+    pending = keyed_harness.keys.conversation_pending(mine.id)
+    assert keyed_harness.sync.llen(pending) == 1
+    items = [item async for item in owner.conversations.items.list(mine.id, order="asc")]
+    assert [item.content[0].text for item in items] == ["hello", "Hi"]  # type: ignore[union-attr]
+    assert keyed_harness.sync.llen(pending) == 0
 
 
 async def test_responses_take_turns_in_a_conversation(harness: Harness,
