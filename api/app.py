@@ -13,6 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from api import (
     routes_batches,
+    routes_chat_completions,
     routes_conversations,
     routes_files,
     routes_jobs,
@@ -73,8 +74,8 @@ def create_app(settings: ApiSettings, context: AppContext | None = None) -> Fast
     )
     app.state.context = ctx
     install_error_handlers(app, settings.retry_after_s)
-    routers = [routes_jobs.router, routes_openai.router, routes_responses.router,
-               routes_conversations.router, routes_files.router,
+    routers = [routes_jobs.router, routes_openai.router, routes_chat_completions.router,
+               routes_responses.router, routes_conversations.router, routes_files.router,
                routes_batches.router, routes_tokenize.router,
                routes_ops.open_router, routes_ops.router, routes_webhooks.router,
                routes_playground.router]

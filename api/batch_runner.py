@@ -376,6 +376,9 @@ class BatchRunner:
             response_id=("chatcmpl-" if is_chat else "cmpl-") + request_id,
             created=int(state.created_at), model=state.model, sampling=sampling,
             formatters=formatters, tool_parser=parser)
+        if isinstance(body, ChatCompletionRequest) and body.store:
+            await self.ctx.chat_completions.keep(batch.owner, answer, metadata=body.metadata,
+                                                 messages=line.body["messages"])
         return OUTPUT, _response_line(line.custom_id, request_id, 200, answer)
 
     async def _response(self, owner: str, line: LineJobs) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from redis.backoff import NoBackoff
 from api.auth import ApiKeyAuth
 from api.batch_files import FileStore
 from api.batch_store import BatchStore
+from api.chat_completions_store import ChatCompletionStore
 from api.conversations_store import ConversationStore
 from api.job_service import JobService
 from api.job_stream import JobStream, StreamShard
@@ -58,12 +59,15 @@ class AppContext:
     responses: ResponseStore = field(init=False)
     # The Conversations API's conversations (kept as long, after their last change).
     conversations: ConversationStore = field(init=False)
+    # Chat completions made with store: true (kept as long as stored responses).
+    chat_completions: ChatCompletionStore = field(init=False)
 
     def __post_init__(self) -> None:
         self.files = FileStore(self.aio, self.keys, self.settings.file_retention_s)
         self.batches = BatchStore(self.aio, self.keys, self.settings.batch_retention_s)
         self.responses = ResponseStore(self.aio, self.keys, self.settings.result_ttl_s)
         self.conversations = ConversationStore(self.aio, self.keys, self.settings.result_ttl_s)
+        self.chat_completions = ChatCompletionStore(self.aio, self.keys, self.settings.result_ttl_s)
 
     @classmethod
     def build(cls, settings: ApiSettings, aio: aioredis.Redis | None = None,

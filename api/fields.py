@@ -142,7 +142,10 @@ def _small_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
 
 Metadata = Annotated[dict[str, str] | None, AfterValidator(_small_metadata), Field(
     description="Up to 16 key-value pairs (keys up to 64 characters, values up to 512), kept "
-                "with the object.")]
+                "with the object.",
+    # The same limits, documented (the validator above words their errors).
+    json_schema_extra={"maxProperties": 16, "propertyNames": {"maxLength": 64},
+                       "additionalProperties": {"maxLength": 512}})]
 
 
 def _logit_bias_keys(value: dict[str, float] | None) -> dict[str, float] | None:

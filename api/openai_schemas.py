@@ -1,8 +1,8 @@
 """Request and response bodies of the OpenAI-compatible routes, in OpenAI's own field names.
 
 Unknown parameters are refused (as OpenAI does). Known ones this server cannot honour are refused
-with a message saying so, unless ignoring them cannot change the result (`user`, `store`, ...):
-a silently different completion would be worse than a clear 400.
+with a message saying so, unless ignoring them cannot change the result (`user`,
+`safety_identifier`, ...): a silently different completion would be worse than a clear 400.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from api.fields import (
     IncludeStopStr,
     LogitBias,
     MaxTokens,
+    Metadata,
     MinP,
     MinTokens,
     NonEmptyText,
@@ -371,8 +372,14 @@ class ChatCompletionRequest(_CommonParams, ChatRenderingParams, ServingFields):
         None, description="none, auto (default with tools), required, or {'type': 'function', "
                           "'function': {'name': ...}}; required and named are enforced by a grammar.")
     parallel_tool_calls: ParallelToolCalls = None
-    store: bool | None = Field(None, strict=True, description="Accepted and ignored.")
-    metadata: dict[str, str] | None = Field(None, description="Accepted and ignored.")
+    store: bool | None = Field(
+        None, strict=True,
+        description="true: keep the completion (its answer, metadata and messages) for the "
+                    "server's result retention, for GET /v1/chat/completions and its routes. "
+                    "Default false, as OpenAI's.")
+    metadata: Annotated[Metadata, Field(
+        description="Up to 16 key-value pairs (keys up to 64 characters, values up to 512) kept "
+                    "with a stored completion (store: true), which listings filter by.")] = None
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = (
         Field(None, description="Goes to the chat template as reasoning_effort (read by templates "
                                 "that think, e.g. gpt-oss's; ignored by the others), as "

@@ -8,7 +8,7 @@ its completion ends has its job canceled, so no worker keeps generating for nobo
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Annotated, Any
 
@@ -18,11 +18,18 @@ from fastapi.responses import JSONResponse
 from api.auth import caller_owner
 from api.context import AppContext, get_context
 from api.deadline_headers import deadlines_of
-from api.errors import OPENAI_TAG, NotFoundError
+from api.errors import OPENAI_TAG, JobFailedError, NotFoundError
 from api.idempotency_key import idempotency_key_of
 from api.job_service import AcceptedJob
 from api.openai_answer import answer_body, logprobs_formatters, wait_for_results
-from api.openai_choices import ChoiceJob, cancel_jobs, choice_jobs, job_headers, raise_if_failed
+from api.openai_choices import (
+    ChoiceJob,
+    ChoiceResult,
+    cancel_jobs,
+    choice_jobs,
+    job_headers,
+    raise_if_failed,
+)
 from api.openai_chunks import ChunkWriter
 from api.openai_logprobs import LogprobsFormatter
 from api.openai_requests import chat_requests, common_fields, completion_requests
@@ -90,8 +97,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     accepted = await ctx.jobs.submit_many(chat.requests)
     parser = get_parser(ctx.settings.tool_parser) if chat.calling.parses_calls else None
     echo = chat.echo if body.echo else ""
+    keep = None
+    if body.store:
+        # The messages as sent (their content parts too), read again from the body already taken.
+        messages = (await request.json())["messages"]
+        keep = partial(ctx.chat_completions.keep, owner, metadata=body.metadata, messages=messages)
     return await _answer(ctx, request, body, accepted, is_chat=True,
-                         echoes=[echo] * len(accepted), tool_parser=parser)
+                         echoes=[echo] * len(accepted), tool_parser=parser, keep=keep)
 
 
 def _common(body: CompletionRequest | ChatCompletionRequest, owner: str,
@@ -106,12 +118,16 @@ def _model_object(card: ModelCard) -> ModelObject:
                        generation_defaults=served_defaults(card.generation_defaults))
 
 
+Keep = Callable[[dict[str, Any]], Awaitable[None]]
+
+
 async def _answer(ctx: AppContext, request: Request,
                   body: CompletionRequest | ChatCompletionRequest, accepted: list[AcceptedJob], *,
                   is_chat: bool, echoes: list[str], tool_parser: ToolParser | None = None,
-                  prompt_only: bool = False) -> Response:
+                  prompt_only: bool = False, keep: Keep | None = None) -> Response:
     """`echoes`: per accepted job, the text its choice starts with ("" for none); `prompt_only`:
-    each choice is that alone (CompletionRequest.scores_prompt)."""
+    each choice is that alone (CompletionRequest.scores_prompt); `keep`: stores the whole answer
+    (`store: true`), streamed or not."""
     first = accepted[0].spec
     jobs = choice_jobs(accepted, body.n, echoes, prompt_only)
     writer = ChunkWriter(is_chat=is_chat,
@@ -121,30 +137,54 @@ async def _answer(ctx: AppContext, request: Request,
                          service_tier=(body.tier_served if isinstance(body, ChatCompletionRequest)
                                        else None))
     headers = job_headers(accepted)
-    formatters = await logprobs_formatters(ctx, first.model, first.sampling, jobs, is_chat)
+
+    async def whole_answer(results: list[ChoiceResult]) -> dict[str, Any]:
+        # Formatters keep a running text offset: each reading of the choices gets its own.
+        return await answer_body(
+            ctx, body, results, is_chat=is_chat, response_id=writer.response_id,
+            created=writer.created, model=writer.model, sampling=first.sampling,
+            formatters=await logprobs_formatters(ctx, first.model, first.sampling, jobs, is_chat),
+            tool_parser=tool_parser, service_tier=writer.service_tier)
+
+    async def keep_streamed() -> None:
+        # The stream ended whole: its choices' answer, as a plain request would have got it.
+        assert keep is not None
+        try:
+            results = await wait_for_results(ctx, jobs)
+            assert results is not None  # (None only for a client that left)
+            await raise_if_failed(ctx, results, headers)
+        except (NotFoundError, JobFailedError):
+            return  # expired meanwhile, or failed: a failed completion is not kept (as unanswered)
+        await keep(await whole_answer(results))
+
     if body.stream:
+        formatters = await logprobs_formatters(ctx, first.model, first.sampling, jobs, is_chat)
         return EventStreamResponse(_stream_chunks(ctx, jobs, writer, formatters,
-                                                  first.sampling.prompt_logprobs, tool_parser),
+                                                  first.sampling.prompt_logprobs, tool_parser,
+                                                  then=keep_streamed if keep else None),
                                    headers=headers,
                                    on_abandon=partial(cancel_jobs, ctx, jobs))
     results = await wait_for_results(ctx, jobs, has_left=request.is_disconnected)
     if results is None:
         return Response(status_code=499, headers=headers)  # the client left; nobody reads this
     await raise_if_failed(ctx, results, headers)
-    answer = await answer_body(ctx, body, results, is_chat=is_chat,
-                               response_id=writer.response_id, created=writer.created,
-                               model=writer.model, sampling=first.sampling,
-                               formatters=formatters, tool_parser=tool_parser,
-                               service_tier=writer.service_tier)
+    answer = await whole_answer(results)
+    if keep is not None:
+        await keep(answer)
     return JSONResponse(answer, headers=headers)
 
 
 async def _stream_chunks(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWriter,
                          formatters: dict[int, LogprobsFormatter],
                          prompt_logprobs: int | None,
-                         tool_parser: ToolParser | None = None) -> AsyncIterator[bytes]:
+                         tool_parser: ToolParser | None = None,
+                         then: Callable[[], Awaitable[None]] | None = None) -> AsyncIterator[bytes]:
+    """The chunks, then (`then`, before [DONE], so that a client that saw the stream end finds
+    what it did) whatever follows a stream that ended whole."""
     async for payload in chunk_payloads(ctx, jobs, writer, formatters, prompt_logprobs, tool_parser):
         yield sse_comment() if payload is None else _data(payload)
+    if then is not None:
+        await then()
     yield b"data: [DONE]\n\n"
 
 

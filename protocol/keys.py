@@ -138,6 +138,18 @@ class Keys:
         with its owner, its input items and the chat a continuation starts from."""
         return f"{self.prefix}:response:{response_id}"
 
+    # Stored chat completions (`store: true` on POST /v1/chat/completions;
+    # api/chat_completions_store.py), owned by an API key, kept for the result retention.
+    def chat_completion(self, completion_id: str) -> str:
+        """String with a TTL: a stored chat completion as JSON, with its owner, metadata and the
+        request's messages."""
+        return f"{self.prefix}:chat-completion:{completion_id}"
+
+    def chat_completions_by_owner(self, owner: str) -> str:
+        """Sorted set completion id -> creation time of the owner's stored chat completions (ids
+        whose record expired are dropped as listings meet them)."""
+        return f"{self.prefix}:owner:{owner}:chat-completions"
+
     # The Conversations API (api/conversations_store.py): a conversation's record and its items,
     # kept for the server's result retention after their last write.
     def conversation(self, conversation_id: str) -> str:
