@@ -51,7 +51,7 @@ async def test_a_whole_completion_is_kept_with_its_metadata_and_messages(harness
 
     kept = await client.chat.completions.retrieve(answer.id)
     assert kept.model_dump(exclude={"metadata"}) == answer.model_dump(exclude={"metadata"})
-    assert kept.metadata == {"topic": "math"}  # type: ignore[attr-defined]
+    assert kept.metadata == {"topic": "math"}
     assert kept.choices[0].message.content == "It is 4."
 
     listed = [(m.id, m.role, m.content, m.content_parts)
@@ -118,7 +118,7 @@ async def test_listing_orders_filters_and_pages(harness: Harness) -> None:
     assert [c.id async for c in client.chat.completions.list(model=MODEL, limit=1)] == ids
     assert [c.id async for c in client.chat.completions.list(model="another")] == []
     listed = (await client.chat.completions.list(limit=1)).data[0]
-    assert (listed.choices[0].message.content, listed.metadata) == (  # type: ignore[attr-defined]
+    assert (listed.choices[0].message.content, listed.metadata) == (
         "0", {"team": "a", "env": "prod"})
 
 
@@ -126,12 +126,11 @@ async def test_metadata_is_replaced_and_a_deleted_completion_is_gone(harness: Ha
     client = _openai(harness)
     completion_id, _ = await _stored_chat(harness, client, ["ok"], metadata={"topic": "math"})
     updated = await client.chat.completions.update(completion_id, metadata={"topic": "arith"})
-    assert updated.metadata == {"topic": "arith"}  # type: ignore[attr-defined]
-    assert (await client.chat.completions.retrieve(completion_id)).metadata == {  # type: ignore[attr-defined]
-        "topic": "arith"}
+    assert updated.metadata == {"topic": "arith"}
+    assert (await client.chat.completions.retrieve(completion_id)).metadata == {"topic": "arith"}
     assert [c.id async for c in client.chat.completions.list(metadata={"topic": "math"})] == []
     cleared = await client.chat.completions.update(completion_id, metadata=None)
-    assert cleared.metadata == {}  # type: ignore[attr-defined]
+    assert cleared.metadata == {}
     record_ttl = harness.sync.ttl(harness.keys.chat_completion(completion_id))
     assert 0 < record_ttl <= harness.context.settings.result_ttl_s  # the update kept its TTL
 
@@ -160,7 +159,7 @@ async def test_a_stored_completion_is_its_keys_own(keyed_harness: Harness) -> No
             await call
     assert [c.id async for c in theirs.chat.completions.list()] == []
     assert [c.id async for c in owner.chat.completions.list()] == [completion_id]
-    assert (await owner.chat.completions.retrieve(completion_id)).metadata == {}  # type: ignore[attr-defined]
+    assert (await owner.chat.completions.retrieve(completion_id)).metadata == {}
 
 
 async def test_a_batch_line_with_store_is_kept_as_its_answer(harness: Harness) -> None:

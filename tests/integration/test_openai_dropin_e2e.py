@@ -1,6 +1,6 @@
 """The OpenAI drop-in fields (n, prompt lists, token-id prompts, echo, cached tokens, continuous
-usage, /tokenize, vLLM's metric names) end to end: the official `openai` client against the real
-API and a real worker on the tiny model."""
+usage, stored chat completions, /tokenize, vLLM's metric names) end to end: the official `openai`
+client against the real API and a real worker on the tiny model."""
 
 from __future__ import annotations
 
@@ -55,6 +55,30 @@ def test_streamed_n_choices_equal_the_plain_ones(api: ApiServer) -> None:  # noq
     assert last is not None and last.usage is not None and plain.usage is not None
     assert last.usage.completion_tokens == plain.usage.completion_tokens
     assert last.usage.prompt_tokens == plain.usage.prompt_tokens  # the prompt counted once
+
+
+def test_a_stored_streamed_completion_is_what_was_streamed(api: ApiServer) -> None:  # noqa: F811
+    client = api.openai()
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Say "},
+                                             {"type": "text", "text": "something"}]}]
+    stream = client.chat.completions.create(model=api.model, messages=messages, n=2, seed=3,  # type: ignore[arg-type]
+                                            max_tokens=6, temperature=1.0, stream=True,
+                                            stream_options={"include_usage": True}, store=True,
+                                            metadata={"suite": "dropin"})
+    texts = {0: "", 1: ""}
+    chunks = list(stream)
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    # The stream's [DONE] came after it was kept: the client finds it at once.
+    kept = client.chat.completions.retrieve(chunks[0].id)
+    assert [c.message.content for c in kept.choices] == [texts[0], texts[1]]
+    assert kept.usage == chunks[-1].usage and kept.metadata == {"suite": "dropin"}
+    assert [c.id for c in client.chat.completions.list(metadata={"suite": "dropin"})] == [kept.id]
+    assert [(m.role, m.content) for m in client.chat.completions.messages.list(kept.id)] == [
+        ("system", "Be brief."), ("user", "Say something")]
+    assert client.chat.completions.delete(kept.id).deleted
 
 
 def test_token_id_prompts_and_echo(api: ApiServer) -> None:  # noqa: F811
