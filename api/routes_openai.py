@@ -137,14 +137,14 @@ async def _answer(ctx: AppContext, request: Request,
                          service_tier=(body.tier_served if isinstance(body, ChatCompletionRequest)
                                        else None))
     headers = job_headers(accepted)
+    formatters = await logprobs_formatters(ctx, first.model, first.sampling, jobs, is_chat)
 
-    async def whole_answer(results: list[ChoiceResult]) -> dict[str, Any]:
-        # Formatters keep a running text offset: each reading of the choices gets its own.
+    async def whole_answer(results: list[ChoiceResult],
+                           formatters: dict[int, LogprobsFormatter]) -> dict[str, Any]:
         return await answer_body(
             ctx, body, results, is_chat=is_chat, response_id=writer.response_id,
             created=writer.created, model=writer.model, sampling=first.sampling,
-            formatters=await logprobs_formatters(ctx, first.model, first.sampling, jobs, is_chat),
-            tool_parser=tool_parser, service_tier=writer.service_tier)
+            formatters=formatters, tool_parser=tool_parser, service_tier=writer.service_tier)
 
     async def keep_streamed() -> None:
         # The stream ended whole: its choices' answer, as a plain request would have got it.
@@ -155,10 +155,11 @@ async def _answer(ctx: AppContext, request: Request,
             await raise_if_failed(ctx, results, headers)
         except (NotFoundError, JobFailedError):
             return  # expired meanwhile, or failed: a failed completion is not kept (as unanswered)
-        await keep(await whole_answer(results))
+        # Formatters keep a running text offset: the stream used up its own.
+        await keep(await whole_answer(results, await logprobs_formatters(
+            ctx, first.model, first.sampling, jobs, is_chat)))
 
     if body.stream:
-        formatters = await logprobs_formatters(ctx, first.model, first.sampling, jobs, is_chat)
         return EventStreamResponse(_stream_chunks(ctx, jobs, writer, formatters,
                                                   first.sampling.prompt_logprobs, tool_parser,
                                                   then=keep_streamed if keep else None),
@@ -168,7 +169,7 @@ async def _answer(ctx: AppContext, request: Request,
     if results is None:
         return Response(status_code=499, headers=headers)  # the client left; nobody reads this
     await raise_if_failed(ctx, results, headers)
-    answer = await whole_answer(results)
+    answer = await whole_answer(results, formatters)
     if keep is not None:
         await keep(answer)
     return JSONResponse(answer, headers=headers)

@@ -65,15 +65,24 @@ def test_a_stored_streamed_completion_is_what_was_streamed(api: ApiServer) -> No
     stream = client.chat.completions.create(model=api.model, messages=messages, n=2, seed=3,  # type: ignore[arg-type]
                                             max_tokens=6, temperature=1.0, stream=True,
                                             stream_options={"include_usage": True}, store=True,
-                                            metadata={"suite": "dropin"})
+                                            metadata={"suite": "dropin"}, logprobs=True,
+                                            top_logprobs=2, extra_body={"ignore_eos": True})
     texts = {0: "", 1: ""}
+    logprobs: dict[int, list[tuple[str, float, list[str]]]] = {0: [], 1: []}
     chunks = list(stream)
     for chunk in chunks:
         for choice in chunk.choices:
             texts[choice.index] += choice.delta.content or ""
+            for item in (choice.logprobs.content or []) if choice.logprobs else []:
+                logprobs[choice.index].append(
+                    (item.token, item.logprob, [top.token for top in item.top_logprobs]))
     # The stream's [DONE] came after it was kept: the client finds it at once.
     kept = client.chat.completions.retrieve(chunks[0].id)
     assert [c.message.content for c in kept.choices] == [texts[0], texts[1]]
+    assert [[(item.token, item.logprob, [top.token for top in item.top_logprobs])
+             for item in (c.logprobs.content if c.logprobs and c.logprobs.content else [])]
+            for c in kept.choices] == [logprobs[0], logprobs[1]]
+    assert all(len(logprobs[i]) == 6 for i in (0, 1))
     assert kept.usage == chunks[-1].usage and kept.metadata == {"suite": "dropin"}
     assert [c.id for c in client.chat.completions.list(metadata={"suite": "dropin"})] == [kept.id]
     assert [(m.role, m.content) for m in client.chat.completions.messages.list(kept.id)] == [
