@@ -17,7 +17,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from api.errors import InvalidRequestError, NotFoundError
-from api.owner_pages import index_page
+from api.owner_pages import index_page, one_by_one
 from protocol import Keys
 
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
@@ -176,7 +176,8 @@ class FileStore:
             except NotFoundError:
                 return None  # expired
 
-        return await index_page(self._aio, self._keys.files_by_owner(owner), after, limit, load,
+        return await index_page(self._aio, self._keys.files_by_owner(owner), after, limit,
+                                one_by_one(load),
                                 keep=lambda file: purpose is None or file.purpose == purpose)
 
     async def delete(self, file_id: str, owner: str) -> None:

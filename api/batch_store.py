@@ -21,7 +21,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from api.errors import NotFoundError
-from api.owner_pages import index_page
+from api.owner_pages import index_page, one_by_one
 from protocol import Keys
 from protocol.webhook_events import EMIT_EVENT_LUA
 
@@ -217,7 +217,8 @@ class BatchStore:
             except NotFoundError:
                 return None  # its retention ended
 
-        return await index_page(self._aio, self._keys.batches_by_owner(owner), after, limit, load)
+        return await index_page(self._aio, self._keys.batches_by_owner(owner), after, limit,
+                                one_by_one(load))
 
     async def open_ids(self) -> list[str]:
         return sorted(str(i) for i in await self._aio.smembers(self._keys.batches_open()))

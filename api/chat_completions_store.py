@@ -19,6 +19,9 @@ from api.errors import NotFoundError
 from api.owner_pages import index_page
 from protocol import Keys
 
+# Completions a filtered listing reads at once (one MGET) once its first page's worth is read.
+_SCAN_BATCH = 100
+
 
 @dataclass(frozen=True, slots=True)
 class StoredChatCompletion:
@@ -62,12 +65,7 @@ class ChatCompletionStore:
             await pipe.execute()
 
     async def find(self, completion_id: str, owner: str) -> StoredChatCompletion | None:
-        payload = await self._aio.get(self._keys.chat_completion(completion_id))
-        record = json.loads(payload) if payload else None
-        if record is None or record["owner"] != owner:
-            return None
-        return StoredChatCompletion(record["owner"], record["completion"], record["metadata"],
-                                    record["messages"])
+        return _owned(await self._aio.get(self._keys.chat_completion(completion_id)), owner)
 
     async def get(self, completion_id: str, owner: str) -> StoredChatCompletion:
         """The owner's stored completion; 404 when missing, expired or another key's."""
@@ -105,11 +103,24 @@ class ChatCompletionStore:
             return ((model is None or stored.completion.get("model") == model)
                     and all(stored.metadata.get(k) == v for k, v in metadata.items()))
 
-        async def load(completion_id: str) -> StoredChatCompletion | None:
-            return await self.find(completion_id, owner)
+        async def load_many(completion_ids: list[str]) -> list[StoredChatCompletion | None]:
+            # One MGET a batch: a filter that matches few completions scans many.
+            payloads = await self._aio.mget([self._keys.chat_completion(completion_id)
+                                             for completion_id in completion_ids])
+            return [_owned(payload, owner) for payload in payloads]
 
         return await index_page(self._aio, self._keys.chat_completions_by_owner(owner), after,
-                                limit, load, keep=wanted, order=order)
+                                limit, load_many, keep=wanted, order=order,
+                                scan_batch=_SCAN_BATCH)
+
+
+def _owned(payload: str | bytes | None, owner: str) -> StoredChatCompletion | None:
+    """The record `payload` holds when it is `owner`'s; None when missing or another's."""
+    record = json.loads(payload) if payload else None
+    if record is None or record["owner"] != owner:
+        return None
+    return StoredChatCompletion(record["owner"], record["completion"], record["metadata"],
+                                record["messages"])
 
 
 def stored_messages(completion_id: str, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

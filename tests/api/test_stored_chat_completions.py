@@ -228,3 +228,22 @@ async def test_bad_updates_and_message_pages_are_400s(harness: Harness,
     answer = await client.get(f"/v1/chat/completions/{completion_id}/messages",
                               params={"after": "nope"})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "after"
+
+
+async def test_a_filtered_listing_scans_past_what_it_turns_down(harness: Harness) -> None:
+    store = harness.context.chat_completions
+    for n in range(230):  # 3 matches far apart, past the first page and the first scan batch
+        metadata = {"pick": "yes"} if n in (5, 120, 229) else {"pick": "no"}
+        completion = {"id": f"chatcmpl-{n:03d}", "object": "chat.completion", "model": MODEL}
+        await store.keep("", completion, metadata, [{"role": "user", "content": "Hi"}])
+    harness.sync.delete(harness.keys.chat_completion("chatcmpl-120"))  # expired meanwhile
+    client = _openai(harness)
+    page = await client.chat.completions.list(metadata={"pick": "yes"}, limit=1)
+    assert ([c.id for c in page.data], page.has_more) == (["chatcmpl-005"], True)
+    rest = await client.chat.completions.list(metadata={"pick": "yes"}, after="chatcmpl-005")
+    assert ([c.id for c in rest.data], rest.has_more) == (["chatcmpl-229"], False)
+    index = harness.keys.chat_completions_by_owner("")  # the open API's owner
+    assert harness.sync.zscore(index, "chatcmpl-120") is None  # the listing dropped it
+    assert harness.sync.zcard(index) == 229
+    newest = await client.chat.completions.list(order="desc", limit=2)
+    assert [c.id for c in newest.data] == ["chatcmpl-229", "chatcmpl-228"]
