@@ -20,6 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 log = logging.getLogger(__name__)
 
@@ -269,6 +270,20 @@ def routing_detail(request: Request, status_code: int, headers: dict[str, str]) 
     return None
 
 
+def allowed_methods(request: Request) -> str:
+    """Every method a route of this path takes, for a 405's Allow header: Starlette's names only
+    the methods of the first route whose path matched (GET of a GET / POST / DELETE resource)."""
+    allowed = []
+    for method in _METHODS:
+        scope = {**request.scope, "method": method}
+        if any(route.matches(scope)[0] is Match.FULL for route in request.app.router.routes):
+            allowed.append(method)
+    return ", ".join(allowed)
+
+
+_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+
+
 def clean_message(message: str) -> str:
     # pydantic prefixes the text of a ValueError raised by a validator; the text says it all.
     return message.removeprefix("Value error, ")
@@ -298,6 +313,9 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         if unreadable is not None:
             return await on_validation_error(request, unreadable)
         headers = dict(exc.headers or {})
+        if exc.status_code == 405 and (allowed := allowed_methods(request)):
+            headers = {name: value for name, value in headers.items() if name.lower() != "allow"}
+            headers["Allow"] = allowed
         detail = routing_detail(request, exc.status_code, headers) or exc.detail
         if is_openai_route(request):
             body = openai_error_body(str(detail), "invalid_request_error", None, None)

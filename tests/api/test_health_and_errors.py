@@ -115,10 +115,17 @@ async def test_unknown_route_and_method(client: httpx.AsyncClient) -> None:
     assert response.json() == {"detail": "No route GET /v2/nothing: the routes are listed at /docs "
                                          "(job ids go in /v1/jobs/{job_id}, so they cannot "
                                          "contain '/')"}
+    # Allow names every method of the resource, not only its first route's (Starlette's).
     response = await client.put("/v1/jobs")
     assert response.status_code == 405
-    assert response.json() == {"detail": "PUT is not allowed on /v1/jobs; use POST"}
-    assert response.headers["allow"] == "POST"
+    assert response.json() == {"detail": "PUT is not allowed on /v1/jobs; use GET, POST"}
+    assert response.headers["allow"] == "GET, POST"
+    response = await client.options("/v1/chat/completions/chatcmpl-1")
+    assert (response.status_code, response.headers["allow"]) == (405, "DELETE, GET, POST")
+    assert response.json()["error"]["message"] == (
+        "OPTIONS is not allowed on /v1/chat/completions/chatcmpl-1; use DELETE, GET, POST")
+    response = await client.post("/healthz")
+    assert (response.status_code, response.headers["allow"]) == (405, "GET")
 
 
 async def test_redis_down_answers_at_once(redis_down_app: httpx.AsyncClient) -> None:

@@ -248,7 +248,7 @@ ABUSES = [
           headers={"Authorization": "Basic Zm9vOmJhcg=="}),
     Abuse("auth-wrong", "POST", "/v1/chat/completions", 401, "Invalid API key",
           {"messages": CHAT}, headers={"Authorization": "Bearer nope"}),
-    Abuse("method", "PUT", "/v1/jobs", 405, "PUT is not allowed on /v1/jobs; use POST",
+    Abuse("method", "PUT", "/v1/jobs", 405, "PUT is not allowed on /v1/jobs; use GET, POST",
           {"prompt": "x"}),
     # Odd but valid: accepted, and the worker must run them (checked after the fuzz).
     Abuse("top-k-1e30", "POST", "/v1/jobs", 202, '"status":"queued"',
