@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.fields import Metadata
+from api.item_pages import ItemList
 from api.openai_schemas import ChatCompletion
 
 
@@ -15,12 +16,11 @@ class StoredChatCompletionObject(ChatCompletion):
     metadata: dict[str, str] = Field(description="The metadata kept with it.")
 
 
-class ChatCompletionList(BaseModel):
-    object: Literal["list"] = Field("list", description="The kind of object.")
-    data: list[StoredChatCompletionObject] = Field(description="The stored completions.")
-    first_id: str | None = Field(description="The first completion's id on this page.")
-    last_id: str | None = Field(description="The last completion's id on this page.")
-    has_more: bool = Field(description="Whether more follow (pass last_id as after).")
+class ChatCompletionList(ItemList):
+    """A page of them: the list envelope every item list has, its items typed for the docs."""
+
+    data: list[StoredChatCompletionObject] = Field(  # type: ignore[assignment]
+        description="The stored completions.")
 
 
 class ChatCompletionUpdateRequest(BaseModel):
