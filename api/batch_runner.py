@@ -111,6 +111,7 @@ class BatchRunner:
         self._answered: dict[str, set[int]] = {}
 
     async def run_forever(self) -> None:
+        task = asyncio.current_task()
         while True:
             try:
                 await self.tick()
@@ -118,6 +119,10 @@ class BatchRunner:
                 log.warning("batch runner: Redis unreachable (%s); retrying", exc)
             except Exception:  # a bug must not stop every batch of this process for good
                 log.exception("batch runner: tick failed")
+            # A cancel (the API shutting down) that reached a Redis call as it failed may come
+            # out as that call's error instead: the loop must still end, or shutdown waits on it.
+            if task is not None and task.cancelling():
+                raise asyncio.CancelledError
             await asyncio.sleep(self.settings.batch_tick_s)
 
     async def tick(self) -> None:

@@ -9,6 +9,7 @@ import json
 
 import httpx
 import pytest
+import redis.exceptions
 from api_support import KEY_A, KEY_B, MODEL, Harness, make_harness
 
 from api.batch_files import parse_batch_input
@@ -552,3 +553,24 @@ async def test_a_cancelled_batch_sends_batch_cancelled() -> None:
     types = [fields["type"] for _, fields in h.sync.xrange(h.keys.webhook_events())
              if fields["type"].startswith("batch.")]
     assert types == ["batch.cancelled"]
+
+
+async def test_the_runner_stops_when_a_cancel_comes_out_as_a_redis_error(harness: Harness) -> None:
+    # A client library may turn a cancel that reaches a failing call into that call's error; the
+    # runner must end anyway, or the API's shutdown waits on it for good.
+    runner = BatchRunner(harness.context)
+    ticking = asyncio.Event()
+
+    async def tick() -> None:
+        ticking.set()
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            raise redis.exceptions.ConnectionError("Error 111 connecting") from None
+
+    runner.tick = tick  # type: ignore[method-assign]
+    task = asyncio.create_task(runner.run_forever())
+    await ticking.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, timeout=2)
