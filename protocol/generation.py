@@ -28,6 +28,11 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
+# vLLM's guard against temperatures so small that logits / temperature overflow to inf and the
+# logprobs to NaN: below GREEDY_BELOW_TEMPERATURE a temperature means greedy, below
+# MIN_SAMPLING_TEMPERATURE it samples at that (vLLM's _SAMPLING_EPS and _MAX_TEMP).
+GREEDY_BELOW_TEMPERATURE = 1e-5
+MIN_SAMPLING_TEMPERATURE = 1e-2
 MAX_STRUCTURED_OUTPUT_CHARS = 256 * 1024  # a schema or grammar longer than this is refused
 
 
@@ -216,6 +221,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number, got {self.temperature!r}")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be at least 0.0, got {self.temperature}")
+        if 0.0 < self.temperature < MIN_SAMPLING_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0 if self.temperature < GREEDY_BELOW_TEMPERATURE
+                               else MIN_SAMPLING_TEMPERATURE)
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0.0, 1.0], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):

@@ -180,6 +180,15 @@ def test_sampling_fields_reject_bad_values(fields: dict[str, object], message: s
         SamplingParams.from_dict(fields)
 
 
+@pytest.mark.parametrize(("given", "used"), [(1e-300, 0.0), (9e-6, 0.0), (1e-5, 0.01), (0.003, 0.01),
+                                             (0.01, 0.01), (0.5, 0.5), (0.0, 0.0)])
+def test_a_temperature_too_small_to_divide_by_is_greedy_or_the_least_that_samples(
+        given: float, used: float) -> None:
+    # logits / 1e-300 overflow to inf and their logprobs to NaN, which no JSON answer can carry.
+    assert SamplingParams(temperature=given).temperature == used
+
+
+
 def test_token_entries_carry_logprobs_through_the_stream_fields() -> None:
     logprobs = TokenLogprobs(-0.25, ((9, -0.25), (4, -1.5)))
     token = StreamEntry(kind=StreamEntry.TOKEN, index=0, token_id=9, text="x", logprobs=logprobs)
