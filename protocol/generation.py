@@ -200,6 +200,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # over prompt and output: positive logits / it, negative * it
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), by id
     min_p: float = 0.0  # drop tokens below min_p times the most likely token's probability
+    # Typical decoding (Meister et al., 2022; TGI's typical_p): keep the tokens whose surprise is
+    # nearest the distribution's entropy, up to this much probability mass; 1.0 is off.
+    typical_p: float = 1.0
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
     # vLLM's: keep only the prompt's last k tokens (left truncation, after any chat template);
     # -1: as many as the model's context holds; None: the whole prompt.
@@ -294,6 +297,8 @@ class SamplingParams:
                                  f"{MAX_LOGIT_BIAS:g}], got {bias!r} for token {token_id}")
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0.0, 1.0], got {self.min_p!r}")
+        if not _is_real(self.typical_p) or not 0.0 < self.typical_p <= 1.0:
+            raise ValueError(f"typical_p must be in (0.0, 1.0], got {self.typical_p!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
@@ -370,7 +375,7 @@ _OMITTED_AT_DEFAULT = frozenset({
     "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
     "stop_token_ids", "min_tokens",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p",
-    "logprobs", "prompt_logprobs"})
+    "typical_p", "logprobs", "prompt_logprobs"})
 
 
 def _bias_pairs(value: Any) -> Any:

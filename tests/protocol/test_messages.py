@@ -168,6 +168,7 @@ def test_sampling_fields_round_trip_with_logit_bias_as_openai_object() -> None:
     ({"frequency_penalty": -3}, "frequency_penalty must be in"),
     ({"repetition_penalty": 0.0}, "repetition_penalty must be a finite number above 0"),
     ({"min_p": 1.5}, "min_p must be in"),
+    ({"typical_p": 0.0}, "typical_p must be in"),
     ({"min_tokens": -1}, "min_tokens must be an int at least 0"),
     ({"logprobs": -1}, "logprobs must be None or an int"),
     ({"stop_token_ids": [1, "2"]}, "stop_token_ids must hold non-negative ints"),
@@ -187,6 +188,12 @@ def test_a_temperature_too_small_to_divide_by_is_greedy_or_the_least_that_sample
     # logits / 1e-300 overflow to inf and their logprobs to NaN, which no JSON answer can carry.
     assert SamplingParams(temperature=given).temperature == used
 
+
+def test_typical_p_travels_only_when_set() -> None:
+    assert "typical_p" not in SamplingParams().to_dict()
+    typical = SamplingParams(typical_p=0.9)
+    assert typical.to_dict()["typical_p"] == 0.9
+    assert SamplingParams.from_dict(typical.to_dict()) == typical
 
 
 def test_token_entries_carry_logprobs_through_the_stream_fields() -> None:

@@ -38,6 +38,8 @@ class SamplingMetadata:
     top_p: torch.Tensor | None  # [num_top_p_rows] float32
     uniforms: torch.Tensor | None  # [num_rows] float64, from (seed, output index)
     min_p: torch.Tensor | None = None  # [num_rows] float32, 0 where off; None if no row uses it
+    typical_rows: torch.Tensor | None = None  # [num_typical_rows] int64: rows with typical_p < 1
+    typical_p: torch.Tensor | None = None  # [num_typical_rows] float32
     processing: LogitsProcessing | None = None  # penalties, bias, min_tokens; None if no row asks
     logprobs: LogprobsRequest | None = None  # rows that asked for logprobs; None if none did
 
@@ -70,6 +72,7 @@ class SamplingMetadata:
         top_k = [min(p.top_k, vocab_size) if p.temperature > 0.0 else 0 for p in params]
         use_top_k = any(k > 0 for k in top_k)
         p_rows = [row for row, p in enumerate(params) if p.top_p < 1.0 and p.temperature > 0.0]
+        typical_rows = [row for row, p in enumerate(params) if p.typical_p < 1.0 and p.temperature > 0.0]
         uniforms = [uniform_from_seed(seed, index) for seed, index in zip(seeds, output_indices)]
         return cls(
             all_greedy=False,
@@ -82,6 +85,10 @@ class SamplingMetadata:
             if p_rows else None,
             uniforms=torch.tensor(uniforms, dtype=torch.float64, device=device),
             min_p=torch.tensor(min_p, dtype=torch.float32, device=device) if any(min_p) else None,
+            typical_rows=(torch.tensor(typical_rows, dtype=torch.int64, device=device)
+                          if typical_rows else None),
+            typical_p=(torch.tensor([params[r].typical_p for r in typical_rows], dtype=torch.float32,
+                                    device=device) if typical_rows else None),
             processing=processing,
             logprobs=logprobs,
         )
@@ -200,4 +207,22 @@ class Sampler:
             sorted_probs = sorted_probs.masked_fill(mass_before >= metadata.top_p.unsqueeze(1), 0.0)
             sub = torch.zeros_like(sub).scatter_(1, order, sorted_probs)
             probs = probs.index_copy(0, metadata.top_p_rows, sub)
+        if metadata.typical_rows is not None:
+            assert metadata.typical_p is not None
+            probs = probs.index_copy(0, metadata.typical_rows, _typical(
+                probs.index_select(0, metadata.typical_rows), metadata.typical_p))
         return probs
+
+
+def _typical(probs: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """Typical decoding's filter (TGI's typical_p, after the other filters as there): rank tokens
+    by how far their surprise (-log p) lies from the distribution's entropy, nearest first, and
+    keep them until `mass` of the probability is kept (the one that crosses it too)."""
+    probs = probs / probs.sum(dim=-1, keepdim=True)  # earlier filters zeroed some
+    log_probs = probs.log()  # -inf where zeroed: those rank last and are never kept
+    entropy = -(probs * log_probs).nan_to_num(nan=0.0).sum(dim=-1, keepdim=True)
+    order = (-log_probs - entropy).abs().argsort(dim=-1, stable=True)
+    sorted_probs = probs.gather(1, order)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= mass.unsqueeze(1), 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)

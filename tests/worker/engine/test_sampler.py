@@ -170,3 +170,37 @@ def test_processing_touches_only_its_own_rows() -> None:
     expected_row2[[0, 7]] = float("-inf")
     tokens = Sampler().sample(logits.clone(), metadata).tolist()
     assert tokens == [logits[0].argmax().item(), 5, expected_row2.argmax().item()]
+
+
+def test_typical_p_keeps_the_tokens_nearest_the_entropy_not_the_likeliest() -> None:
+    # Entropy 1.142 nats; surprises 0.69, 1.20, 1.90, 3.00: token 1 is the most typical, then 0.
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    narrow = SamplingParams(temperature=1.0, typical_p=0.2)  # token 1's 0.3 covers it alone
+    kept = Sampler().probabilities(logits, SamplingMetadata.build([narrow], [0], [0], 4))
+    assert kept[0].tolist() == pytest.approx([0.0, 0.3, 0.0, 0.0])  # (drawn from, not renormalised)
+    assert {sample(logits, [narrow], [seed], [0])[0] for seed in range(100)} == {1}
+    wider = SamplingParams(temperature=1.0, typical_p=0.5)  # 0.3 < 0.5: token 0 joins
+    kept = Sampler().probabilities(logits, SamplingMetadata.build([wider], [0], [0], 4))
+    assert (kept[0] / kept[0].sum()).tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0])
+
+
+def test_typical_p_keeps_what_transformers_typical_warper_keeps() -> None:
+    from transformers.generation.logits_process import TypicalLogitsWarper
+
+    logits = random_logits(6, seed=3)
+    masses = [0.2, 0.5, 0.9, 0.95, 0.3, 0.7]
+    params = [SamplingParams(temperature=1.0, typical_p=mass) for mass in masses]
+    kept = Sampler().probabilities(logits, SamplingMetadata.build(params, [0] * 6, [0] * 6, VOCAB)) > 0
+    for row, mass in enumerate(masses):
+        theirs = TypicalLogitsWarper(mass)(torch.zeros(1, 1, dtype=torch.long), logits[row:row + 1])
+        assert kept[row].tolist() == torch.isfinite(theirs[0]).tolist(), mass
+
+
+def test_typical_p_leaves_greedy_and_other_rows_alone() -> None:
+    logits = random_logits(3, seed=5)
+    params = [SamplingParams(temperature=0.0, typical_p=0.2), SamplingParams(seed=4),
+              SamplingParams(typical_p=0.2, seed=4)]
+    plain = SamplingMetadata.build(params[:2], [4, 4], [0, 0], VOCAB)
+    mixed = SamplingMetadata.build(params, [4, 4, 4], [0, 0, 0], VOCAB)
+    assert Sampler().probabilities(logits[:2], plain).tolist() == Sampler().probabilities(logits, mixed)[:2].tolist()
+    assert sample(logits, params, [4, 4, 4], [0, 0, 0])[0] == logits[0].argmax().item()
