@@ -21,6 +21,7 @@ from api import (
     routes_ops,
     routes_playground,
     routes_responses,
+    routes_tgi,
     routes_tokenize,
     routes_webhooks,
 )
@@ -76,7 +77,7 @@ def create_app(settings: ApiSettings, context: AppContext | None = None) -> Fast
     install_error_handlers(app, settings.retry_after_s)
     routers = [routes_jobs.router, routes_openai.router, routes_chat_completions.router,
                routes_responses.router, routes_conversations.router, routes_files.router,
-               routes_batches.router, routes_tokenize.router,
+               routes_batches.router, routes_tokenize.router, routes_tgi.router,
                routes_ops.open_router, routes_ops.router, routes_webhooks.router,
                routes_playground.router]
     for router in routers:

@@ -28,6 +28,8 @@ _Model = TypeVar("_Model", bound=BaseModel)
 
 # Routes tagged with this answer errors in OpenAI's shape.
 OPENAI_TAG = "openai"
+# Routes tagged with this answer errors in Text Generation Inference's: {"error", "error_type"}.
+TGI_TAG = "tgi"
 
 
 class ApiError(Exception):
@@ -153,8 +155,28 @@ def _finite(value: Any, depth: int = 0) -> Any:
 
 
 def is_openai_route(request: Request) -> bool:
+    return _has_tag(request, OPENAI_TAG)
+
+
+def is_tgi_route(request: Request) -> bool:
+    return _has_tag(request, TGI_TAG)
+
+
+def _has_tag(request: Request, tag: str) -> bool:
     route = request.scope.get("route")
-    return OPENAI_TAG in (getattr(route, "tags", None) or [])
+    return tag in (getattr(route, "tags", None) or [])
+
+
+# TGI's error types by status (huggingface_hub raises its own exception for each of the first four).
+_TGI_ERROR_TYPES = {422: "validation", 424: "generation", 429: "overloaded", 500: "incomplete_generation",
+                    401: "authentication", 404: "not_found", 503: "unavailable"}
+
+
+def tgi_error_response(message: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
+    """TGI's error body; any other client error is a validation error there."""
+    error_type = _TGI_ERROR_TYPES.get(status, "validation" if status < 500 else "internal")
+    return ErrorJSONResponse({"error": message, "error_type": error_type}, status_code=status,
+                             headers=headers)
 
 
 def openai_error_body(message: str, error_type: str, param: str | None, code: str | None) -> dict[str, Any]:
@@ -162,6 +184,11 @@ def openai_error_body(message: str, error_type: str, param: str | None, code: st
 
 
 def error_response(request: Request, error: ApiError) -> JSONResponse:
+    if is_tgi_route(request):
+        # TGI answers a bad request 422 and a failed generation 424.
+        status = (422 if isinstance(error, InvalidRequestError)
+                  else 424 if isinstance(error, JobFailedError) else error.status_code)
+        return tgi_error_response(error.message, status, error.headers)
     if is_openai_route(request):
         status = 400 if isinstance(error, InvalidRequestError) else error.status_code
         body = openai_error_body(error.message, error.error_type, error.param, error.code)
@@ -301,6 +328,8 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         errors = readable_body_errors(request, exc.errors())
+        if is_tgi_route(request):
+            return tgi_error_response(describe_validation_error(errors)[0], 422)
         if is_openai_route(request):
             message, param = describe_validation_error(errors)
             body = openai_error_body(message, "invalid_request_error", param, "invalid_value")
@@ -317,6 +346,8 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
             headers = {name: value for name, value in headers.items() if name.lower() != "allow"}
             headers["Allow"] = allowed
         detail = routing_detail(request, exc.status_code, headers) or exc.detail
+        if is_tgi_route(request):
+            return tgi_error_response(str(detail), exc.status_code, headers)
         if is_openai_route(request):
             body = openai_error_body(str(detail), "invalid_request_error", None, None)
             return ErrorJSONResponse(body, status_code=exc.status_code, headers=headers)

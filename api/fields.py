@@ -190,3 +190,8 @@ LogitBias = Annotated[
 MinP = Annotated[float, Field(
     strict=True, ge=0.0, le=1.0,
     description="0 to 1 (0: off): drop tokens less likely than min_p times the most likely one.")]
+TypicalP = Annotated[float, Field(
+    strict=True, gt=0.0, le=1.0,
+    description="Typical decoding, (0, 1] (1: off; TGI's and transformers' typical_p): keep the "
+                "tokens whose surprise is nearest the distribution's entropy, up to this "
+                "probability mass.")]

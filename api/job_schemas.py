@@ -29,6 +29,7 @@ from api.fields import (
     TopK,
     TopP,
     TruncatePromptTokens,
+    TypicalP,
     WebhookUrl,
 )
 from api.structured_output import StructuredOutputParams
@@ -74,6 +75,7 @@ class JobCreate(StructuredOutputParams):
     repetition_penalty: RepetitionPenalty = 1.0
     logit_bias: LogitBias = None
     min_p: MinP = 0.0
+    typical_p: TypicalP = 1.0
     logprobs: int | None = Field(
         None, strict=True, ge=0,
         description="Return each token's log-probability and those of the `logprobs` most likely "

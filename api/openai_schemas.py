@@ -44,6 +44,7 @@ from api.fields import (
     TopK,
     TopP,
     TruncatePromptTokens,
+    TypicalP,
     WebhookUrl,
 )
 from api.serving_fields import ServingFields
@@ -159,6 +160,7 @@ class _CommonParams(StructuredOutputParams):
     # Extensions, as vLLM has them (the openai client passes them in extra_body).
     top_k: TopK = 0
     min_p: MinP = 0.0
+    typical_p: TypicalP = 1.0
     repetition_penalty: RepetitionPenalty = 1.0
     min_tokens: MinTokens = 0
     stop_token_ids: StopTokenIds = []

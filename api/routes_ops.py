@@ -63,10 +63,10 @@ class Version(BaseModel):
 
 @open_router.get("/version", response_model=Version, summary="Carpool's version (vLLM's route)")
 async def version() -> Version:
-    return Version(version=_package_version())
+    return Version(version=package_version())
 
 
-def _package_version() -> str:
+def package_version() -> str:
     try:
         return importlib.metadata.version("carpool")
     except importlib.metadata.PackageNotFoundError:  # run from a checkout never installed

@@ -62,6 +62,16 @@ class StructuredOutputParams(BaseModel):
         return found[0][1] if found else None
 
 
+def grammar_constraint(kind: str, value: Any, param: str) -> StructuredOutput:
+    """Text Generation Inference's `grammar`: a JSON schema (`json`, `json_schema`: an object or
+    its JSON text) or a regular expression (`regex`)."""
+    if kind == "regex":
+        if not isinstance(value, str):
+            raise InvalidRequestError(f"'{param}' must be a string (a regular expression)", param=param)
+        return _regex(value, param)
+    return _json_schema(value, param)
+
+
 def check_compiles(constraint: StructuredOutput, param: str) -> None:
     """400 naming `param` unless llguidance compiles the constraint."""
     error = _compile_error(constraint)

@@ -162,7 +162,7 @@ async def test_jobs_api_stream_and_status_carry_logprobs(harness: Harness,
 async def test_sampling_fields_reach_the_job_spec(harness: Harness, client: httpx.AsyncClient) -> None:
     fields = {"presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
               "logit_bias": {"7": -100, "3": 2.5}, "min_p": 0.1, "min_tokens": 2,
-              "stop_token_ids": [9, 4], "top_k": 5, "seed": 11}
+              "stop_token_ids": [9, 4], "top_k": 5, "seed": 11, "typical_p": 0.9}
     expected = {**fields, "logit_bias": {"3": 2.5, "7": -100.0}}
     for route, body in (("/v1/completions", {"prompt": "hello"}),
                         ("/v1/chat/completions", {"messages": CHAT}),

@@ -56,6 +56,7 @@ def _error(response: httpx.Response) -> dict[str, Any]:
     ({"prompt": "x", "frequency_penalty": -2.5}, "frequency_penalty", "greater than or equal to -2"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "greater than or equal to 0.01"),
     ({"prompt": "x", "min_p": 1.5}, "min_p", "less than or equal to 1"),
+    ({"prompt": "x", "typical_p": 0}, "typical_p", "greater than 0"),
     ({"prompt": "x", "min_tokens": -1}, "min_tokens", "greater than or equal to 0"),
     ({"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens", "must be at most max_tokens (4)"),
     ({"prompt": "x", "logit_bias": {"50256": -100}}, "logit_bias",

@@ -2,7 +2,8 @@
 tiny model): hand-written abuse, then a schema-driven fuzzer (schemathesis) over every route.
 
 No 5xx, no hung request, every 4xx says what to fix in its route family's shape (422 on the jobs
-routes, 400 in OpenAI's error shape on the OpenAI routes, 413 past the body limit), and the worker
+routes, 400 in OpenAI's error shape on the OpenAI routes, 422 in TGI's on the Text Generation
+Inference routes, 413 past the body limit), and the worker
 that consumed whatever the API accepted is alive, failed none of it, and still serves a job.
 """
 
@@ -55,6 +56,11 @@ NEGATIVE_EXAMPLES = 500
 JSON = {"Content-Type": "application/json"}
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
                 "/detokenize", "/v1/files", "/v1/batches", "/v1/responses", "/v1/conversations")
+TGI_PATHS = ("/generate", "/generate_stream", "/info")
+
+
+def is_tgi(path: str) -> bool:
+    return path == "/" or path.startswith(TGI_PATHS)  # POST / is TGI's (GET / answers HTML)
 
 
 @dataclass(slots=True)
@@ -290,6 +296,13 @@ def explanation_problems(path: str, response: httpx.Response | requests.Response
         body = response.json()
     except ValueError:
         return problems + [f"{status} with a body that is not JSON: {response.text[:100]!r}"]
+    if is_tgi(path):
+        if not (isinstance(body, dict) and isinstance(body.get("error"), str) and body["error"]
+                and isinstance(body.get("error_type"), str)):
+            problems.append(f"{status} not in TGI's error shape: {body!r:.200}")
+        if status == 400:
+            problems.append("400 on a TGI route (TGI answers invalid input with 422)")
+        return problems
     is_openai = path.startswith(OPENAI_PATHS)
     if is_openai:
         error = body.get("error") if isinstance(body, dict) else None
@@ -311,6 +324,8 @@ def explanation_problems(path: str, response: httpx.Response | requests.Response
 
 def _message(path: str, response: httpx.Response) -> str:
     body = response.json()
+    if is_tgi(path):
+        return str(body["error"])
     if path.startswith(OPENAI_PATHS):
         return body["error"]["message"]
     detail = body["detail"]

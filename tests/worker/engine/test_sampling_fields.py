@@ -271,3 +271,16 @@ def test_min_p_keeps_only_tokens_near_the_top(tiny_llama: Any, hf_model: Any) ->
         for index, token_id in enumerate(output):
             probs = torch.softmax(hf_logits(hf_model, prompt + output[:index]), dim=-1)
             assert probs[token_id] >= 0.5 * probs.max() - 1e-6
+
+
+def test_typical_p_draws_only_tokens_the_typical_filter_keeps(tiny_llama: Any, hf_model: Any) -> None:
+    from transformers.generation.logits_process import TypicalLogitsWarper
+
+    params = SamplingParams(max_tokens=12, temperature=1.0, typical_p=0.3, seed=5)
+    run = run_engine(make_engine(tiny_llama), requests_of(params, PROMPTS[:4]))
+    for i, prompt in enumerate(PROMPTS[:4]):
+        output = run.token_ids[f"r{i}"]
+        for index, token_id in enumerate(output):
+            logits = hf_logits(hf_model, prompt + output[:index]).unsqueeze(0)
+            kept = TypicalLogitsWarper(0.3)(torch.zeros(1, 1, dtype=torch.long), logits)[0]
+            assert torch.isfinite(kept[token_id]), (i, index)

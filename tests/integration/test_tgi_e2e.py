@@ -1,0 +1,71 @@
+"""Text Generation Inference's routes end to end: huggingface_hub's `InferenceClient`, pointed at
+the API as at a TGI endpoint, against a real worker on the tiny model and a real Redis."""
+
+from __future__ import annotations
+
+import pytest
+from huggingface_hub import InferenceClient
+from huggingface_hub.errors import ValidationError
+
+from tests.integration.test_api_e2e import KEY_A, ApiServer, api  # noqa: F401 (the fixture)
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "The quick brown fox"
+
+
+def _client(api: ApiServer) -> InferenceClient:  # noqa: F811
+    return InferenceClient(model=api.url, api_key=KEY_A, timeout=120)
+
+
+def test_greedy_text_generation_is_the_openai_routes_greedy_text(api: ApiServer) -> None:  # noqa: F811
+    output = _client(api).text_generation(PROMPT, max_new_tokens=8, details=True,
+                                          decoder_input_details=True, top_n_tokens=2)
+    completion = api.openai().completions.create(model=api.model, prompt=PROMPT, max_tokens=8,
+                                                 temperature=0.0)
+    assert output.generated_text == completion.choices[0].text
+    details = output.details
+    assert details is not None and completion.usage is not None
+    assert details.generated_tokens == len(details.tokens) == completion.usage.completion_tokens
+    assert "".join(token.text for token in details.tokens) == output.generated_text
+    expected_reason = "length" if details.generated_tokens == 8 else "eos_token"
+    assert details.finish_reason == expected_reason
+    # The prompt's tokens, as /tokenize counts them, the first without a logprob.
+    with api.client() as client:
+        prompt_ids = client.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    assert [token.id for token in details.prefill] == prompt_ids
+    assert details.prefill[0].logprob is None and all(t.logprob < 0 for t in details.prefill[1:])
+    # Greedy: each token is the most likely of its top tokens (the client leaves those as dicts).
+    assert details.top_tokens is not None
+    assert [top[0]["id"] for top in details.top_tokens] == [token.id for token in details.tokens]
+
+
+def test_a_stream_is_the_plain_answer_token_by_token(api: ApiServer) -> None:  # noqa: F811
+    client = _client(api)
+    plain = client.text_generation(PROMPT, max_new_tokens=10, details=True)
+    events = list(client.text_generation(PROMPT, max_new_tokens=10, stream=True, details=True))
+    assert [event.token.id for event in events] == [token.id for token in plain.details.tokens]
+    assert [event.index for event in events] == list(range(1, len(events) + 1))
+    last = events[-1]
+    assert last.generated_text == plain.generated_text
+    assert last.details is not None and last.details.generated_tokens == len(events)
+    with api.client() as http:
+        assert last.details.input_length == http.post("/tokenize", json={"prompt": PROMPT}).json()["count"]
+    assert all(event.generated_text is None for event in events[:-1])
+
+
+def test_seeded_sampling_with_typical_p_repeats(api: ApiServer) -> None:  # noqa: F811
+    client = _client(api)
+
+    def sample() -> str:
+        return client.text_generation(PROMPT, max_new_tokens=12, do_sample=True, typical_p=0.9,
+                                      top_k=20, seed=17, stop=["\n\n"])
+
+    assert sample() == sample()
+
+
+def test_bad_parameters_raise_the_clients_validation_error(api: ApiServer) -> None:  # noqa: F811
+    with pytest.raises(ValidationError, match="parameters.best_of"):
+        _client(api).text_generation(PROMPT, best_of=2)  # best_of without sampling
+    with pytest.raises(ValidationError, match="parameters.temperature"):
+        _client(api).text_generation(PROMPT, temperature=-1.0)
