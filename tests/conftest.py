@@ -59,10 +59,12 @@ class RedisServer:
         binary = shutil.which("redis-server")
         if binary is None:
             pytest.skip("redis-server is not installed (apt-get install redis-server)")
+        # Each module with a fleet takes a database of its own (tests/integration/conftest.py
+        # DATABASES): more than Redis' default 16.
         self.process = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "yes" if appendonly else "no", "--dir", str(self.directory),
-             *extra_args],
+             "--databases", "256", *extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 10
