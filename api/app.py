@@ -12,6 +12,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from api import (
+    routes_anthropic,
     routes_batches,
     routes_chat_completions,
     routes_conversations,
@@ -78,6 +79,7 @@ def create_app(settings: ApiSettings, context: AppContext | None = None) -> Fast
     routers = [routes_jobs.router, routes_openai.router, routes_chat_completions.router,
                routes_responses.router, routes_conversations.router, routes_files.router,
                routes_batches.router, routes_tokenize.router, routes_tgi.router,
+               routes_anthropic.router,
                routes_ops.open_router, routes_ops.router, routes_webhooks.router,
                routes_playground.router]
     for router in routers:

@@ -1,4 +1,5 @@
-"""Bearer API keys: who is calling, as a stable id that is safe to store next to their jobs."""
+"""API keys, as a bearer token or (Anthropic's clients) an `x-api-key` header: who is calling, as
+a stable id that is safe to store next to their jobs."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ class ApiKeyAuth:
             return ""
         if not presented:
             raise AuthenticationError(
-                "Missing API key: send it as 'Authorization: Bearer <key>'")
+                "Missing API key: send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
         digest = hashlib.sha256(presented.encode()).digest()
         # Compare against every digest with compare_digest so timing says nothing about near misses.
         found = ""
@@ -57,4 +58,5 @@ async def caller_owner(
     auth: ApiKeyAuth = request.app.state.context.auth
     if credentials is None and request.headers.get("authorization"):
         raise AuthenticationError("Malformed Authorization header: expected 'Bearer <key>'")
-    return auth.owner_for(credentials.credentials if credentials else None)
+    # The anthropic client sends its key as x-api-key.
+    return auth.owner_for(credentials.credentials if credentials else request.headers.get("x-api-key"))

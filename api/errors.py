@@ -30,6 +30,8 @@ _Model = TypeVar("_Model", bound=BaseModel)
 OPENAI_TAG = "openai"
 # Routes tagged with this answer errors in Text Generation Inference's: {"error", "error_type"}.
 TGI_TAG = "tgi"
+# Routes tagged with this answer errors in Anthropic's: {"type": "error", "error": {type, message}}.
+ANTHROPIC_TAG = "anthropic"
 
 
 class ApiError(Exception):
@@ -162,6 +164,10 @@ def is_tgi_route(request: Request) -> bool:
     return _has_tag(request, TGI_TAG)
 
 
+def is_anthropic_route(request: Request) -> bool:
+    return _has_tag(request, ANTHROPIC_TAG)
+
+
 def _has_tag(request: Request, tag: str) -> bool:
     route = request.scope.get("route")
     return tag in (getattr(route, "tags", None) or [])
@@ -183,7 +189,24 @@ def openai_error_body(message: str, error_type: str, param: str | None, code: st
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
+# Anthropic's error types by status.
+_ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                          403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                          429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error_response(message: str, status: int,
+                             headers: dict[str, str] | None = None) -> JSONResponse:
+    error_type = _ANTHROPIC_ERROR_TYPES.get(status, "invalid_request_error" if status < 500
+                                            else "api_error")
+    return ErrorJSONResponse({"type": "error", "error": {"type": error_type, "message": message}},
+                             status_code=status, headers=headers)
+
+
 def error_response(request: Request, error: ApiError) -> JSONResponse:
+    if is_anthropic_route(request):
+        status = 400 if isinstance(error, InvalidRequestError) else error.status_code
+        return anthropic_error_response(error.message, status, error.headers)
     if is_tgi_route(request):
         # TGI answers a bad request 422 and a failed generation 424.
         status = (422 if isinstance(error, InvalidRequestError)
@@ -330,6 +353,8 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         errors = readable_body_errors(request, exc.errors())
         if is_tgi_route(request):
             return tgi_error_response(describe_validation_error(errors)[0], 422)
+        if is_anthropic_route(request):
+            return anthropic_error_response(describe_validation_error(errors)[0], 400)
         if is_openai_route(request):
             message, param = describe_validation_error(errors)
             body = openai_error_body(message, "invalid_request_error", param, "invalid_value")
@@ -348,6 +373,8 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         detail = routing_detail(request, exc.status_code, headers) or exc.detail
         if is_tgi_route(request):
             return tgi_error_response(str(detail), exc.status_code, headers)
+        if is_anthropic_route(request):
+            return anthropic_error_response(str(detail), exc.status_code, headers)
         if is_openai_route(request):
             body = openai_error_body(str(detail), "invalid_request_error", None, None)
             return ErrorJSONResponse(body, status_code=exc.status_code, headers=headers)

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 from typing import Annotated, Any
 
@@ -15,6 +14,7 @@ from pydantic import BaseModel, Field
 from api import fleet, metrics
 from api.auth import caller_owner
 from api.context import AppContext, get_context
+from api.version import package_version
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +64,6 @@ class Version(BaseModel):
 @open_router.get("/version", response_model=Version, summary="Carpool's version (vLLM's route)")
 async def version() -> Version:
     return Version(version=package_version())
-
-
-def package_version() -> str:
-    try:
-        return importlib.metadata.version("carpool")
-    except importlib.metadata.PackageNotFoundError:  # run from a checkout never installed
-        return "unknown"
 
 
 @router.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics",

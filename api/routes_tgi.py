@@ -22,12 +22,12 @@ from api.errors import TGI_TAG, InvalidRequestError
 from api.idempotency_key import idempotency_key_of
 from api.openai_answer import wait_for_results
 from api.openai_choices import ChoiceJob, cancel_jobs, choice_jobs, job_headers, raise_if_failed
-from api.routes_ops import package_version
 from api.settings import ApiSettings
 from api.sse import EventStreamResponse
 from api.tgi_answer import TokenViews, generate_response, stream_events
 from api.tgi_requests import generation_requests
 from api.tgi_schemas import GenerateRequest, GenerateResponse, Info, StreamResponse, TGIError
+from api.version import package_version
 from protocol.generation import MAX_STOP_STRINGS
 
 router = APIRouter(tags=[TGI_TAG], dependencies=[Depends(caller_owner)])

@@ -33,7 +33,7 @@ async def test_every_route_but_healthz_needs_a_key(keyed_harness: Harness, metho
         assert response.headers["www-authenticate"] == "Bearer"
     detail = missing.json()
     message = detail["error"]["message"] if "error" in detail else detail["detail"]
-    assert message == "Missing API key: send it as 'Authorization: Bearer <key>'"
+    assert message == "Missing API key: send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>')"
     wrong_body = wrong.json()
     wrong_message = wrong_body["error"]["message"] if "error" in wrong_body else wrong_body["detail"]
     assert wrong_message == "Invalid API key: it is not one of the keys this server accepts"

@@ -1,8 +1,10 @@
-"""Text Generation Inference's routes end to end: huggingface_hub's `InferenceClient`, pointed at
-the API as at a TGI endpoint, against a real worker on the tiny model and a real Redis."""
+"""The other API families end to end, against a real worker on the tiny model and a real Redis:
+Text Generation Inference's routes through huggingface_hub's `InferenceClient` (pointed at the
+API as at a TGI endpoint), and Anthropic's Messages API through the official `anthropic` client."""
 
 from __future__ import annotations
 
+import anthropic
 import pytest
 from huggingface_hub import InferenceClient
 from huggingface_hub.errors import ValidationError
@@ -69,3 +71,38 @@ def test_bad_parameters_raise_the_clients_validation_error(api: ApiServer) -> No
         _client(api).text_generation(PROMPT, best_of=2)  # best_of without sampling
     with pytest.raises(ValidationError, match="parameters.temperature"):
         _client(api).text_generation(PROMPT, temperature=-1.0)
+
+
+def _anthropic(api: ApiServer) -> anthropic.Anthropic:  # noqa: F811
+    return anthropic.Anthropic(base_url=api.url, api_key=KEY_A, max_retries=0, timeout=120)
+
+
+CHAT = [{"role": "user", "content": "Say something"}]
+
+
+def test_a_greedy_message_is_the_chat_routes_greedy_answer(api: ApiServer) -> None:  # noqa: F811
+    message = _anthropic(api).messages.create(model=api.model, max_tokens=10, messages=CHAT,  # type: ignore[arg-type]
+                                              system="Be brief.", extra_body={"temperature": 0.0})
+    chat = api.openai().chat.completions.create(
+        model=api.model, max_tokens=10, temperature=0.0,
+        messages=[{"role": "system", "content": "Be brief."}, *CHAT])  # type: ignore[list-item]
+    assert chat.usage is not None
+    text = "".join(block.text for block in message.content if block.type == "text")
+    assert text == chat.choices[0].message.content
+    assert message.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
+    assert (message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0),
+            message.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+
+
+def test_a_streamed_message_is_the_whole_one(api: ApiServer) -> None:  # noqa: F811
+    client = _anthropic(api)
+    whole = client.messages.create(model=api.model, max_tokens=12, messages=CHAT,  # type: ignore[arg-type]
+                                   extra_body={"temperature": 0.0})
+    with client.messages.stream(model=api.model, max_tokens=12, messages=CHAT,  # type: ignore[arg-type]
+                                extra_body={"temperature": 0.0}) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == "".join(block.text for block in whole.content if block.type == "text")
+    assert (final.stop_reason, final.usage.output_tokens) == (whole.stop_reason, whole.usage.output_tokens)
+    counted = client.messages.count_tokens(model=api.model, messages=CHAT)  # type: ignore[arg-type]
+    assert counted.input_tokens == whole.usage.input_tokens + (whole.usage.cache_read_input_tokens or 0)

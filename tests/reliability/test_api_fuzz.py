@@ -2,9 +2,10 @@
 tiny model): hand-written abuse, then a schema-driven fuzzer (schemathesis) over every route.
 
 No 5xx, no hung request, every 4xx says what to fix in its route family's shape (422 on the jobs
-routes, 400 in OpenAI's error shape on the OpenAI routes, 422 in TGI's on the Text Generation
-Inference routes, 413 past the body limit), and the worker
-that consumed whatever the API accepted is alive, failed none of it, and still serves a job.
+routes, 400 in OpenAI's error shape on the OpenAI routes, 400 in Anthropic's on its Messages
+routes, 422 in TGI's on the Text Generation Inference routes, 413 past the body limit), and the
+worker that consumed whatever the API accepted is alive, failed none of it, and still serves a
+job.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ JSON = {"Content-Type": "application/json"}
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
                 "/detokenize", "/v1/files", "/v1/batches", "/v1/responses", "/v1/conversations")
 TGI_PATHS = ("/generate", "/generate_stream", "/info")
+ANTHROPIC_PATHS = ("/v1/messages",)
 
 
 def is_tgi(path: str) -> bool:
@@ -296,6 +298,14 @@ def explanation_problems(path: str, response: httpx.Response | requests.Response
         body = response.json()
     except ValueError:
         return problems + [f"{status} with a body that is not JSON: {response.text[:100]!r}"]
+    if path.startswith(ANTHROPIC_PATHS):
+        error = body.get("error") if isinstance(body, dict) else None
+        if not (body.get("type") == "error" and isinstance(error, dict) and error.get("message")
+                and error.get("type")):
+            problems.append(f"{status} not in Anthropic's error shape: {body!r:.200}")
+        if status == 422:
+            problems.append("422 on an Anthropic route (Anthropic answers invalid input with 400)")
+        return problems
     if is_tgi(path):
         if not (isinstance(body, dict) and isinstance(body.get("error"), str) and body["error"]
                 and isinstance(body.get("error_type"), str)):
@@ -326,6 +336,8 @@ def _message(path: str, response: httpx.Response) -> str:
     body = response.json()
     if is_tgi(path):
         return str(body["error"])
+    if path.startswith(ANTHROPIC_PATHS):
+        return str(body["error"]["message"])
     if path.startswith(OPENAI_PATHS):
         return body["error"]["message"]
     detail = body["detail"]
