@@ -48,16 +48,17 @@ class TokenViews:
     def prefill_token(self, token_id: int, logprob: float | None) -> dict[str, Any]:
         return {"id": token_id, "text": self._text(token_id), "logprob": logprob}
 
-    def finish_reason(self, done: StreamEntry, tokens: tuple[StreamEntry, ...]) -> str:
-        """TGI's name: length, eos_token (the last token is special: the end of sequence) or
-        stop_sequence (a stop string); Carpool's own for an end TGI has no name for."""
-        reason = done.finish_reason
-        if reason is FinishReason.LENGTH:
-            return "length"
-        if reason is FinishReason.STOP:
-            ended_on_special = not tokens or tokens[-1].token_id in self.special_ids
-            return "eos_token" if ended_on_special else "stop_sequence"
-        return reason.value if reason is not None else "length"
+
+def finish_reason(done: StreamEntry, text: str, stop: list[str]) -> str:
+    """TGI's name: length, stop_sequence (the text ends with a stop string: TGI keeps it, and so
+    does the job, include_stop_str_in_output) or eos_token; Carpool's own for an end TGI has no
+    name for."""
+    reason = done.finish_reason
+    if reason is FinishReason.LENGTH:
+        return "length"
+    if reason is FinishReason.STOP:
+        return "stop_sequence" if any(text.endswith(s) for s in stop) else "eos_token"
+    return reason.value if reason is not None else "length"
 
 
 def sequence_logprob(result: ChoiceResult) -> float:
@@ -85,7 +86,7 @@ async def generate_response(ctx: AppContext, params: GenerateParameters, results
 async def _sequence(ctx: AppContext, params: GenerateParameters, result: ChoiceResult,
                     views: TokenViews, seed: int | None) -> dict[str, Any]:
     sequence: dict[str, Any] = {
-        "generated_text": result.text, "finish_reason": views.finish_reason(result.done, result.tokens),
+        "generated_text": result.text, "finish_reason": finish_reason(result.done, result.text, params.stop),
         "generated_tokens": result.done.completion_tokens, "seed": seed,
         "prefill": await _prefill(ctx, result.job, views) if params.decoder_input_details else [],
         "tokens": [views.token(entry) for entry in result.tokens]}
@@ -117,7 +118,7 @@ async def stream_events(ctx: AppContext, job: ChoiceJob, params: GenerateParamet
             payload["top_tokens"] = views.top_tokens(entry)
         if done is not None:
             payload["generated_text"] = (prompt if params.return_full_text else "") + "".join(texts)
-            payload["details"] = {"finish_reason": views.finish_reason(done, (entry,)),
+            payload["details"] = {"finish_reason": finish_reason(done, "".join(texts), params.stop),
                                   "generated_tokens": done.completion_tokens, "seed": seed,
                                   "input_length": done.prompt_tokens}
         return _data(payload)

@@ -39,7 +39,9 @@ def generation_requests(body: GenerateRequest, settings: ApiSettings, *, streami
         temperature=(params.temperature or 1.0) if _samples(params) else 0.0,
         top_p=params.top_p or 1.0, top_k=params.top_k or 0, typical_p=params.typical_p or 1.0,
         seed=params.seed,
-        stop=tuple(params.stop), repetition_penalty=params.repetition_penalty or 1.0,
+        # TGI's text keeps the stop sequence that ended it.
+        stop=tuple(params.stop), include_stop_str_in_output=bool(params.stop),
+        repetition_penalty=params.repetition_penalty or 1.0,
         frequency_penalty=params.frequency_penalty or 0.0,
         logprobs=top_n if wants_logprobs else None,
         prompt_logprobs=0 if params.details and params.decoder_input_details else None,

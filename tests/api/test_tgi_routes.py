@@ -97,18 +97,20 @@ async def test_details_name_the_tokens_logprobs_and_top_tokens(harness: Harness)
     assert spec["sampling"]["logprobs"] == 2 and spec["sampling"]["max_tokens"] == 3
 
 
-@pytest.mark.parametrize(("last_id", "reason", "expected"), [
-    (2, FinishReason.STOP, "eos_token"),  # <|im_end|>: special, the end of sequence
-    (8, FinishReason.STOP, "stop_sequence"),  # a stop string ended it
-    (8, FinishReason.LENGTH, "length"),
+@pytest.mark.parametrize(("texts", "reason", "expected"), [
+    (["hello", " world"], FinishReason.STOP, "stop_sequence"),  # the stop string ended it: kept
+    (["hello", ""], FinishReason.STOP, "eos_token"),  # (the end of sequence writes no text)
+    (["hello", " world"], FinishReason.LENGTH, "length"),
 ])
-async def test_finish_reasons_as_tgi_names_them(harness: Harness, last_id: int, reason: FinishReason,
+async def test_finish_reasons_as_tgi_names_them(harness: Harness, texts: list[str], reason: FinishReason,
                                                expected: str) -> None:
-    tokens = [(3, "hello", TokenLogprobs(-0.5)), (last_id, "", TokenLogprobs(-0.1))]
-    answer, _ = await _post(harness, "/generate", {
+    tokens = [(3, texts[0], TokenLogprobs(-0.5)), (2 if not texts[1] else 4, texts[1], TokenLogprobs(-0.1))]
+    answer, spec = await _post(harness, "/generate", {
         "inputs": "hello", "parameters": {"details": True, "stop": ["world"]}}, tokens, reason=reason)
     assert answer["details"]["finish_reason"] == expected
-    assert answer["details"]["tokens"][-1]["special"] is (last_id == 2)
+    assert answer["generated_text"] == "".join(texts)
+    assert answer["details"]["tokens"][-1]["special"] is (not texts[1])  # <|im_end|> is special
+    assert spec["sampling"]["include_stop_str_in_output"] is True  # TGI's text keeps it
 
 
 async def test_prefill_is_the_prompts_tokens_with_their_logprobs(harness: Harness) -> None:
@@ -184,7 +186,7 @@ async def test_best_of_answers_the_sequence_of_highest_logprob(harness: Harness)
     assert response.json()["generated_text"] == "hello world"
     assert (details["seed"], details["generated_tokens"]) == (6, 2)  # the second choice: seed + 1
     assert details["best_of_sequences"] == [{
-        "generated_text": "the", "finish_reason": "stop_sequence", "generated_tokens": 1,
+        "generated_text": "the", "finish_reason": "eos_token", "generated_tokens": 1,
         "seed": 5, "prefill": [], "tokens": [_token(8, "the", -3.0)]}]
     assert [spec["sampling"]["temperature"] for spec in specs] == [1.0, 1.0]
 
