@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import cast
 
@@ -101,7 +101,7 @@ class JobStream:
         self._placed = True
 
     async def follow(self, after_id: str = STREAM_START,
-                     fresh: bool = False) -> AsyncIterator[StreamEvent | None]:
+                     fresh: bool = False) -> AsyncGenerator[StreamEvent | None, None]:
         """Yield each entry after `after_id`, and None whenever a wait of `block_ms` brought nothing.
 
         `fresh`: the caller saw the job with nothing generated yet, so the hub may skip reading

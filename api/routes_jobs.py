@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Annotated, Any
 
 import redis.exceptions
@@ -45,6 +48,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"], dependencies=[Depends(calle
 Owner = Annotated[str, Depends(caller_owner)]
 Context = Annotated[AppContext, Depends(get_context)]
 JobId = Annotated[str, Path(min_length=1, max_length=128, description="The job's id.")]
+MAX_WAIT_S = 300.0  # GET /v1/jobs/{id}?wait=: the longest a request may hold its connection
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorDetail, "description": "Missing or wrong API key."},
@@ -116,9 +120,19 @@ async def list_jobs(
 
 
 @router.get("/{job_id}", response_model=JobView, summary="A job's status and text so far",
-            responses=_ERRORS)
-async def get_job(job_id: JobId, request: Request, owner: Owner, ctx: Context) -> JobView:
+            responses={**_ERRORS, 422: {"description": "Invalid query parameter."}})
+async def get_job(
+        job_id: JobId, request: Request, owner: Owner, ctx: Context,
+        wait: Annotated[float, Query(
+            ge=0, le=MAX_WAIT_S,
+            description=f"Seconds (at most {MAX_WAIT_S:g}) to wait for the job to end before "
+                        "answering, as rq's and arq's job.result(timeout): the answer is the job "
+                        "as it is then, ended or not; 0 answers at once.")] = 0,
+) -> JobView:
     state = await ctx.jobs.state(job_id, owner)
+    if wait > 0 and not state.status.is_final:
+        await _until_ended(ctx.stream(job_id, state), state, wait, request)
+        state = await ctx.jobs.state(job_id, owner)
     stream = ctx.stream(job_id, state)
     logprobs = None
     if state.status.is_final and (state.text or not state.completion_tokens) and state.logprobs < 0:
@@ -139,6 +153,21 @@ async def get_job(job_id: JobId, request: Request, owner: Owner, ctx: Context) -
                                     {key: PromptTokenLogprob(**value) for key, value in entry.items()}
                                     for entry in formatted or []]
     return view
+
+
+async def _until_ended(stream: JobStream, state: JobState, wait_s: float, request: Request) -> None:
+    """Until the job's stream has its final entry, `wait_s` have passed, or the client left;
+    reading only what follows the stream's last entry now."""
+    last = await stream.last_event()
+    if last is not None and last.is_done:
+        return
+    after = last.entry_id if last is not None else STREAM_START
+    fresh = last is None and not state.first_token_at
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(wait_s), aclosing(stream.follow(after, fresh=fresh)) as events:
+            async for event in events:  # (follow ends after the final entry)
+                if event is None and await request.is_disconnected():
+                    return
 
 
 @router.get(

@@ -150,6 +150,40 @@ async def test_status_of_a_failed_job_has_its_error(harness: Harness,
     assert view["error"] == "prompt too long for the KV cache"
 
 
+async def test_wait_answers_once_the_job_has_ended(harness: Harness, client: httpx.AsyncClient) -> None:
+    job_id = str((await _submit(client))["job_id"])
+    harness.publish_tokens(job_id, ["a"])  # running: the wait reads on from its last entry
+
+    async def finish_later() -> None:
+        await asyncio.sleep(0.3)
+        harness.publish_tokens(job_id, [" b"], start=1)
+        harness.publish_done(job_id, 2, FinishReason.STOP, text="a b")
+
+    finisher = asyncio.create_task(finish_later())
+    started = asyncio.get_running_loop().time()
+    view = (await client.get(f"/v1/jobs/{job_id}", params={"wait": 30})).json()
+    waited = asyncio.get_running_loop().time() - started
+    await finisher
+    assert (view["status"], view["text"], view["finish_reason"]) == ("finished", "a b", "stop")
+    assert 0.3 <= waited < 10  # it answered at the end, not at the wait's limit
+
+
+async def test_wait_answers_the_job_as_it_is_when_the_time_is_up(harness: Harness,
+                                                                  client: httpx.AsyncClient) -> None:
+    job_id = str((await _submit(client))["job_id"])  # queued, and no worker takes it
+    started = asyncio.get_running_loop().time()
+    view = (await client.get(f"/v1/jobs/{job_id}", params={"wait": 0.4})).json()
+    assert view["status"] == "queued"
+    assert asyncio.get_running_loop().time() - started >= 0.4
+    harness.finish_job(job_id, ["x"])
+    started = asyncio.get_running_loop().time()
+    view = (await client.get(f"/v1/jobs/{job_id}", params={"wait": 30})).json()
+    assert view["status"] == "finished"
+    assert asyncio.get_running_loop().time() - started < 5  # ended already: no wait
+    refused = await client.get(f"/v1/jobs/{job_id}", params={"wait": 301})
+    assert refused.status_code == 422 and refused.json()["detail"][0]["loc"] == ["query", "wait"]
+
+
 async def test_unknown_job_is_404(client: httpx.AsyncClient) -> None:
     for method, path in (("GET", "/v1/jobs/nope"), ("GET", "/v1/jobs/nope/stream"),
                          ("DELETE", "/v1/jobs/nope")):
