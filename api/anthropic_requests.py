@@ -41,6 +41,9 @@ def chat_body_of(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRe
         for name in ("temperature", "top_p", "top_k", "seed"):
             if getattr(body, name) is not None:
                 fields[name] = getattr(body, name)
+        output_format = _output_format(body)
+        if output_format is not None:
+            fields["response_format"] = output_format
     if body.tools:
         fields["tools"] = [_chat_tool(tool) for tool in body.tools]
     if body.tool_choice is not None:
@@ -51,6 +54,24 @@ def chat_body_of(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRe
         message, _ = describe_validation_error(exc.errors())
         raise InvalidRequestError(f"'messages' do not make a valid chat: {message}",
                                   param="messages") from None
+
+
+def _output_format(body: MessagesRequest) -> dict[str, Any] | None:
+    """output_config.format (or the earlier output_format) as the chat's response_format."""
+    config = body.output_config or {}
+    unknown = sorted(set(config) - {"format", "effort"})
+    if unknown:
+        raise InvalidRequestError(f"'output_config' has unknown keys: {', '.join(unknown)} (format "
+                                  "and effort are taken)", param=f"output_config.{unknown[0]}")
+    given = config.get("format") or body.output_format
+    if given is None:
+        return None
+    param = "output_config.format" if config.get("format") else "output_format"
+    if not isinstance(given, dict) or given.get("type") != "json_schema" \
+            or not isinstance(given.get("schema"), dict):
+        raise InvalidRequestError(f"'{param}' must be {{'type': 'json_schema', 'schema': {{...}}}}",
+                                  param=param)
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": given["schema"]}}
 
 
 def _system(system: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:

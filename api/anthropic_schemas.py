@@ -64,6 +64,11 @@ class MessagesRequest(BaseModel):
     thinking: dict[str, Any] | None = Field(
         None, description="Only {'type': 'disabled'}: extended thinking is not served.")
     service_tier: str | None = Field(None, description="Accepted and ignored.")
+    output_config: dict[str, Any] | None = Field(
+        None, description="Structured output: {'format': {'type': 'json_schema', 'schema': {...}}} "
+                          "(the messages.parse helper's); 'effort' is accepted and ignored.")
+    output_format: dict[str, Any] | None = Field(
+        None, description="The earlier name of output_config.format.")
     seed: Seed = None
 
 

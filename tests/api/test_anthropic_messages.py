@@ -152,6 +152,24 @@ async def test_tool_use_and_tool_results_round_trip_as_chat_tool_calls(harness: 
     assert "sunny, 21C" in rendered and "Thanks" in rendered and "Looking." in rendered
 
 
+async def test_messages_parse_gets_its_output_format_as_a_constraint(harness: Harness) -> None:
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        country: str
+
+    worker = asyncio.create_task(harness.serve_next_job(['{"name": "Rome", ', '"country": "Italy"}']))
+    message = await _client(harness).messages.parse(
+        model=MODEL, max_tokens=30, output_format=City,
+        messages=[{"role": "user", "content": "A city in Italy, as JSON."}])
+    spec = _spec(harness, await worker)
+    assert message.parsed_output == City(name="Rome", country="Italy")
+    constraint = spec["sampling"]["structured_output"]
+    assert constraint["kind"] == "json_schema"
+    assert set(json.loads(constraint["spec"])["properties"]) == {"name", "country"}
+
+
 async def test_a_last_assistant_message_is_continued(harness: Harness) -> None:
     worker = asyncio.create_task(harness.serve_next_job([" world"]))
     message = await _client(harness).messages.create(
@@ -213,6 +231,10 @@ async def test_errors_come_in_anthropics_shape(harness: Harness) -> None:
     ({"max_tokens": 5, "tool_choice": {"type": "tool"}, "tools": [WEATHER],
       "messages": [{"role": "user", "content": "hi"}]}, "tool_choice.name"),
     ({"max_tokens": 5, "messages": []}, "messages"),
+    ({"max_tokens": 5, "output_config": {"format": {"type": "json_object"}},
+      "messages": [{"role": "user", "content": "hi"}]}, "output_config.format"),
+    ({"max_tokens": 5, "output_config": {"verbosity": "low"},
+      "messages": [{"role": "user", "content": "hi"}]}, "output_config"),
 ])
 async def test_bad_requests_are_400s_naming_the_field(harness: Harness, body: dict[str, Any],
                                                       field: str) -> None:
