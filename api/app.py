@@ -17,6 +17,7 @@ from api import (
     routes_chat_completions,
     routes_conversations,
     routes_files,
+    routes_invocations,
     routes_jobs,
     routes_openai,
     routes_ops,
@@ -79,7 +80,7 @@ def create_app(settings: ApiSettings, context: AppContext | None = None) -> Fast
     routers = [routes_jobs.router, routes_openai.router, routes_chat_completions.router,
                routes_responses.router, routes_conversations.router, routes_files.router,
                routes_batches.router, routes_tokenize.router, routes_tgi.router,
-               routes_anthropic.router,
+               routes_anthropic.router, routes_invocations.router,
                routes_ops.open_router, routes_ops.router, routes_webhooks.router,
                routes_playground.router]
     for router in routers:

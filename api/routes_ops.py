@@ -1,5 +1,5 @@
-"""Operating the service: /healthz and /health, /version (open), /metrics (Prometheus) and
-/v1/stats (JSON)."""
+"""Operating the service: /healthz (also /health and SageMaker's /ping), /version (open),
+/metrics (Prometheus) and /v1/stats (JSON)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,12 @@ class Health(BaseModel):
         "now: their jobs are accepted and wait in their queues until one starts.")
 
 
-# /health too: the path vLLM's server (and probes written for it) use.
+# /health too: the path vLLM's server (and probes written for it) use; /ping is SageMaker's, as
+# vLLM and TGI serve it.
+@open_router.post("/ping", response_model=Health, summary="Liveness and readiness (SageMaker's path)",
+                  responses={503: {"model": Health, "description": "Redis is unreachable."}})
+@open_router.get("/ping", response_model=Health, summary="Liveness and readiness (SageMaker's path)",
+                 responses={503: {"model": Health, "description": "Redis is unreachable."}})
 @open_router.get("/health", response_model=Health, summary="Liveness and readiness (vLLM's path)",
                  responses={503: {"model": Health, "description": "Redis is unreachable."}})
 @open_router.get("/healthz", response_model=Health, summary="Liveness and readiness",

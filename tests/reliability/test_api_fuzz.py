@@ -56,7 +56,8 @@ NEGATIVE_EXAMPLES = 500
 
 JSON = {"Content-Type": "application/json"}
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize",
-                "/detokenize", "/v1/files", "/v1/batches", "/v1/responses", "/v1/conversations")
+                "/detokenize", "/v1/files", "/v1/batches", "/v1/responses", "/v1/conversations",
+                "/invocations")
 TGI_PATHS = ("/generate", "/generate_stream", "/info")
 ANTHROPIC_PATHS = ("/v1/messages",)
 
