@@ -101,25 +101,23 @@ class PrefillToken(BaseModel):
                                               "(null for the first).")
 
 
-class BestOfSequence(BaseModel):
-    generated_text: str = Field(description="The sequence's text.")
-    finish_reason: str = Field(description="length, eos_token or stop_sequence.")
-    generated_tokens: int = Field(description="Tokens generated.")
-    seed: int | None = Field(description="The seed it was sampled with.")
-    prefill: list[PrefillToken] = Field(description="The prompt's tokens (decoder_input_details).")
-    tokens: list[Token] = Field(description="Its tokens.")
-    top_tokens: list[list[Token]] = Field(
-        default_factory=list, description="The most likely tokens at each step (top_n_tokens).")
+class SequenceDetails(BaseModel):
+    """What details say of one generated sequence."""
 
-
-class Details(BaseModel):
-    finish_reason: str = Field(description="length, eos_token or stop_sequence.")
+    finish_reason: str = Field(description="length, stop_sequence or eos_token.")
     generated_tokens: int = Field(description="Tokens generated.")
-    seed: int | None = Field(description="The seed given (null when none).")
+    seed: int | None = Field(description="The seed it was sampled with (null when none was given).")
     prefill: list[PrefillToken] = Field(description="The prompt's tokens (decoder_input_details).")
     tokens: list[Token] = Field(description="The generated tokens.")
     top_tokens: list[list[Token]] = Field(
         default_factory=list, description="The most likely tokens at each step (top_n_tokens).")
+
+
+class BestOfSequence(SequenceDetails):
+    generated_text: str = Field(description="The sequence's text.")
+
+
+class Details(SequenceDetails):
     best_of_sequences: list[BestOfSequence] | None = Field(
         None, description="With best_of: the other sequences.")
 
