@@ -34,9 +34,10 @@ _ERRORS = openai_error_docs(
                  "description": "What /v1/chat/completions, /v1/completions or TGI's POST / "
                                 "answers for the same body."}},
              openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
-                 "schema": {"type": "object", "description": (
-                     "A /v1/chat/completions body (messages), a /v1/completions body (prompt) "
-                     "or a TGI generate body (inputs).")}}}}})
+                 "schema": {"anyOf": [{"$ref": f"#/components/schemas/{name}"} for name in (
+                     "ChatCompletionRequest", "CompletionRequest", "GenerateRequest")],
+                     "description": "A /v1/chat/completions body (messages), a /v1/completions "
+                                    "body (prompt) or a TGI generate body (inputs)."}}}}})
 async def invocations(request: Request, owner: Owner, ctx: Context) -> Response:
     body = await _json_object(request)
     if "messages" in body:

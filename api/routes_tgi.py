@@ -26,7 +26,7 @@ from api.settings import ApiSettings
 from api.sse import EventStreamResponse
 from api.tgi_answer import TokenViews, generate_response, stream_events
 from api.tgi_requests import generation_requests
-from api.tgi_schemas import GenerateRequest, GenerateResponse, Info, StreamResponse, TGIError
+from api.tgi_schemas import GenerateRequest, GenerateResponse, Info, TGIError
 from api.version import package_version
 from protocol.generation import MAX_STOP_STRINGS
 
@@ -41,9 +41,10 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
         (413, "Body over the size limit."), (422, "Invalid request (the message names the field)."),
         (424, "The job failed."), (429, "Queue full (see Retry-After)."),
         (503, "Redis unreachable or no model registered yet (see Retry-After)."))}
-_STREAM = {"content": {"text/event-stream": {"schema": StreamResponse.model_json_schema()}},
-           "description": "`data:` events, one a token; the last has `generated_text` and "
-                          "`details`; a failure is an event with `error` and `error_type`."}
+_STREAM = {"content": {"text/event-stream": {}},
+           "description": "`data:` events, one a token (StreamResponse: index, token, top_tokens, "
+                          "generated_text, details); the last has `generated_text` and `details`; "
+                          "a failure is an event with `error` and `error_type`."}
 
 
 @router.post("/generate", response_model=GenerateResponse, summary="Generate (TGI)",
@@ -65,7 +66,7 @@ async def generate_stream(body: GenerateRequest, request: Request, owner: Owner,
 @router.post("/", summary="Generate, streamed with `stream: true` (TGI's compatible route)",
              responses={**_ERRORS, 200: {
                  "content": {"application/json": {"schema": {
-                     "type": "array", "items": GenerateResponse.model_json_schema()}}},
+                     "type": "array", "items": {"$ref": "#/components/schemas/GenerateResponse"}}}},
                  "description": "A list of one GenerateResponse; with `stream: true` the events "
                                 "of /generate_stream."}})
 async def compat_generate(body: GenerateRequest, request: Request, owner: Owner,
