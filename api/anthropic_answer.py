@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from api.anthropic_schemas import MessagesRequest
+from api.sse import typed_event
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
                  "abort": "end_turn"}
@@ -57,12 +58,7 @@ def _tool_use(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
 
 
 def error_event(message: str, error_type: str = "api_error") -> bytes:
-    return sse("error", {"type": "error", "error": {"type": error_type, "message": message}})
-
-
-def sse(event: str, data: dict[str, Any]) -> bytes:
-    return (f"event: {event}\n"
-            f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n").encode()
+    return typed_event({"type": "error", "error": {"type": error_type, "message": message}})
 
 
 @dataclass(slots=True)
@@ -86,8 +82,8 @@ class MessageEvents:
             "model": self.model, "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": self.input_tokens, "output_tokens": 0,
                       "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}}
-        return [sse("message_start", {"type": "message_start", "message": message}),
-                sse("ping", {"type": "ping"})]
+        return [typed_event({"type": "message_start", "message": message}),
+                typed_event({"type": "ping"})]
 
     def feed(self, chunk: dict[str, Any]) -> list[bytes]:
         """The events a chunk brings (none for most chunks of a stop sequence's length)."""
@@ -122,7 +118,7 @@ class MessageEvents:
             return
         if self._block_kind != "text":
             self._open({"type": "text", "text": ""}, "text")
-        self._events.append(sse("content_block_delta", {
+        self._events.append(typed_event({
             "type": "content_block_delta", "index": self._block,
             "delta": {"type": "text_delta", "text": text}}))
 
@@ -132,7 +128,7 @@ class MessageEvents:
             self._send_text(self._take_held())
             self._open(_tool_use(call["id"], function.get("name", ""), {}), "tool_use")
         if function.get("arguments"):
-            self._events.append(sse("content_block_delta", {
+            self._events.append(typed_event({
                 "type": "content_block_delta", "index": self._block,
                 "delta": {"type": "input_json_delta", "partial_json": function["arguments"]}}))
 
@@ -150,21 +146,21 @@ class MessageEvents:
         self._close("")
         self._block += 1
         self._block_kind = kind
-        self._events.append(sse("content_block_start", {
+        self._events.append(typed_event({
             "type": "content_block_start", "index": self._block, "content_block": block}))
 
     def _close(self, text: str) -> None:
         self._send_text(text)
         if self._block_kind:
-            self._events.append(sse("content_block_stop", {"type": "content_block_stop",
+            self._events.append(typed_event({"type": "content_block_stop",
                                                            "index": self._block}))
             self._block_kind = ""
 
     def _finish(self, chat_usage: dict[str, Any]) -> None:
         # The whole usage, as the job counted it (message_start had the API's count of the prompt).
-        self._events.append(sse("message_delta", {
+        self._events.append(typed_event({
             "type": "message_delta",
             "delta": {"stop_reason": self._stop_reason or "end_turn",
                       "stop_sequence": self._stop_sequence},
             "usage": usage_of(chat_usage)}))
-        self._events.append(sse("message_stop", {"type": "message_stop"}))
+        self._events.append(typed_event({"type": "message_stop"}))

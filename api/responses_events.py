@@ -11,7 +11,6 @@ response.failed when the job failed). An item's ids are the same in every event 
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,11 +55,6 @@ def response_of(base: dict[str, Any], chat_answer: dict[str, Any], message_id: s
                                       status=item_status, logprobs=logprobs)
     response["usage"] = usage_of(chat_answer["usage"])
     return response
-
-
-def sse_event(event: dict[str, Any]) -> bytes:
-    data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {event['type']}\ndata: {data}\n\n".encode()
 
 
 @dataclass(slots=True)

@@ -23,11 +23,11 @@ from api.errors import InvalidRequestError, NotFoundError
 from api.openai_chunks import ChunkWriter
 from api.openai_stream import chunk_payloads
 from api.responses_background import settle
-from api.responses_events import ResponseEvents, sse_event
+from api.responses_events import ResponseEvents
 from api.responses_jobs import JobReading, job_reading, message_id_of
 from api.responses_schemas import ResponsesRequest
 from api.responses_store import StoredResponse
-from api.sse import sse_comment
+from api.sse import sse_comment, typed_event
 from protocol import JobState
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ async def response_events(ctx: AppContext, stored: StoredResponse, reading: JobR
     after = -1 if starting_after is None else starting_after
 
     def wanted(batch: list[dict[str, Any]]) -> list[bytes]:
-        return [sse_event(event) for event in batch if event["sequence_number"] > after]
+        return [typed_event(event) for event in batch if event["sequence_number"] > after]
 
     for line in wanted(events.start()):
         yield line

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
-from api.anthropic_answer import MessageEvents, message_of, sse
+from api.anthropic_answer import MessageEvents, message_of
 from api.anthropic_requests import chat_body_of
 from api.anthropic_schemas import AnthropicError, CountTokensRequest, InputTokens, Message, MessagesRequest
 from api.auth import caller_owner
@@ -30,7 +30,7 @@ from api.openai_choices import ChoiceJob, cancel_jobs, choice_jobs, job_headers,
 from api.openai_chunks import ChunkWriter
 from api.openai_requests import chat_requests, common_fields
 from api.openai_stream import chunk_payloads
-from api.sse import EventStreamResponse
+from api.sse import EventStreamResponse, typed_event
 from api.tool_parsers import ToolParser, get_parser
 
 router = APIRouter(prefix="/v1", tags=[ANTHROPIC_TAG], dependencies=[Depends(caller_owner)])
@@ -94,7 +94,7 @@ async def _stream(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWriter,
         yield event
     async for payload in chunk_payloads(ctx, jobs, writer, {}, None, parser):
         if payload is None:  # a quiet while: Anthropic's keep-alive is a ping event
-            yield sse("ping", {"type": "ping"})
+            yield typed_event({"type": "ping"})
             continue
         for event in events.feed(payload):
             yield event

@@ -34,7 +34,7 @@ from api.openai_schemas import openai_error_docs
 from api.openai_stream import chunk_payloads
 from api.responses_background import cancel, history_of, pending, settle
 from api.responses_conversation import chat_messages, with_ids
-from api.responses_events import ResponseEvents, sse_event
+from api.responses_events import ResponseEvents
 from api.responses_jobs import (
     input_tokens,
     keep_response,
@@ -51,7 +51,7 @@ from api.responses_schemas import (
     ResponseObject,
     ResponsesRequest,
 )
-from api.sse import EventStreamResponse, sse_comment
+from api.sse import EventStreamResponse, sse_comment, typed_event
 from api.tool_parsers import ToolParser, get_parser
 from api.webhook_urls import webhook_url_of
 
@@ -191,19 +191,19 @@ async def _stream(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWriter,
                   events: ResponseEvents,
                   keep: Callable[[dict[str, Any]], Awaitable[None]]) -> AsyncIterator[bytes]:
     for event in events.start():
-        yield sse_event(event)
+        yield typed_event(event)
     async for payload in chunk_payloads(ctx, jobs, writer, formatters, None, parser):
         if payload is None:
             yield sse_comment()
             continue
         for event in events.chunk(payload):
-            yield sse_event(event)
+            yield typed_event(event)
     closing, response = events.end()
     try:
         await keep(response)
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
         log.warning("could not store response %s: %s", response["id"], exc)
     for event in closing:
-        yield sse_event(event)
+        yield typed_event(event)
 
 

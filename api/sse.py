@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import anyio
 from starlette.requests import ClientDisconnect
@@ -29,6 +31,13 @@ def sse_event(data: str, *, event: str | None = None, event_id: str | None = Non
     # A data value may not hold a line break: each line becomes its own data field.
     lines.extend(f"data: {line}" for line in data.split("\n"))
     return ("\n".join(lines) + "\n\n").encode()
+
+
+def typed_event(payload: dict[str, Any]) -> bytes:
+    """A JSON event named by its payload's `type`, as the Responses API's and Anthropic's
+    streams send each of theirs."""
+    return sse_event(json.dumps(payload, ensure_ascii=False, separators=(",", ":")),
+                     event=payload["type"])
 
 
 def sse_comment(text: str = "keep-alive") -> bytes:
