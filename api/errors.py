@@ -203,15 +203,24 @@ def anthropic_error_response(message: str, status: int,
                              status_code=status, headers=headers)
 
 
-def error_response(request: Request, error: ApiError) -> JSONResponse:
-    if is_anthropic_route(request):
-        status = 400 if isinstance(error, InvalidRequestError) else error.status_code
-        return anthropic_error_response(error.message, status, error.headers)
+def _tgi_or_anthropic_error(request: Request, message: str, status: int,
+                            headers: dict[str, str] | None = None, *, invalid: bool = False,
+                            failed: bool = False) -> JSONResponse | None:
+    """The error in TGI's or Anthropic's shape when the route is one of theirs (None otherwise):
+    an `invalid` request is TGI's 422 and Anthropic's 400, a `failed` job TGI's 424."""
     if is_tgi_route(request):
-        # TGI answers a bad request 422 and a failed generation 424.
-        status = (422 if isinstance(error, InvalidRequestError)
-                  else 424 if isinstance(error, JobFailedError) else error.status_code)
-        return tgi_error_response(error.message, status, error.headers)
+        return tgi_error_response(message, 422 if invalid else 424 if failed else status, headers)
+    if is_anthropic_route(request):
+        return anthropic_error_response(message, 400 if invalid else status, headers)
+    return None
+
+
+def error_response(request: Request, error: ApiError) -> JSONResponse:
+    shaped = _tgi_or_anthropic_error(request, error.message, error.status_code, error.headers,
+                                     invalid=isinstance(error, InvalidRequestError),
+                                     failed=isinstance(error, JobFailedError))
+    if shaped is not None:
+        return shaped
     if is_openai_route(request):
         status = 400 if isinstance(error, InvalidRequestError) else error.status_code
         body = openai_error_body(error.message, error.error_type, error.param, error.code)
@@ -351,10 +360,10 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     async def on_validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         errors = readable_body_errors(request, exc.errors())
-        if is_tgi_route(request):
-            return tgi_error_response(describe_validation_error(errors)[0], 422)
-        if is_anthropic_route(request):
-            return anthropic_error_response(describe_validation_error(errors)[0], 400)
+        shaped = _tgi_or_anthropic_error(request, describe_validation_error(errors)[0], 422,
+                                         invalid=True)
+        if shaped is not None:
+            return shaped
         if is_openai_route(request):
             message, param = describe_validation_error(errors)
             body = openai_error_body(message, "invalid_request_error", param, "invalid_value")
@@ -371,10 +380,9 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
             headers = {name: value for name, value in headers.items() if name.lower() != "allow"}
             headers["Allow"] = allowed
         detail = routing_detail(request, exc.status_code, headers) or exc.detail
-        if is_tgi_route(request):
-            return tgi_error_response(str(detail), exc.status_code, headers)
-        if is_anthropic_route(request):
-            return anthropic_error_response(str(detail), exc.status_code, headers)
+        shaped = _tgi_or_anthropic_error(request, str(detail), exc.status_code, headers)
+        if shaped is not None:
+            return shaped
         if is_openai_route(request):
             body = openai_error_body(str(detail), "invalid_request_error", None, None)
             return ErrorJSONResponse(body, status_code=exc.status_code, headers=headers)
