@@ -92,7 +92,8 @@ class MessageEvents:
             self._events.append(error_event(chunk["error"].get("message", "The job failed")))
             return self._events
         if chunk.get("usage") and not chunk.get("choices"):  # the last chunk: the whole usage
-            self._close(self._take_held())
+            self._send_text(self._take_held())
+            self._close()
             self._finish(chunk["usage"])
             return self._events
         for choice in chunk.get("choices") or []:
@@ -133,9 +134,8 @@ class MessageEvents:
                 "delta": {"type": "input_json_delta", "partial_json": function["arguments"]}}))
 
     def _end(self, finish_reason: str) -> None:
-        text, self._stop_reason, self._stop_sequence = stop_of(self._held, finish_reason,
+        text, self._stop_reason, self._stop_sequence = stop_of(self._take_held(), finish_reason,
                                                                self.stop_sequences)
-        self._held = ""
         self._send_text(text)
 
     def _take_held(self) -> str:
@@ -143,14 +143,13 @@ class MessageEvents:
         return held
 
     def _open(self, block: dict[str, Any], kind: str) -> None:
-        self._close("")
+        self._close()
         self._block += 1
         self._block_kind = kind
         self._events.append(typed_event({
             "type": "content_block_start", "index": self._block, "content_block": block}))
 
-    def _close(self, text: str) -> None:
-        self._send_text(text)
+    def _close(self) -> None:
         if self._block_kind:
             self._events.append(typed_event({"type": "content_block_stop",
                                                            "index": self._block}))

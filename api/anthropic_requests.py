@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from api.anthropic_schemas import AnthropicMessage, AnthropicTool, CountTokensRequest, MessagesRequest, ToolChoice
+from api.anthropic_schemas import AnthropicMessage, AnthropicTool, ConversationRequest, MessagesRequest, ToolChoice
 from api.errors import InvalidRequestError, describe_validation_error
 from api.openai_schemas import ChatCompletionRequest
 
@@ -19,7 +19,7 @@ from api.openai_schemas import ChatCompletionRequest
 _IGNORED_BLOCKS = {"thinking", "redacted_thinking"}
 
 
-def chat_body_of(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
+def chat_body_of(body: ConversationRequest) -> ChatCompletionRequest:
     """The chat request `body` means; a 400 naming the Messages field for what it cannot be."""
     if body.thinking is not None and body.thinking.get("type") != "disabled":
         raise InvalidRequestError("'thinking': extended thinking is not served; leave it out or "

@@ -40,17 +40,27 @@ class ToolChoice(BaseModel):
         None, strict=True, description="At most one tool call.")
 
 
-class MessagesRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
-        {"model": "smollm2", "max_tokens": 64,
-         "messages": [{"role": "user", "content": "What is 2+2?"}]}]})
+class ConversationRequest(BaseModel):
+    """What /v1/messages and /v1/messages/count_tokens both take: the conversation and its tools."""
+
+    model_config = ConfigDict(extra="forbid")
     model: NonEmptyText = Field(description="A model from GET /v1/models.")
-    max_tokens: Annotated[int, Field(strict=True, ge=1)] = Field(
-        description="Most tokens to generate.")
     messages: Annotated[list[AnthropicMessage], Field(min_length=1)] = Field(
         description="The conversation; a last assistant message is continued (prefill).")
     system: str | Blocks | None = Field(None, description="The system prompt: text or text "
                                                           "blocks.")
+    tools: list[AnthropicTool] | None = Field(None, description="Tools the model may call.")
+    tool_choice: ToolChoice | None = Field(None, description="Whether and which tool to call.")
+    thinking: dict[str, Any] | None = Field(
+        None, description="Only {'type': 'disabled'}: extended thinking is not served.")
+
+
+class MessagesRequest(ConversationRequest):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
+        {"model": "smollm2", "max_tokens": 64,
+         "messages": [{"role": "user", "content": "What is 2+2?"}]}]})
+    max_tokens: Annotated[int, Field(strict=True, ge=1)] = Field(
+        description="Most tokens to generate.")
     stop_sequences: StopStrings = []
     stream: bool | None = Field(None, strict=True, description="Stream the message's events.")
     temperature: Annotated[float, Field(strict=True, ge=0.0, le=1.0)] | None = Field(
@@ -58,11 +68,7 @@ class MessagesRequest(BaseModel):
     top_p: Annotated[float, Field(strict=True, gt=0.0, le=1.0)] | None = Field(
         None, description="Nucleus sampling mass.")
     top_k: TopK | None = Field(None, description="Keep only the k most likely tokens.")
-    tools: list[AnthropicTool] | None = Field(None, description="Tools the model may call.")
-    tool_choice: ToolChoice | None = Field(None, description="Whether and which tool to call.")
     metadata: dict[str, Any] | None = Field(None, description="Accepted (user_id) and ignored.")
-    thinking: dict[str, Any] | None = Field(
-        None, description="Only {'type': 'disabled'}: extended thinking is not served.")
     service_tier: str | None = Field(None, description="Accepted and ignored.")
     output_config: dict[str, Any] | None = Field(
         None, description="Structured output: {'format': {'type': 'json_schema', 'schema': {...}}} "
@@ -72,16 +78,8 @@ class MessagesRequest(BaseModel):
     seed: Seed = None
 
 
-class CountTokensRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: NonEmptyText = Field(description="A model from GET /v1/models.")
-    messages: Annotated[list[AnthropicMessage], Field(min_length=1)] = Field(
-        description="The conversation, as /v1/messages takes it.")
-    system: str | Blocks | None = Field(None, description="The system prompt.")
-    tools: list[AnthropicTool] | None = Field(None, description="Tools, as /v1/messages takes "
-                                                                "them.")
-    tool_choice: ToolChoice | None = Field(None, description="As /v1/messages takes it.")
-    thinking: dict[str, Any] | None = Field(None, description="Only {'type': 'disabled'}.")
+class CountTokensRequest(ConversationRequest):
+    """/v1/messages' request without what only generation takes."""
 
 
 class InputTokens(BaseModel):
