@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -263,24 +264,28 @@ def test_seeded_sampling_is_reproducible_and_resume_safe(tiny_llama: Any, case: 
     assert other_seed.token_ids != first.token_ids
 
 
-def test_min_p_keeps_only_tokens_near_the_top(tiny_llama: Any, hf_model: Any) -> None:
-    params = SamplingParams(max_tokens=12, temperature=1.0, min_p=0.5, seed=5)
+def _drawn_with_logits(tiny_llama: Any, hf_model: Any,
+                       params: SamplingParams) -> Iterator[tuple[int, torch.Tensor]]:
+    """Each token the engine drew for the first four prompts, with transformers' logits of the
+    position it was drawn at."""
     run = run_engine(make_engine(tiny_llama), requests_of(params, PROMPTS[:4]))
     for i, prompt in enumerate(PROMPTS[:4]):
         output = run.token_ids[f"r{i}"]
         for index, token_id in enumerate(output):
-            probs = torch.softmax(hf_logits(hf_model, prompt + output[:index]), dim=-1)
-            assert probs[token_id] >= 0.5 * probs.max() - 1e-6
+            yield token_id, hf_logits(hf_model, prompt + output[:index])
+
+
+def test_min_p_keeps_only_tokens_near_the_top(tiny_llama: Any, hf_model: Any) -> None:
+    params = SamplingParams(max_tokens=12, temperature=1.0, min_p=0.5, seed=5)
+    for token_id, logits in _drawn_with_logits(tiny_llama, hf_model, params):
+        probs = torch.softmax(logits, dim=-1)
+        assert probs[token_id] >= 0.5 * probs.max() - 1e-6
 
 
 def test_typical_p_draws_only_tokens_the_typical_filter_keeps(tiny_llama: Any, hf_model: Any) -> None:
     from transformers.generation.logits_process import TypicalLogitsWarper
 
     params = SamplingParams(max_tokens=12, temperature=1.0, typical_p=0.3, seed=5)
-    run = run_engine(make_engine(tiny_llama), requests_of(params, PROMPTS[:4]))
-    for i, prompt in enumerate(PROMPTS[:4]):
-        output = run.token_ids[f"r{i}"]
-        for index, token_id in enumerate(output):
-            logits = hf_logits(hf_model, prompt + output[:index]).unsqueeze(0)
-            kept = TypicalLogitsWarper(0.3)(torch.zeros(1, 1, dtype=torch.long), logits)[0]
-            assert torch.isfinite(kept[token_id]), (i, index)
+    for token_id, logits in _drawn_with_logits(tiny_llama, hf_model, params):
+        kept = TypicalLogitsWarper(0.3)(torch.zeros(1, 1, dtype=torch.long), logits.unsqueeze(0))[0]
+        assert torch.isfinite(kept[token_id]), token_id
