@@ -6,6 +6,7 @@ streams."""
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 from api.errors import InvalidRequestError
@@ -14,6 +15,7 @@ from api.settings import ApiSettings
 from api.structured_output import grammar_constraint
 from api.tgi_schemas import GenerateParameters, GenerateRequest
 from protocol import SamplingParams
+from protocol.generation import MAX_SEED
 
 
 def generation_requests(body: GenerateRequest, settings: ApiSettings, *, streaming: bool,
@@ -38,7 +40,7 @@ def generation_requests(body: GenerateRequest, settings: ApiSettings, *, streami
     sampling = SamplingParams(
         temperature=(params.temperature or 1.0) if _samples(params) else 0.0,
         top_p=params.top_p or 1.0, top_k=params.top_k or 0, typical_p=params.typical_p or 1.0,
-        seed=params.seed,
+        seed=_seed(params),
         # TGI's text keeps the stop sequence that ended it.
         stop=tuple(params.stop), include_stop_str_in_output=bool(params.stop),
         repetition_penalty=params.repetition_penalty or 1.0,
@@ -52,6 +54,15 @@ def generation_requests(body: GenerateRequest, settings: ApiSettings, *, streami
         max_tokens_param="parameters.max_new_tokens", logprobs_param="parameters.top_n_tokens",
         explicit_fields=None)  # TGI applies no generation_config.json sampling defaults
         for choice in range(best_of)]
+
+
+def _seed(params: GenerateParameters) -> int | None:
+    """The seed given; for a sampled request without one, a fresh random seed, as TGI's router
+    draws one, so that `details.seed` names what the answer was drawn with and the same request
+    with that seed draws it again. A greedy request has none to report."""
+    if params.seed is not None or not _samples(params):
+        return params.seed
+    return secrets.randbelow(MAX_SEED + 1)
 
 
 def _samples(params: GenerateParameters) -> bool:

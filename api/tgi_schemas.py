@@ -106,7 +106,8 @@ class SequenceDetails(BaseModel):
 
     finish_reason: str = Field(description="length, stop_sequence or eos_token.")
     generated_tokens: int = Field(description="Tokens generated.")
-    seed: int | None = Field(description="The seed it was sampled with (null when none was given).")
+    seed: int | None = Field(description="The seed it was sampled with: the one given, else one "
+                                        "drawn for it (null when greedy without a seed).")
     prefill: list[PrefillToken] = Field(description="The prompt's tokens (decoder_input_details).")
     tokens: list[Token] = Field(description="The generated tokens.")
     top_tokens: list[list[Token]] = Field(
@@ -131,7 +132,8 @@ class GenerateResponse(BaseModel):
 class StreamDetails(BaseModel):
     finish_reason: str = Field(description="length, eos_token or stop_sequence.")
     generated_tokens: int = Field(description="Tokens generated.")
-    seed: int | None = Field(description="The seed given (null when none).")
+    seed: int | None = Field(description="The seed it is sampled with: the one given, else one "
+                                        "drawn for it (null when greedy without a seed).")
     input_length: int = Field(description="The prompt's tokens.")
 
 

@@ -17,7 +17,7 @@ from rq.job import Job
 from rq.serializers import JSONSerializer
 
 from protocol import FinishReason, StreamEntry, TokenLogprobs, stream_ids
-from protocol.generation import PromptLogprobs
+from protocol.generation import MAX_SEED, PromptLogprobs
 from protocol.job_reader import PROMPT_LOGPROBS_FIELD
 
 pytestmark = pytest.mark.anyio
@@ -95,6 +95,20 @@ async def test_details_name_the_tokens_logprobs_and_top_tokens(harness: Harness)
                        [_token(8, "the", -0.125), _token(4, "world", -2.0)],
                        [_token(8, "the", -0.25), _token(3, "hello", -3.0)]]}}
     assert spec["sampling"]["logprobs"] == 2 and spec["sampling"]["max_tokens"] == 3
+
+
+async def test_a_sampled_request_without_a_seed_is_answered_with_the_seed_drawn(harness: Harness) -> None:
+    answer, spec = await _post(harness, "/generate", {"inputs": "hello", "parameters": {
+        "do_sample": True, "details": True, "max_new_tokens": 3}})
+    seed = spec["sampling"]["seed"]
+    assert isinstance(seed, int) and 0 <= seed <= MAX_SEED
+    assert answer["details"]["seed"] == seed  # what the job was drawn with, as TGI reports it
+    events, spec = await _post(harness, "/generate_stream", {"inputs": "hello", "parameters": {
+        "temperature": 0.5, "max_new_tokens": 3}})
+    assert events[-1]["details"]["seed"] == spec["sampling"]["seed"] is not None
+    answer, spec = await _post(harness, "/generate", {"inputs": "hello", "parameters": {
+        "details": True, "max_new_tokens": 3}})
+    assert answer["details"]["seed"] is None and spec["sampling"]["seed"] is None  # greedy
 
 
 @pytest.mark.parametrize(("texts", "reason", "expected"), [
