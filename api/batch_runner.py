@@ -234,6 +234,10 @@ class BatchRunner:
                 raise InvalidRequestError("'background' is not available in a batch: a batch's "
                                           "lines run in the background already",
                                           param="background")
+            if line.body.get("return_token_ids"):
+                # A line's answer is rebuilt from its jobs' streams, which keep no prompt ids.
+                raise InvalidRequestError("'return_token_ids' is not available in a batch: send "
+                                          "the request to its route", param="return_token_ids")
             if line.url == RESPONSES_URL and line.body.get("conversation") is not None:
                 raise InvalidRequestError("'conversation' is not available in a batch: lines run "
                                           "in any order, so none can take turns in one; continue "
@@ -374,7 +378,8 @@ class BatchRunner:
         results = await wait_for_results(self.ctx, jobs)  # ended: their streams end at once
         assert results is not None  # (None only for a client that left)
         state = JobState.from_fields(await self.ctx.aio.hgetall(self.ctx.keys.state(request_id)))
-        formatters = await logprobs_formatters(self.ctx, state.model, sampling, jobs, is_chat)
+        formatters = await logprobs_formatters(self.ctx, state.model, sampling, jobs, is_chat,
+                                               bool(body.return_tokens_as_token_ids))
         parser = get_parser(self.settings.tool_parser) if line.parses_calls else None
         answer = await answer_body(
             self.ctx, body, results, is_chat=is_chat,

@@ -11,7 +11,13 @@ from pydantic import AfterValidator, BeforeValidator, Field
 
 # Stop strings: as many as the worker takes (16), past OpenAI's 4, as vLLM takes more (evaluation
 # harnesses send a task's every delimiter).
-from protocol.generation import MAX_STOP_STRINGS
+from protocol.generation import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_CHARS,
+    MAX_BAD_WORDS,
+    MAX_STOP_STRINGS,
+)
+from protocol.messages import MAX_CACHE_SALT_CHARS
 
 # The worker's own limits (protocol/generation.py): a job the API accepts past them would only
 # fail on the worker, after a 202. tests/reliability checks the two stay equal.
@@ -127,6 +133,15 @@ WebhookUrl = Annotated[str | None, Field(
                 "(Standard Webhooks; README, Webhooks). Its host must pass the server's "
                 "CARPOOL_WEBHOOK_ALLOWED_HOSTS (400 otherwise). Default: none.")]
 
+# The job spec's own check (protocol/messages.py) again, so a bad salt is a 400/422 naming it.
+# (pydantic's str already refuses a lone surrogate: "unable to parse raw data as a unicode string".)
+_SaltText = Annotated[str, Field(strict=True, min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
+CacheSalt = Annotated[_SaltText | None, Field(
+    description="vLLM's: salts the prefix cache for this request. Only requests with the same "
+                "salt share cached prompt blocks (none: only unsalted ones), so another client "
+                "cannot tell from `cached_tokens` or latency what you sent. Use a random secret, "
+                f"e.g. 43 base64 characters (256 bits); 1 to {MAX_CACHE_SALT_CHARS} characters.")]
+
 
 def _small_metadata(value: dict[str, str] | None) -> dict[str, str] | None:
     # OpenAI's limits on metadata, wherever an object keeps some.
@@ -195,3 +210,27 @@ TypicalP = Annotated[float, Field(
     description="Typical decoding, (0, 1] (1: off; TGI's and transformers' typical_p): keep the "
                 "tokens whose surprise is nearest the distribution's entropy, up to this "
                 "probability mass.")]
+AllowedTokenIds = Annotated[
+    Annotated[list[Annotated[int, Field(strict=True, ge=0)]],
+              Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None,
+    Field(description=f"vLLM's: only these token ids (1 to {MAX_ALLOWED_TOKEN_IDS} ids of the "
+                      "model's vocabulary) may be generated: every other token's logit is -inf "
+                      "before any other processing. Default: any token.")]
+
+
+def _not_blank(value: str) -> str:
+    # The worker tokenizes a bad word with its leading whitespace stripped (as vLLM): a blank one
+    # would be no tokens, which vLLM refuses too.
+    if not value.strip():
+        raise ValueError("a bad word needs some text other than whitespace")
+    return value
+
+
+BadWord = Annotated[str, Field(strict=True, min_length=1, max_length=MAX_BAD_WORD_CHARS),
+                    AfterValidator(_valid_unicode), AfterValidator(_not_blank)]
+BadWords = Annotated[list[BadWord], Field(
+    max_length=MAX_BAD_WORDS,
+    description=f"vLLM's: up to {MAX_BAD_WORDS} words (of at most {MAX_BAD_WORD_CHARS} characters) "
+                "the output may not contain. Each is tokenized as is and after a space; the last "
+                "token of either is banned whenever the generated tokens so far end with its "
+                "other tokens (a one-token word is never generated).")]

@@ -7,6 +7,9 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.fields import (
+    AllowedTokenIds,
+    BadWords,
+    CacheSalt,
     DeadlineS,
     FrequencyPenalty,
     IgnoreEos,
@@ -76,6 +79,8 @@ class JobCreate(StructuredOutputParams):
     logit_bias: LogitBias = None
     min_p: MinP = 0.0
     typical_p: TypicalP = 1.0
+    allowed_token_ids: AllowedTokenIds = None
+    bad_words: BadWords = []
     logprobs: int | None = Field(
         None, strict=True, ge=0,
         description="Return each token's log-probability and those of the `logprobs` most likely "
@@ -92,6 +97,7 @@ class JobCreate(StructuredOutputParams):
     deadline_s: DeadlineS = None
     retention_s: RetentionS = None
     webhook_url: WebhookUrl = None
+    cache_salt: CacheSalt = None
     n: int = Field(1, strict=True, ge=1,
                    description="Jobs to run on this input (at most the server's max_n), queued "
                                "together, all or none; with a seed, job i samples with seed + i. "

@@ -11,7 +11,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import anyio.to_thread
 import redis
@@ -90,6 +90,14 @@ class GenerationRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    cache_salt: str | None = None  # vLLM's: who the job shares prefix-cache blocks with
+    # How the prompt becomes token ids when the request asks otherwise than the worker does
+    # (PromptIds): with special tokens (None: the worker's way, text true, a chat false), and
+    # which end truncate_prompt_tokens cuts.
+    add_special_tokens: bool | None = None
+    truncation_side: Literal["left", "right"] = "left"
+    # The request field needing the prompt's ids decided here (None: the worker decides them).
+    prompt_ids_param: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,8 +199,11 @@ class JobService:
         checked = []
         for request in requests:
             request = await self._rendered(card, request)
+            request, decided_text = await self._with_decided_ids(card, request)
             self._check_sampling(card, request)
             prompt_tokens, is_exact, prompt_text = await self._count_prompt(card, request)
+            if decided_text is not None:
+                prompt_text = decided_text  # the text given, not its ids decoded (with a BOS...)
             if prompt_tokens is not None:  # what the model will see of it (truncate_prompt_tokens)
                 prompt_tokens = request.sampling.truncated_prompt_length(prompt_tokens,
                                                                          card.max_model_len)
@@ -253,7 +264,8 @@ class JobService:
             webhook_url=request.webhook_url or "",
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
-            chat_template_kwargs=request.chat_template_kwargs or {}), prompt_tokens, prompt_text)
+            chat_template_kwargs=request.chat_template_kwargs or {},
+            cache_salt=request.cache_salt), prompt_tokens, prompt_text)
             for request, sampling, prompt_tokens, prompt_text in checked]
         try:
             # One script checks the limits and enqueues (api/queue_admission.py); RQ is sync, so
@@ -346,7 +358,8 @@ class JobService:
         if not card.vocab_size:
             return  # a worker too old to say: the worker itself fails a job with a bad id
         for param, token_ids in (("logit_bias", [token_id for token_id, _ in sampling.logit_bias]),
-                                 ("stop_token_ids", sampling.stop_token_ids)):
+                                 ("stop_token_ids", sampling.stop_token_ids),
+                                 ("allowed_token_ids", sampling.allowed_token_ids or ())):
             for token_id in token_ids:
                 if token_id >= card.vocab_size:
                     raise InvalidRequestError(
@@ -386,9 +399,65 @@ class JobService:
         text, is_exact = _render(card, request, request.template_messages, request.template_tools)
         if not is_exact:
             return request
-        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        # (A chat's add_special_tokens: its template writes them, unless the request asks more.)
+        ids = tokenizer.encode(text, add_special_tokens=bool(request.add_special_tokens)).ids
         return dataclasses.replace(request, messages=None, prompt_token_ids=ids,
                                    template_tools=None, template_messages=None)
+
+    async def _with_decided_ids(self, card: ModelCard, request: GenerationRequest,
+                                ) -> tuple[GenerationRequest, str | None]:
+        """The request queued as the prompt's token ids decided here, where a field of it needs
+        them decided (prompt_ids_param): tokenized with or without special tokens as it asks,
+        then truncated on the side it asks; the worker runs those ids as they are, so they are
+        exactly what return_token_ids shows. Also a text prompt as echo shows it: the text given
+        when the model sees all of it, else the tokens it sees decoded (None for the others,
+        whose echo is their ids decoded, as before)."""
+        param = request.prompt_ids_param
+        if param is None:
+            return request, None
+        tokenizer = await self._tokenizers.get(card)
+        ids = await self._whole_prompt_ids(card, request, tokenizer, param)
+        keep = request.sampling.truncated_prompt_length(len(ids), card.max_model_len)
+        seen = ids[:keep] if request.truncation_side == "right" else ids[len(ids) - keep:]
+        if not seen:
+            raise InvalidRequestError(
+                f"'{request.input_param}' holds no tokens once tokenized (with "
+                f"add_special_tokens {request.add_special_tokens is not False}): nothing to "
+                "generate from", param=request.input_param)
+        text = request.prompt
+        if text is not None and keep < len(ids):
+            assert tokenizer is not None  # (a text prompt was tokenized with it)
+            text = str(tokenizer.decode(seen, skip_special_tokens=False))
+        return dataclasses.replace(request, prompt=None, messages=None, prompt_token_ids=seen,
+                                   template_tools=None, template_messages=None), text
+
+    async def _whole_prompt_ids(self, card: ModelCard, request: GenerationRequest,
+                                tokenizer: Tokenizer | None, param: str) -> list[int]:
+        """The prompt's token ids before truncation: a token-id prompt's as given (special
+        tokens are never added to them, as vLLM), a text or a chat tokenized as asked."""
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        if tokenizer is None:
+            raise ServiceUnavailableError(
+                f"No tokenizer is published for model '{card.name}' yet, and '{param}' needs the "
+                "prompt tokenized here", self._retry_after_s)
+        if request.messages is not None:
+            text, is_exact = _render(card, request, request.messages)
+            if not is_exact:
+                # The worker's own template run could give other ids than this approximation.
+                raise InvalidRequestError(
+                    f"'{param}' needs the chat's token ids decided here, but model "
+                    f"'{card.name}''s chat template uses what this server cannot render exactly",
+                    param=param)
+            add_special_tokens = bool(request.add_special_tokens)
+        else:
+            text, add_special_tokens = request.prompt or "", request.add_special_tokens is not False
+        if len(text) > _THREAD_TOKENIZE_CHARS:
+            encoding = await anyio.to_thread.run_sync(
+                partial(tokenizer.encode, text, add_special_tokens=add_special_tokens))
+        else:
+            encoding = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
 
     async def _count_prompt(self, card: ModelCard,
                             request: GenerationRequest) -> tuple[int | None, bool, str | None]:

@@ -19,14 +19,16 @@ from protocol import SamplingParams, StreamEntry
 
 
 async def logprobs_formatters(ctx: AppContext, model: str, sampling: SamplingParams,
-                              jobs: list[ChoiceJob], is_chat: bool) -> dict[int, LogprobsFormatter]:
+                              jobs: list[ChoiceJob], is_chat: bool,
+                              ids_as_tokens: bool = False) -> dict[int, LogprobsFormatter]:
     """One formatter per choice (each keeps its own running text offset, past its echo); none
-    when the request asked for no logprobs."""
+    when the request asked for no logprobs. `ids_as_tokens`: return_tokens_as_token_ids."""
     if sampling.logprobs is None:
         return {}
     token_text = token_text_of(await ctx.jobs.model_tokenizer(model))
     return {job.index: LogprobsFormatter(is_chat, token_text, sampling.logprobs,
-                                         text_offset=len(job.echo)) for job in jobs}
+                                         text_offset=len(job.echo), ids_as_tokens=ids_as_tokens)
+            for job in jobs}
 
 
 async def wait_for_results(ctx: AppContext, jobs: list[ChoiceJob],
@@ -98,15 +100,27 @@ async def answer_body(ctx: AppContext, body: CompletionRequest | ChatCompletionR
                             "logprobs": logprobs, "finish_reason": reason})
             if result.job.index in vllm_prompt:
                 choices[-1]["prompt_logprobs"] = vllm_prompt[result.job.index]
+            if body.return_token_ids:  # vLLM's: the completion's choice carries both
+                choices[-1]["prompt_token_ids"] = prompt_ids_of(result.job)
+        if body.return_token_ids:
+            choices[-1]["token_ids"] = [entry.token_id for entry in result.tokens]
     answer: dict[str, Any] = {
         "id": response_id, "object": "chat.completion" if is_chat else "text_completion",
         "created": created, "model": model, "choices": choices,
         "usage": usage_dict(*summed_usage(results))}
     if is_chat and vllm_prompt:
         answer["prompt_logprobs"] = vllm_prompt[0]
+    if is_chat and body.return_token_ids:  # vLLM's: one per chat response (its choices share it)
+        answer["prompt_token_ids"] = prompt_ids_of(results[0].job)
     if service_tier is not None:
         answer["service_tier"] = service_tier
     return answer
+
+
+def prompt_ids_of(job: ChoiceJob) -> list[int]:
+    """The choice's prompt token ids, as the model saw them: with return_token_ids the API
+    decided them (api/job_service.py), so the job was queued with exactly those."""
+    return list(job.prompt_token_ids or ())
 
 
 async def prompt_logprobs_of(ctx: AppContext, formatter: LogprobsFormatter,

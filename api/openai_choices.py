@@ -34,6 +34,9 @@ class ChoiceJob:
     is_new: bool = False  # submitted by this request (not an Idempotency-Key replay): no tokens yet
     # The choice is its echo alone (CompletionRequest.scores_prompt): its tokens are not shown.
     prompt_only: bool = False
+    # The token ids its job was queued with (None: a text or a chat the worker tokenizes); with
+    # return_token_ids they were decided by the API, so they are what the model saw.
+    prompt_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,8 +53,13 @@ def choice_jobs(accepted: list[AcceptedJob], n: int, echoes: list[str],
     `echoes`: per job, the text its choice starts with."""
     return [ChoiceJob(index=index, prompt_number=index // n, job_id=job.spec.job_id, echo=echo,
                       prompt_tokens=job.prompt_tokens or 0, is_new=not job.is_replay,
-                      prompt_only=prompt_only)
+                      prompt_only=prompt_only, prompt_token_ids=_ids_of(job))
             for index, (job, echo) in enumerate(zip(accepted, echoes, strict=True))]
+
+
+def _ids_of(job: AcceptedJob) -> tuple[int, ...] | None:
+    ids = job.spec.prompt_token_ids
+    return tuple(ids) if ids is not None else None
 
 
 def job_headers(accepted: list[AcceptedJob]) -> dict[str, str]:

@@ -50,6 +50,9 @@ class LogprobsFormatter:
     token_text: TokenText
     num_top: int  # the request's count: a worker's longer list is cut to it
     text_offset: int = 0
+    # vLLM's return_tokens_as_token_ids: tokens written `token_id:<id>`; text offsets then
+    # advance by those strings' lengths, as vLLM's do.
+    ids_as_tokens: bool = False
 
     def format(self, entries: Sequence[StreamEntry]) -> dict[str, Any]:
         entries = [entry for entry in entries if entry.logprobs is not None]
@@ -58,10 +61,10 @@ class LogprobsFormatter:
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
         for entry in entries:
             assert entry.logprobs is not None
-            token = self.token_text(entry.token_id)
+            token = self._written(entry.token_id)
             tokens.append(token)
             token_logprobs.append(entry.logprobs.logprob)
-            top = {self.token_text(token_id): logprob
+            top = {self._written(token_id): logprob
                    for token_id, logprob in entry.logprobs.top[: self.num_top]}
             top.setdefault(token, entry.logprobs.logprob)
             top_logprobs.append(top)
@@ -80,7 +83,7 @@ class LogprobsFormatter:
         offsets: list[int] = []
         offset = 0
         for token_id, entry in zip(prompt.token_ids, prompt.entries, strict=True):
-            token = self.token_text(token_id)
+            token = self._written(token_id)
             tokens.append(token)
             offsets.append(offset)
             offset += len(token)
@@ -89,7 +92,7 @@ class LogprobsFormatter:
                 top_logprobs.append(None)
                 continue
             token_logprobs.append(entry.logprob)
-            top = {self.token_text(top_id): logprob for top_id, logprob in entry.top[: self.num_top]}
+            top = {self._written(top_id): logprob for top_id, logprob in entry.top[: self.num_top]}
             top.setdefault(token, entry.logprob)
             top_logprobs.append(top)
         self.text_offset = offset
@@ -98,13 +101,20 @@ class LogprobsFormatter:
 
     def _chat_entry(self, entry: StreamEntry) -> dict[str, Any]:
         assert entry.logprobs is not None
-        return {**self._chat_token(entry.token_id, entry.logprobs.logprob),
-                "top_logprobs": [self._chat_token(token_id, logprob)
-                                 for token_id, logprob in entry.logprobs.top[: self.num_top]]}
+        token = self._chat_token(entry.token_id, entry.logprobs.logprob)
+        # The generated token's bytes are its text's even when it is written `token_id:<id>`
+        # (so its text can be rebuilt), as vLLM's; its alternatives' are the strings written.
+        token["bytes"] = list(self.token_text(entry.token_id).encode("utf-8"))
+        return {**token, "top_logprobs": [self._chat_token(token_id, logprob) for token_id, logprob
+                                          in entry.logprobs.top[: self.num_top]]}
 
     def _chat_token(self, token_id: int, logprob: float) -> dict[str, Any]:
-        token = self.token_text(token_id)
+        token = self._written(token_id)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    def _written(self, token_id: int) -> str:
+        """A token as the answer names it: its text, or `token_id:<id>` (ids_as_tokens)."""
+        return f"token_id:{token_id}" if self.ids_as_tokens else self.token_text(token_id)
 
 
 def vllm_prompt_logprobs(prompt: PromptLogprobs | None, num_top: int,

@@ -36,7 +36,15 @@ def common_fields(body: CompletionRequest | ChatCompletionRequest, owner: str,
     idempotency key, a priority other than the body's."""
     priority = body.queue_priority() if isinstance(body, ChatCompletionRequest) else body.priority
     return {"owner": owner, "model": body.model, "priority": priority,
-            "explicit_fields": frozenset(body.model_fields_set), **extra}
+            "explicit_fields": frozenset(body.model_fields_set), "cache_salt": body.cache_salt,
+            **_tokenization(body), **extra}
+
+
+def _tokenization(body: CompletionRequest | ChatCompletionRequest) -> dict[str, Any]:
+    """How the prompt becomes token ids (GenerationRequest's fields of the same names)."""
+    return {"add_special_tokens": body.add_special_tokens,
+            "truncation_side": body.truncation_side or "left",
+            "prompt_ids_param": body.prompt_ids_param()}
 
 
 def check_counts(settings: ApiSettings, n: int, num_prompts: int) -> None:

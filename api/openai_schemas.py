@@ -7,7 +7,7 @@ with a message saying so, unless ignoring them cannot change the result (`user`,
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -22,6 +22,9 @@ from pydantic import (
 from api.chat_template import RESERVED_TEMPLATE_VARIABLES
 from api.errors import InvalidRequestError
 from api.fields import (
+    AllowedTokenIds,
+    BadWords,
+    CacheSalt,
     CompletionMaxTokens,
     FrequencyPenalty,
     IgnoreEos,
@@ -161,6 +164,8 @@ class _CommonParams(StructuredOutputParams):
     top_k: TopK = 0
     min_p: MinP = 0.0
     typical_p: TypicalP = 1.0
+    allowed_token_ids: AllowedTokenIds = None
+    bad_words: BadWords = []
     repetition_penalty: RepetitionPenalty = 1.0
     min_tokens: MinTokens = 0
     stop_token_ids: StopTokenIds = []
@@ -173,12 +178,31 @@ class _CommonParams(StructuredOutputParams):
         description="vLLM's: each prompt token's log-probability given the ones before it and the "
                     "this many most likely there (raw model distribution; capped by the server's "
                     "max_logprobs), as a `prompt_logprobs` list (first entry null). Not with stream.")
+    truncation_side: Literal["left", "right"] | None = Field(
+        None, description="vLLM's: which end truncate_prompt_tokens cuts: left keeps the prompt's "
+                          "last k tokens (the default, as vLLM's for generation), right its first k.")
+    return_token_ids: bool | None = Field(
+        None, strict=True,
+        description="vLLM's: also the token ids: the prompt's as the model saw them "
+                    "(`prompt_token_ids`) and each choice's generated ones (`token_ids`); "
+                    "streamed, each chunk's new ids, the prompt's on the first chunk.")
+    return_tokens_as_token_ids: bool | None = Field(
+        None, strict=True,
+        description="vLLM's: logprobs name tokens as 'token_id:<id>' instead of their text (a "
+                    "token that is part of a character stays distinct).")
+    spaces_between_special_tokens: bool = Field(
+        True, strict=True,
+        description="vLLM's: accepted; no effect here: the served tokenizers are fast (Rust) "
+                    "ones, which write special tokens as their text without added spaces.")
     priority: Annotated[Priority, BeforeValidator(
         vllm_priority, json_schema_input_type=Priority | int)] = Field(
         Priority.NORMAL,
         description="Carpool queue: high, normal, low or batch (idle seats); or vLLM's integer "
                     "(lower is served first): below 0 high, 0 normal, above 0 low.")
     webhook_url: WebhookUrl = None  # or the X-Carpool-Webhook-Url header
+    if TYPE_CHECKING:  # each route has its own default (vLLM's: completions true, chat false)
+        add_special_tokens: bool
+    cache_salt: CacheSalt = None
 
     @field_validator("prompt_logprobs")
     @classmethod
@@ -186,6 +210,20 @@ class _CommonParams(StructuredOutputParams):
         if value is not None and info.data.get("stream"):
             raise _unsupported("prompt_logprobs are not available with stream: true (as in vLLM)")
         return value
+
+    def prompt_ids_param(self) -> str | None:
+        """The field that needs the prompt's token ids decided by the API rather than the worker
+        (None: none does): the worker tokenizes as the route's add_special_tokens default says
+        and truncates on the left, and return_token_ids shows the ids, which must be exactly
+        those the model runs."""
+        if self.return_token_ids:
+            return "return_token_ids"
+        usual = type(self).model_fields["add_special_tokens"].default
+        if self.add_special_tokens != usual:
+            return "add_special_tokens"
+        if self.truncation_side == "right" and self.truncate_prompt_tokens is not None:
+            return "truncation_side"
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -210,6 +248,10 @@ class CompletionRequest(_CommonParams):
     max_tokens: CompletionMaxTokens = 16
     suffix: str | None = Field(None, description="Not supported (insertion).")
     echo: bool = Field(False, strict=True, description="Put the prompt before each completion.")
+    add_special_tokens: bool = Field(
+        True, strict=True,
+        description="vLLM's: a text prompt is tokenized with the tokenizer's special tokens "
+                    "(BOS...); false leaves them out. Token-id prompts are taken as given.")
     logprobs: int | None = Field(
         None, strict=True, ge=0,
         description="Log-probabilities of each generated token and of the `logprobs` most likely "
@@ -367,6 +409,14 @@ class ChatCompletionRequest(_CommonParams, ChatRenderingParams, ServingFields):
         False, strict=True,
         description="vLLM's extension: when the last message is the assistant's, put its content "
                     "before the reply (a continued message reads whole).")
+    add_special_tokens: bool = Field(
+        False, strict=True,
+        description="vLLM's: also add the tokenizer's special tokens (BOS...) to the rendered "
+                    "chat; default false, as the chat template writes them itself.")
+    include_reasoning: bool = Field(
+        True, strict=True,
+        description="vLLM's: accepted; no effect here, as no reasoning parser is served (the "
+                    "reasoning, if the model writes one, stays in the content).")
     tools: list[dict[str, Any]] | None = Field(
         None, description="Functions the model may call: {'type': 'function', 'function': {'name', "
                           "'description', 'parameters' (a JSON schema)}}.")
@@ -472,6 +522,10 @@ class CompletionChoice(BaseModel):
     text: str = Field(description="The generated text (after the prompt, with echo).")
     logprobs: CompletionLogprobs | None = Field(None, description="When asked (logprobs).")
     finish_reason: str | None = Field(description="stop, length, or abort (canceled).")
+    prompt_token_ids: list[int] | None = Field(
+        None, description="With return_token_ids: the prompt's token ids, as the model saw them.")
+    token_ids: list[int] | None = Field(
+        None, description="With return_token_ids: the generated token ids (not the echo's).")
 
 
 class Completion(BaseModel):
@@ -515,6 +569,8 @@ class ChatChoice(BaseModel):
     message: AssistantMessage = Field(description="The model's answer.")
     logprobs: ChatLogprobs | None = Field(None, description="When asked (logprobs: true).")
     finish_reason: str | None = Field(description="stop, length, tool_calls, or abort (canceled).")
+    token_ids: list[int] | None = Field(
+        None, description="With return_token_ids: the generated token ids.")
 
 
 class ChatCompletion(BaseModel):
@@ -524,6 +580,9 @@ class ChatCompletion(BaseModel):
     model: str = Field(description="The model that ran it.")
     choices: list[ChatChoice] = Field(description="n choices.")
     usage: CompletionUsage = Field(description="Token counts.")
+    prompt_token_ids: list[int] | None = Field(
+        None, description="With return_token_ids: the prompt's token ids (after the chat "
+                          "template), as the model saw them.")
     service_tier: str | None = Field(
         None, description="default, flex or priority: only when the request named a service_tier.")
 

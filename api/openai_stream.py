@@ -16,7 +16,7 @@ import redis.exceptions
 
 from api.context import AppContext
 from api.errors import openai_error_body
-from api.openai_answer import prompt_logprobs_of
+from api.openai_answer import prompt_ids_of, prompt_logprobs_of
 from api.openai_choices import ChoiceJob, ChoiceResult, cancel_jobs, merged_events, summed_usage
 from api.openai_chunks import ChunkWriter, openai_finish_reason, usage_dict
 from api.openai_logprobs import LogprobsFormatter
@@ -38,16 +38,26 @@ async def chunk_payloads(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
         {job.index: tool_parser.stream(CallIds(job.job_id)) for job in jobs}
         if tool_parser is not None else {})
     # Tokens whose text is held back (a possible stop string, a split character) send their
-    # logprobs with their choice's next chunk that carries text, or with its finish chunk.
+    # logprobs and ids with their choice's next chunk that carries text, or with its finish chunk.
     unsent: dict[int, list[StreamEntry]] = {job.index: [] for job in jobs}
+    keeps_tokens = {job.index for job in jobs
+                    if job.index in formatters or writer.return_token_ids}
+    # A completion's prompt ids go on its choice's first chunk (chat's on its opening chunk).
+    prompt_ids_due = ({job.index for job in jobs}
+                      if writer.return_token_ids and not writer.is_chat else set())
 
-    def logprobs(job: ChoiceJob) -> dict[str, Any] | None:
-        formatter = formatters.get(job.index)
-        if formatter is None or not unsent[job.index]:
+    def prompt_ids(job: ChoiceJob) -> list[int] | None:
+        if job.index not in prompt_ids_due:
             return None
-        formatted = formatter.format(unsent[job.index])
-        unsent[job.index].clear()
-        return formatted
+        prompt_ids_due.discard(job.index)
+        return prompt_ids_of(job)
+
+    def take_unsent(job: ChoiceJob) -> dict[str, Any]:
+        """The unsent tokens' logprobs and ids, as the next chunk of the choice carries them."""
+        entries, unsent[job.index] = unsent[job.index], []
+        formatter = formatters.get(job.index)
+        return {"logprobs": formatter.format(entries) if formatter is not None and entries
+                else None, "token_ids": [entry.token_id for entry in entries]}
 
     def usage_so_far(job: ChoiceJob) -> dict[str, Any]:
         return usage_dict(job.prompt_tokens, num_tokens[job.index])
@@ -58,11 +68,13 @@ async def chunk_payloads(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
                   and prompt_logprobs is not None}
 
     for job in jobs:
-        opening = writer.opening(job.index, usage_so_far(job))
+        opening = writer.opening(job.index, usage_so_far(job),
+                                 prompt_ids_of(job) if writer.return_token_ids else None)
         if opening is not None:
             yield opening
         if job.echo and job.index not in echo_waits:
-            yield writer.text(job.echo, job.index, usage_so_far(job))
+            yield writer.echo(job.echo, job.index, usage_so_far(job),
+                              prompt_token_ids=prompt_ids(job))
     last_sent = time.monotonic()
     results: list[ChoiceResult] = []
     try:
@@ -77,19 +89,22 @@ async def chunk_payloads(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
                 entry = event.entry
                 if job.index in echo_waits:
                     echo_waits.discard(job.index)
-                    yield writer.text(job.echo, job.index, usage_so_far(job),
-                                      await prompt_logprobs_of(ctx, formatters[job.index], job))
+                    yield writer.echo(job.echo, job.index, usage_so_far(job),
+                                      await prompt_logprobs_of(ctx, formatters[job.index], job),
+                                      prompt_ids(job))
                 if not event.is_done:
                     num_tokens[job.index] += 1
                     if job.prompt_only:
                         continue  # the one token that brought the prompt's logprobs: not shown
-                    if job.index in formatters:
+                    if job.index in keeps_tokens:
                         unsent[job.index].append(entry)
                     if entry.text and job.index in call_streams:
                         for delta in call_streams[job.index].feed(entry.text):
-                            yield writer.delta(delta, job.index, usage_so_far(job), logprobs(job))
+                            yield writer.delta(delta, job.index, usage_so_far(job),
+                                               **take_unsent(job))
                     elif entry.text:  # text held back (a possible stop string) arrives later
-                        yield writer.text(entry.text, job.index, usage_so_far(job), logprobs(job))
+                        yield writer.text(entry.text, job.index, usage_so_far(job),
+                                          **take_unsent(job), prompt_token_ids=prompt_ids(job))
                     continue
                 if entry.finish_reason is FinishReason.ERROR:
                     # The openai client raises APIError on a data line that carries "error".
@@ -102,13 +117,14 @@ async def chunk_payloads(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
                 reason_name = None
                 call_stream = call_streams.get(job.index)
                 if call_stream is not None:
-                    for delta in call_stream.finish():
-                        yield writer.delta(delta, job.index, usage_so_far(job))
+                    for delta in call_stream.finish():  # (its tokens go with the finish chunk)
+                        yield writer.delta(delta, job.index, usage_so_far(job), token_ids=[])
                     reason_name = tool_finish_reason(openai_finish_reason(entry.finish_reason),
                                                      call_stream.called)
                 yield writer.finish(entry.finish_reason, job.index,
                                     usage_dict(entry.prompt_tokens, entry.completion_tokens),
-                                    logprobs(job), reason_name)
+                                    reason_name=reason_name, **take_unsent(job),
+                                    prompt_token_ids=prompt_ids(job))
             else:
                 if writer.include_usage:
                     yield writer.usage(*summed_usage(results))

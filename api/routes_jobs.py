@@ -82,7 +82,7 @@ async def create_job(body: JobCreate, request: Request, response: Response, owne
         priority=body.priority, queue_timeout_s=body.queue_timeout_s, deadline_s=body.deadline_s,
         retention_s=body.retention_s, idempotency_key=idempotency_key_of(request.headers),
         input_param="prompt" if body.prompt is not None else "messages",
-        webhook_url=body.webhook_url,
+        webhook_url=body.webhook_url, cache_salt=body.cache_salt,
     ) for choice in range(body.n)])
     accepted = batch[0]
     spec = accepted.spec

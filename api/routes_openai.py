@@ -135,9 +135,12 @@ async def _answer(ctx: AppContext, request: Request,
                          created=int(first.created_at), model=first.model,
                          include_usage=body.include_usage, continuous_usage=body.continuous_usage,
                          service_tier=(body.tier_served if isinstance(body, ChatCompletionRequest)
-                                       else None))
+                                       else None),
+                         return_token_ids=bool(body.return_token_ids))
     headers = job_headers(accepted)
-    formatters = await logprobs_formatters(ctx, first.model, first.sampling, jobs, is_chat)
+    ids_as_tokens = bool(body.return_tokens_as_token_ids)
+    formatters = await logprobs_formatters(ctx, first.model, first.sampling, jobs, is_chat,
+                                           ids_as_tokens)
 
     async def whole_answer(results: list[ChoiceResult],
                            formatters: dict[int, LogprobsFormatter]) -> dict[str, Any]:
@@ -157,7 +160,7 @@ async def _answer(ctx: AppContext, request: Request,
             return  # expired meanwhile, or failed: a failed completion is not kept (as unanswered)
         # Formatters keep a running text offset: the stream used up its own.
         await keep(await whole_answer(results, await logprobs_formatters(
-            ctx, first.model, first.sampling, jobs, is_chat)))
+            ctx, first.model, first.sampling, jobs, is_chat, ids_as_tokens)))
 
     if body.stream:
         return EventStreamResponse(_stream_chunks(ctx, jobs, writer, formatters,

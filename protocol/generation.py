@@ -28,6 +28,12 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
+# allowed_token_ids: vLLM sets no cap; this one bounds the per-step mask build and the job's size.
+MAX_ALLOWED_TOKEN_IDS = 16384
+# bad_words: each word bans up to two token sequences (with and without a leading space), so 64
+# words stay within vLLM's VLLM_MAX_NUM_BAD_WORDS (128 sequences).
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
 # vLLM's guard against temperatures so small that logits / temperature overflow to inf and the
 # logprobs to NaN: below GREEDY_BELOW_TEMPERATURE a temperature means greedy, below
 # MIN_SAMPLING_TEMPERATURE it samples at that (vLLM's _SAMPLING_EPS and _MAX_TEMP).
@@ -203,6 +209,11 @@ class SamplingParams:
     # Typical decoding (Meister et al., 2022; TGI's typical_p): keep the tokens whose surprise is
     # nearest the distribution's entropy, up to this much probability mass; 1.0 is off.
     typical_p: float = 1.0
+    # vLLM's: only these token ids may be drawn (every other logit is -inf); None: any.
+    allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's: texts the output may not contain; the worker tokenizes each (as is and after a
+    # space) and bans a sequence's last token whenever the output so far ends with the rest.
+    bad_words: tuple[str, ...] = ()
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the k most likely
     # vLLM's: keep only the prompt's last k tokens (left truncation, after any chat template);
     # -1: as many as the model's context holds; None: the whole prompt.
@@ -299,6 +310,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0.0, 1.0], got {self.min_p!r}")
         if not _is_real(self.typical_p) or not 0.0 < self.typical_p <= 1.0:
             raise ValueError(f"typical_p must be in (0.0, 1.0], got {self.typical_p!r}")
+        self._check_allowed_token_ids()
+        self._check_bad_words()
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
@@ -308,6 +321,37 @@ class SamplingParams:
             raise ValueError(f"truncate_prompt_tokens must be None, -1 or an int at least 1, "
                              f"got {truncate!r}")
 
+    def _check_allowed_token_ids(self) -> None:
+        allowed = self.allowed_token_ids
+        if allowed is None:
+            return
+        if isinstance(allowed, str) or not isinstance(allowed, tuple):
+            raise ValueError(f"allowed_token_ids must be None or a tuple of ints, got {allowed!r}")
+        if not allowed:  # vLLM refuses it too: an empty whitelist leaves nothing to draw
+            raise ValueError("allowed_token_ids must hold at least one token id (None: any token)")
+        if len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+            raise ValueError(f"allowed_token_ids may hold at most {MAX_ALLOWED_TOKEN_IDS} ids, "
+                             f"got {len(allowed)}")
+        for token_id in allowed:
+            if not _is_int(token_id) or token_id < 0:
+                raise ValueError(f"allowed_token_ids must hold non-negative ints, got {token_id!r}")
+
+    def _check_bad_words(self) -> None:
+        words = self.bad_words
+        if isinstance(words, str) or not isinstance(words, tuple):
+            raise ValueError(f"bad_words must be a tuple of strings, got {words!r}")
+        if len(words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words may hold at most {MAX_BAD_WORDS} strings, got {len(words)}")
+        for word in words:
+            # vLLM tokenizes a word with its leading whitespace stripped: one that is all
+            # whitespace tokenizes to nothing, which vLLM refuses as it refuses "".
+            if not isinstance(word, str) or not word.lstrip():
+                raise ValueError(f"bad_words must hold strings with some non-whitespace text, "
+                                 f"got {word!r}")
+            if len(word) > MAX_BAD_WORD_CHARS:
+                raise ValueError(f"bad_words strings may be at most {MAX_BAD_WORD_CHARS} "
+                                 f"characters, got {len(word)}")
+
     @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
@@ -315,9 +359,10 @@ class SamplingParams:
 
     @property
     def is_processed(self) -> bool:
-        """Whether its logits need more than temperature and truncation (penalties, bias, or a
-        min_tokens mask): batches where no row does skip that work."""
-        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+        """Whether its logits need more than temperature and truncation (penalties, bias, a
+        min_tokens mask, allowed_token_ids or bad_words): batches where no row does skip that work."""
+        return (self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
+                or self.allowed_token_ids is not None or bool(self.bad_words))
 
     @property
     def is_greedy(self) -> bool:
@@ -375,7 +420,7 @@ _OMITTED_AT_DEFAULT = frozenset({
     "include_stop_str_in_output", "skip_special_tokens", "truncate_prompt_tokens",
     "stop_token_ids", "min_tokens",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_p",
-    "typical_p", "logprobs", "prompt_logprobs"})
+    "typical_p", "logprobs", "prompt_logprobs", "allowed_token_ids", "bad_words"})
 
 
 def _bias_pairs(value: Any) -> Any:

@@ -10,6 +10,10 @@ from typing import Any
 
 from protocol.generation import FinishReason, SamplingParams, TokenLogprobs
 
+# vLLM's own limit (its validator's, 128) rather than a new one: a salt vLLM takes is taken here,
+# and room enough for the 43 base64 characters (256 bits) it recommends, or a tenant id beside them.
+MAX_CACHE_SALT_CHARS = 128
+
 
 class Priority(str, Enum):
     HIGH = "high"
@@ -70,6 +74,9 @@ class JobSpec:
     continue_final_message: bool = False
     # More variables for the chat template (vLLM's chat_template_kwargs), those it reads.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # vLLM's cache_salt: the job shares prefix-cache blocks only with jobs of the same salt (None:
+    # with the unsalted ones). Not a sampling field: it changes what is reused, never the tokens.
+    cache_salt: str | None = None
 
     def expiry(self, now: float, has_started: bool) -> str:
         """Why the job must end now without (more) generation: "" while within its deadlines."""
@@ -88,7 +95,7 @@ class JobSpec:
         # them stay valid to workers that predate them.
         for name, default in (("prompt_token_ids", None), ("webhook_url", ""),
                               ("add_generation_prompt", True), ("continue_final_message", False),
-                              ("chat_template_kwargs", {})):
+                              ("chat_template_kwargs", {}), ("cache_salt", None)):
             if data[name] == default:
                 del data[name]
         return data
@@ -135,6 +142,7 @@ class JobSpec:
                 raise ValueError(f"job spec's {name!r} must be true or false")
         if not isinstance(fields.get("chat_template_kwargs", {}), dict):
             raise ValueError("job spec's 'chat_template_kwargs' must be a JSON object")
+        _check_cache_salt(fields.get("cache_salt"))
         if fields.get("continue_final_message") and fields.get("add_generation_prompt", True):
             raise ValueError("job spec cannot both continue the final message and open a new turn "
                              "(continue_final_message needs add_generation_prompt false)")
@@ -162,6 +170,15 @@ class JobSpec:
         except json.JSONDecodeError as exc:
             raise ValueError(f"job spec is not valid JSON: {exc}") from exc
         return cls.from_dict(data)
+
+
+def _check_cache_salt(value: Any) -> None:
+    # An empty salt would read as none in vLLM, silently sharing the cache it was meant to split.
+    if value is None:
+        return
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"job spec's 'cache_salt' must be a string of 1 to {MAX_CACHE_SALT_CHARS} "
+                         "characters, or left out")
 
 
 @dataclass(frozen=True, slots=True)

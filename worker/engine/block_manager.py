@@ -6,6 +6,11 @@ Prefix caching: a full block whose K/V are computed is registered under a hash o
 of every token before it. A new sequence whose prompt starts with registered blocks takes them
 (ref_cnt += 1) instead of recomputing them. Freed blocks keep their hash while they wait on the
 free list, least recently freed first out, so a preempted or repeated prefix is often still there.
+
+Cache salts (vLLM's `cache_salt`): a salted sequence's first block hashes under a root made from
+its salt instead of the shared root. Every later block chains its parent's hash, so two requests
+share blocks only when their salts are equal (or both absent): a tenant cannot probe another's
+cached prompts by timing or by `cached_tokens`.
 """
 
 from __future__ import annotations
@@ -88,16 +93,18 @@ class BlockManager:
             table.append(block_id)
         return table
 
-    def allocate_cached_prefix(self, seq_id: str, token_ids: Seq[int]) -> int:
+    def allocate_cached_prefix(self, seq_id: str, token_ids: Seq[int],
+                               cache_salt: str | None = None) -> int:
         """Start the sequence's table with its cached leading blocks; return the tokens they hold.
 
         The last token is never taken from the cache: its forward pass gives the next logits.
+        Only blocks cached under the same `cache_salt` (None: unsalted) are found.
         """
         if seq_id in self._tables:
             raise ValueError(f"sequence {seq_id!r} already has a block table")
         table: list[int] = []
         if self.enable_prefix_caching:
-            parent = _ROOT_HASH
+            parent = _chain_root(cache_salt)
             for index in range((len(token_ids) - 1) // self.block_size):
                 parent = self._hash(parent, token_ids, index)
                 block_id = self.cached_block_ids.get(parent)
@@ -113,8 +120,10 @@ class BlockManager:
             self._num_hashed[seq_id] = len(table)
         return len(table) * self.block_size
 
-    def cache_computed_blocks(self, seq_id: str, token_ids: Seq[int], num_computed_tokens: int) -> None:
-        """Register the sequence's blocks that are now full and computed, for later prefix hits."""
+    def cache_computed_blocks(self, seq_id: str, token_ids: Seq[int], num_computed_tokens: int,
+                              cache_salt: str | None = None) -> None:
+        """Register the sequence's blocks that are now full and computed, for later prefix hits
+        by sequences of the same `cache_salt` (give the one given to allocate_cached_prefix)."""
         if not self.enable_prefix_caching:
             return
         table = self._tables.get(seq_id)
@@ -124,7 +133,7 @@ class BlockManager:
         full = min(num_computed_tokens // self.block_size, len(table))
         if full <= done:
             return
-        parent = self.blocks[table[done - 1]].block_hash if done else _ROOT_HASH
+        parent = self.blocks[table[done - 1]].block_hash if done else _chain_root(cache_salt)
         for index in range(done, full):
             parent = self._hash(parent, token_ids, index)
             block = self.blocks[table[index]]
@@ -156,3 +165,13 @@ class BlockManager:
         # K/V) needs two distinct prefixes to meet in 2**64, which we accept, as vLLM does by default.
         start = index * self.block_size
         return hash((parent, *token_ids[start : start + self.block_size]))
+
+
+def _chain_root(cache_salt: str | None) -> int:
+    """The parent hash of a sequence's first block. A salt roots a chain of its own: mixing it
+    into the first block alone isolates every later one, which chains its parent's hash. Hashing
+    a (str, str) tuple never yields -1, so no salt ever maps onto the unsalted root; str hashes
+    are keyed per process (PYTHONHASHSEED), so a client cannot aim a salt at another's root."""
+    if cache_salt is None:
+        return _ROOT_HASH
+    return hash(("cache_salt", cache_salt))

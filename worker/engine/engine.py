@@ -107,22 +107,28 @@ class Engine:
         params: SamplingParams,
         output_token_ids: Seq[int] = (),
         preempt_first: bool = False,
+        cache_salt: str | None = None,
     ) -> None:
         """Queue a request; `output_token_ids` resumes one, generation continuing at that index.
         `preempt_first`: a background request (the Batch API's tier), which the scheduler
-        preempts before any other when the KV pool runs out."""
+        preempts before any other when the KV pool runs out. `cache_salt` (vLLM's): the request
+        shares prefix-cache blocks only with requests of the same salt (None: the unsalted ones)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
         prompt = self._check_token_ids("prompt_token_ids", prompt_token_ids)
         if not prompt:
             raise ValueError("prompt_token_ids is empty: a request needs at least one prompt token")
         output = self._check_token_ids("output_token_ids", output_token_ids)
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
         self._check_token_ids("logit_bias", [token_id for token_id, _ in params.logit_bias])
+        self._check_token_ids("allowed_token_ids", params.allowed_token_ids or ())
+        bad_words_token_ids = self._tokenize_bad_words(params.bad_words)
         if len(output) >= params.max_tokens:
             raise ValueError(
                 f"output_token_ids already holds {len(output)} tokens, max_tokens is {params.max_tokens}: "
@@ -144,6 +150,8 @@ class Engine:
             # A resumed request handed its prompt logprobs out with its first token already.
             needs_prompt_logprobs=params.prompt_logprobs is not None and not output,
             preempt_first=preempt_first,
+            cache_salt=cache_salt,
+            bad_words_token_ids=bad_words_token_ids,
         )
         decode = self._decode if params.skip_special_tokens else self._decode_special
         detokenizer = Detokenizer(decode, prompt, params.stop, params.min_tokens,
@@ -361,6 +369,24 @@ class Engine:
                 log.warning("the KV pool holds %d tokens: capping max_model_len=%d", capacity, model_len)
             model_len = capacity
         return model_len, num_blocks
+
+    def _tokenize_bad_words(self, bad_words: Seq[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's tokenization of bad_words (SamplingParams.update_from_tokenizer): each word,
+        leading whitespace stripped, as is and after a space, so that it is banned at the start
+        of the text and mid-text alike. The spaced form is kept only when it starts with another
+        token and is as long: where the space is a token of its own, or changes how the word
+        splits, that form would not be the word's mid-text spelling (vLLM's rule)."""
+        sequences: list[tuple[int, ...]] = []
+        for word in dict.fromkeys(bad_words):  # a repeated word bans nothing more
+            plain = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            if not plain:
+                raise ValueError(f"bad_words entry {word!r} tokenizes to no tokens")
+            sequences.append(plain)
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                sequences.append(spaced)
+        self._check_token_ids("bad_words", [token_id for sequence in sequences for token_id in sequence])
+        return tuple(sequences)
 
     def _check_token_ids(self, name: str, token_ids: Seq[int]) -> list[int]:
         ids = list(token_ids)

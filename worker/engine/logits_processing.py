@@ -1,7 +1,10 @@
-"""The per-request edits of a step's logits before any sampling: min_tokens masking, logit_bias,
-and the repetition, frequency and presence penalties, vectorized over the rows that ask for them.
+"""The per-request edits of a step's logits before any sampling: the allowed_token_ids whitelist,
+bad_words, min_tokens masking, logit_bias, and the repetition, frequency and presence penalties,
+vectorized over the rows that ask for them.
 
-vLLM's formulas and order: the min_tokens mask and the bias first, then the penalties; the
+vLLM's formulas and order: the allowed_token_ids mask (every other token -inf), then the bad-words
+ban (a bad word's last token is -inf where the output so far ends with the word's other tokens),
+the min_tokens mask and the bias, then the penalties; the
 repetition penalty covers prompt and output tokens (a positive logit is divided by it, a negative
 one multiplied), frequency and presence cover output tokens only (logit -= frequency * count +
 presence * [count > 0]). Built only when some row of the batch needs one of them, so a batch
@@ -31,10 +34,21 @@ class Penalties:
 
 
 @dataclass(slots=True)
+class AllowedTokens:
+    """The rows with an allowed_token_ids whitelist: each one's allowed ids, flattened."""
+
+    rows: torch.Tensor  # [num_rows] int64: rows of the batch
+    entry_rows: torch.Tensor  # [num_ids] int64: the index into `rows` each id belongs to
+    token_ids: torch.Tensor  # [num_ids] int64
+
+
+@dataclass(slots=True)
 class LogitsProcessing:
-    banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) set to -inf: min_tokens
+    # (rows, token ids) set to -inf: bad words' last tokens and min_tokens' stops
+    banned: tuple[torch.Tensor, torch.Tensor] | None
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, token ids, values)
     penalties: Penalties | None
+    allowed: AllowedTokens | None = None
 
     @classmethod
     def build(
@@ -46,8 +60,11 @@ class LogitsProcessing:
         eos_token_ids: frozenset[int],
         vocab_size: int,
         device: torch.device | str = "cpu",
+        bad_words_token_ids: Seq[Seq[tuple[int, ...]]] = (),
     ) -> LogitsProcessing | None:
-        """None when no row needs any processing (the common case)."""
+        """None when no row needs any processing (the common case). `bad_words_token_ids`: each
+        row's bad words as token sequences (the engine tokenizes them once per request); read
+        only for rows with bad_words."""
         if not any(p.is_processed for p in params):
             return None
         banned_rows: list[int] = []
@@ -57,6 +74,11 @@ class LogitsProcessing:
         bias_values: list[float] = []
         penalty_rows: list[int] = []
         for row, (p, index) in enumerate(zip(params, output_indices)):
+            if p.bad_words:
+                for token_id in _bad_word_bans(bad_words_token_ids[row], token_ids[row],
+                                               num_prompt_tokens[row]):
+                    banned_rows.append(row)
+                    banned_ids.append(token_id)
             # min_tokens: the token being sampled gets output index `index`; while fewer than
             # min_tokens precede it, nothing that would end the generation may be drawn.
             if index < p.min_tokens:
@@ -95,10 +117,16 @@ class LogitsProcessing:
                 frequency=floats("frequency_penalty"),
                 repetition=floats("repetition_penalty"),
             )
-        return cls(banned, bias, penalties)
+        return cls(banned, bias, penalties, _allowed_tokens(params, device))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Edit `logits` ([num_rows, vocab_size] float32) in place and return it."""
+        if self.allowed is not None:  # first, as in vLLM: no bias or penalty revives the rest
+            a = self.allowed
+            keep = torch.zeros(a.rows.shape[0], logits.shape[1], dtype=torch.bool, device=logits.device)
+            keep[a.entry_rows, a.token_ids] = True
+            sub = logits.index_select(0, a.rows).masked_fill_(~keep, float("-inf"))
+            logits.index_copy_(0, a.rows, sub)
         if self.banned is not None:
             logits.index_put_(self.banned, torch.tensor(float("-inf"), device=logits.device))
         if self.bias is not None:
@@ -123,6 +151,36 @@ class LogitsProcessing:
             sub = sub - p.frequency.unsqueeze(1) * counts - p.presence.unsqueeze(1) * in_output
             logits.index_copy_(0, p.rows, sub)
         return logits
+
+
+def _allowed_tokens(params: Seq[SamplingParams], device: torch.device | str) -> AllowedTokens | None:
+    rows = [row for row, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not rows:
+        return None
+    entry_rows: list[int] = []
+    token_ids: list[int] = []
+    for entry, row in enumerate(rows):
+        allowed = params[row].allowed_token_ids or ()
+        entry_rows += [entry] * len(allowed)
+        token_ids += allowed
+    return AllowedTokens(torch.tensor(rows, dtype=torch.int64, device=device),
+                         torch.tensor(entry_rows, dtype=torch.int64, device=device),
+                         torch.tensor(token_ids, dtype=torch.int64, device=device))
+
+
+def _bad_word_bans(bad_words: Seq[tuple[int, ...]], tokens: list[int], num_prompt_tokens: int) -> list[int]:
+    """The last tokens of the bad words that the next token would complete: those whose other
+    tokens end the output so far (the prompt never counts, as in vLLM). A one-token bad word is
+    always banned."""
+    num_output = len(tokens) - num_prompt_tokens
+    bans = []
+    for word in bad_words:
+        prefix_length = len(word) - 1
+        if prefix_length > num_output:
+            continue
+        if tuple(tokens[len(tokens) - prefix_length:]) == word[:-1]:
+            bans.append(word[-1])
+    return bans
 
 
 def _padded(rows: list[list[int]], pad: int, device: torch.device | str) -> torch.Tensor:

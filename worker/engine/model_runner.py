@@ -142,6 +142,7 @@ class ModelRunner:
         params, seeds, output_indices = [], [], []
         histories: list[list[int]] = []
         num_prompt_tokens: list[int] = []
+        bad_words: list[tuple[tuple[int, ...], ...]] = []
         prompt_indices: list[int] = []
         prompt_ids: list[str] = []
         prompt_positions: list[int] = []
@@ -167,8 +168,9 @@ class ModelRunner:
                 params.append(seq.params)
                 seeds.append(seq.seed)
                 output_indices.append(seq.num_output_tokens)  # the index the sampled token gets
-                histories.append(seq.token_ids)  # read only for rows with penalties
+                histories.append(seq.token_ids)  # read only for rows with penalties or bad words
                 num_prompt_tokens.append(seq.num_prompt_tokens)
+                bad_words.append(seq.bad_words_token_ids)
         num_tokens = len(input_ids)
         width = max(len(table) for table in out.block_tables)
         block_tables = [table + [0] * (width - len(table)) for table in out.block_tables]
@@ -196,7 +198,8 @@ class ModelRunner:
         )
         sampling = SamplingMetadata.build(
             params, seeds, output_indices, self.vocab_size, self.device, token_ids=histories,
-            num_prompt_tokens=num_prompt_tokens, eos_token_ids=self.eos_token_ids)
+            num_prompt_tokens=num_prompt_tokens, eos_token_ids=self.eos_token_ids,
+            bad_words_token_ids=bad_words)
         prompt_rows = None
         if prompt_indices:
             prompt_rows = PromptLogprobRows(prompt_ids, prompt_positions, prompt_num_top,

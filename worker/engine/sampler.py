@@ -40,7 +40,8 @@ class SamplingMetadata:
     min_p: torch.Tensor | None = None  # [num_rows] float32, 0 where off; None if no row uses it
     typical_rows: torch.Tensor | None = None  # [num_typical_rows] int64: rows with typical_p < 1
     typical_p: torch.Tensor | None = None  # [num_typical_rows] float32
-    processing: LogitsProcessing | None = None  # penalties, bias, min_tokens; None if no row asks
+    # allowed ids, bad words, min_tokens, bias, penalties; None if no row asks
+    processing: LogitsProcessing | None = None
     logprobs: LogprobsRequest | None = None  # rows that asked for logprobs; None if none did
 
     @classmethod
@@ -55,13 +56,17 @@ class SamplingMetadata:
         token_ids: Seq[list[int]] = (),
         num_prompt_tokens: Seq[int] = (),
         eos_token_ids: frozenset[int] = frozenset(),
+        bad_words_token_ids: Seq[Seq[tuple[int, ...]]] = (),
     ) -> SamplingMetadata:
         """`token_ids` (each row's prompt + output so far) and `num_prompt_tokens` are read only
-        for rows with penalties; `eos_token_ids` only for rows still short of min_tokens."""
+        for rows with penalties or bad_words; `eos_token_ids` only for rows still short of
+        min_tokens; `bad_words_token_ids` (each row's bad words, tokenized) only for rows with
+        bad_words."""
         processing = logprobs = None
         if any(p.has_extras for p in params):  # the common batch has none: one read a row
             processing = LogitsProcessing.build(params, output_indices, token_ids,
-                                                num_prompt_tokens, eos_token_ids, vocab_size, device)
+                                                num_prompt_tokens, eos_token_ids, vocab_size, device,
+                                                bad_words_token_ids)
             logprobs = LogprobsRequest.build(params, vocab_size, device)
         greedy_rows = [row for row, p in enumerate(params) if p.temperature == 0.0]
         if len(greedy_rows) == len(params):

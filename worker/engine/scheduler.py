@@ -145,7 +145,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # retired between the two calls
             seq.num_computed_tokens += num_new
-            self.block_manager.cache_computed_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens)
+            self.block_manager.cache_computed_blocks(seq.request_id, seq.token_ids, seq.num_computed_tokens,
+                                                     cache_salt=seq.cache_salt)
             if not is_sampling:
                 continue
             seq.token_ids.append(token_id)
@@ -183,7 +184,8 @@ class Scheduler:
         if seq.needs_prompt_logprobs:
             seq.num_cached_tokens = 0
             return 0  # cached positions would have no logits: compute the whole prompt
-        num_cached = self.block_manager.allocate_cached_prefix(seq.request_id, seq.token_ids)
+        num_cached = self.block_manager.allocate_cached_prefix(seq.request_id, seq.token_ids,
+                                                               cache_salt=seq.cache_salt)
         out.num_cached_tokens += num_cached
         # A resumed sequence may also hit its own output; usage reports prompt tokens only.
         seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)

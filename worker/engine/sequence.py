@@ -32,6 +32,11 @@ class Sequence:
     needs_prompt_logprobs: bool = False
     # A background request (the Batch API's tier): the first victim when the KV pool runs out.
     preempt_first: bool = False
+    # params.bad_words as token sequences, tokenized once when the request is added (the sampler
+    # bans a sequence's last token where the output ends with the rest).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # vLLM's cache_salt: its prefix-cache blocks are shared only with sequences of the same salt.
+    cache_salt: str | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -73,7 +73,9 @@ class SyntheticEngine:
         return self.tokenizer.encode(" ".join(m["content"] for m in messages))
 
     def add_request(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams,
-                    output_token_ids: tuple[int, ...] = (), preempt_first: bool = False) -> None:
+                    output_token_ids: tuple[int, ...] = (), preempt_first: bool = False,
+                    cache_salt: str | None = None) -> None:
+        # No KV cache here, so cache_salt has nothing to isolate: taken for Engine's signature.
         self._requests[request_id] = _Request(sampling.max_tokens, len(prompt_ids),
                                               len(output_token_ids))
 

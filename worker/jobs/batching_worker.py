@@ -356,7 +356,8 @@ class BatchingWorker:
                 return
             self.engine.add_request(job.job_id, prompt_ids, spec.sampling,
                                     output_token_ids=tuple(job.token_ids),
-                                    preempt_first=spec.priority.is_background)
+                                    preempt_first=spec.priority.is_background,
+                                    cache_salt=spec.cache_salt)
         except (ValueError, TypeError) as exc:
             self._fail(job, str(exc))
             return
