@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import fakeredis
 import httpx
 from fastapi import FastAPI
+from rq.job import Job
+from rq.serializers import JSONSerializer
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
@@ -24,6 +28,7 @@ from protocol import (
     Keys,
     ModelCard,
     StreamEntry,
+    TokenLogprobs,
     WorkerStats,
     stream_ids,
 )
@@ -104,6 +109,31 @@ class Harness:
         self.sync.xadd(self.keys.stream(job_id),
                        run_fields(start, [100 + start + i for i in range(len(texts))], texts),
                        id=run_entry_id(start, len(texts)))
+
+    def publish_entries(self, job_id: str,
+                        tokens: Sequence[tuple[int, str, TokenLogprobs | None]]) -> None:
+        """Token entries of chosen ids, texts and logprobs, one a token, as a worker appends them."""
+        for index, (token_id, text, logprobs) in enumerate(tokens):
+            entry = StreamEntry(kind=StreamEntry.TOKEN, index=index, token_id=token_id, text=text,
+                                logprobs=logprobs)
+            self.sync.xadd(self.keys.stream(job_id), entry.to_fields(),
+                           id=stream_ids.token_entry_id(index))
+
+    def job_spec(self, job_id: str) -> dict[str, Any]:
+        """The job's spec as the API queued it (the RQ job's argument), with its id."""
+        spec: dict[str, Any] = Job.fetch(job_id, connection=self.context.sync,
+                                         serializer=JSONSerializer).args[0]
+        return {"job_id": job_id, **spec}
+
+    async def serve_entries(self, tokens: Sequence[tuple[int, str, TokenLogprobs | None]],
+                            reason: FinishReason = FinishReason.LENGTH,
+                            prompt_tokens: int = 2) -> dict[str, Any]:
+        """Play the worker for the next job: these token entries, then its end; the job's spec."""
+        job_id = await self.take_job()
+        self.publish_entries(job_id, tokens)
+        self.publish_done(job_id, len(tokens), reason, prompt_tokens,
+                          text="".join(text for _, text, _ in tokens))
+        return self.job_spec(job_id)
 
     def publish_done(self, job_id: str, num_tokens: int, reason: FinishReason = FinishReason.STOP,
                      prompt_tokens: int = 3, error: str = "", text: str = "") -> None:

@@ -12,10 +12,8 @@ import httpx
 import openai
 import pytest
 from api_support import MODEL, Harness, parse_sse
-from rq.job import Job
-from rq.serializers import JSONSerializer
 
-from protocol import FinishReason, StreamEntry, TokenLogprobs, stream_ids
+from protocol import FinishReason, TokenLogprobs
 
 pytestmark = pytest.mark.anyio
 
@@ -37,16 +35,7 @@ def _client(harness: Harness) -> openai.AsyncOpenAI:
 async def _serve(harness: Harness, tokens: list[tuple[int, str, TokenLogprobs]] = TOKENS,
                  reason: FinishReason = FinishReason.LENGTH) -> dict[str, Any]:
     """Play the worker for the next job: its tokens with logprobs, then its end; the job's spec."""
-    job_id = await harness.take_job()
-    for index, (token_id, text, logprobs) in enumerate(tokens):
-        entry = StreamEntry(kind=StreamEntry.TOKEN, index=index, token_id=token_id, text=text,
-                            logprobs=logprobs)
-        harness.sync.xadd(harness.keys.stream(job_id), entry.to_fields(),
-                          id=stream_ids.token_entry_id(index))
-    harness.publish_done(job_id, len(tokens), reason, 2, text="".join(t for _, t, _ in tokens))
-    spec: dict[str, Any] = Job.fetch(job_id, connection=harness.context.sync,
-                                     serializer=JSONSerializer).args[0]
-    return {"job_id": job_id, **spec}
+    return await harness.serve_entries(tokens, reason)
 
 
 COMPLETION_LOGPROBS = {

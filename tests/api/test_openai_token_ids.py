@@ -17,11 +17,9 @@ from typing import Any
 import httpx
 import pytest
 from api_support import MODEL, Harness, make_harness, parse_sse, word_tokenizer
-from rq.job import Job
-from rq.serializers import JSONSerializer
 from tokenizers.processors import TemplateProcessing
 
-from protocol import FinishReason, StreamEntry, TokenLogprobs, stream_ids
+from protocol import FinishReason, TokenLogprobs
 
 pytestmark = pytest.mark.anyio
 
@@ -50,16 +48,7 @@ def bos_harness() -> Harness:
 
 async def _serve(harness: Harness, reason: FinishReason = FinishReason.LENGTH) -> dict[str, Any]:
     """Play the worker for the next job (TOKENS, then its end); the job's spec."""
-    job_id = await harness.take_job()
-    for index, (token_id, text, logprobs) in enumerate(TOKENS):
-        entry = StreamEntry(kind=StreamEntry.TOKEN, index=index, token_id=token_id, text=text,
-                            logprobs=logprobs)
-        harness.sync.xadd(harness.keys.stream(job_id), entry.to_fields(),
-                          id=stream_ids.token_entry_id(index))
-    harness.publish_done(job_id, len(TOKENS), reason, 4, text="the world hello")
-    spec: dict[str, Any] = Job.fetch(job_id, connection=harness.context.sync,
-                                     serializer=JSONSerializer).args[0]
-    return spec
+    return await harness.serve_entries(TOKENS, reason, prompt_tokens=4)
 
 
 async def _post(harness: Harness, route: str, body: dict[str, Any],

@@ -13,10 +13,8 @@ from typing import Any
 
 import pytest
 from api_support import KEY_A, MODEL, Harness, make_harness, parse_sse
-from rq.job import Job
-from rq.serializers import JSONSerializer
 
-from protocol import FinishReason, StreamEntry, TokenLogprobs, stream_ids
+from protocol import FinishReason, TokenLogprobs
 from protocol.generation import MAX_SEED, PromptLogprobs
 from protocol.job_reader import PROMPT_LOGPROBS_FIELD
 
@@ -50,16 +48,10 @@ async def _serve(harness: Harness, tokens: list[tuple[int, str, TokenLogprobs | 
     job_id = await harness.take_job()
     if prompt is not None:
         harness.sync.hset(harness.keys.state(job_id), PROMPT_LOGPROBS_FIELD, prompt.encode())
-    for index, (token_id, text, logprobs) in enumerate(tokens):
-        entry = StreamEntry(kind=StreamEntry.TOKEN, index=index, token_id=token_id, text=text,
-                            logprobs=logprobs)
-        harness.sync.xadd(harness.keys.stream(job_id), entry.to_fields(),
-                          id=stream_ids.token_entry_id(index))
+    harness.publish_entries(job_id, tokens)
     harness.publish_done(job_id, len(tokens), reason, prompt_tokens, error=error,
                          text="".join(t for _, t, _ in tokens))
-    spec: dict[str, Any] = Job.fetch(job_id, connection=harness.context.sync,
-                                     serializer=JSONSerializer).args[0]
-    return {"job_id": job_id, **spec}
+    return harness.job_spec(job_id)
 
 
 async def _post(harness: Harness, path: str, body: dict[str, Any],
