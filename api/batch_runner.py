@@ -234,10 +234,6 @@ class BatchRunner:
                 raise InvalidRequestError("'background' is not available in a batch: a batch's "
                                           "lines run in the background already",
                                           param="background")
-            if line.body.get("return_token_ids"):
-                # A line's answer is rebuilt from its jobs' streams, which keep no prompt ids.
-                raise InvalidRequestError("'return_token_ids' is not available in a batch: send "
-                                          "the request to its route", param="return_token_ids")
             if line.url == RESPONSES_URL and line.body.get("conversation") is not None:
                 raise InvalidRequestError("'conversation' is not available in a batch: lines run "
                                           "in any order, so none can take turns in one; continue "
@@ -257,7 +253,8 @@ class BatchRunner:
         return LineJobs(custom_id=line.custom_id, body=line.body,
                         job_ids=[job.spec.job_id for job in queued.accepted],
                         prompt_tokens=[job.prompt_tokens or 0 for job in queued.accepted],
-                        echoes=queued.echoes, n=queued.n, parses_calls=queued.parses_calls)
+                        echoes=queued.echoes, n=queued.n, parses_calls=queued.parses_calls,
+                        prompt_token_ids=_prompt_ids(line, queued.accepted))
 
     async def _queue_completion(self, batch: BatchRecord, line: BatchInputLine) -> _Queued:
         """A chat or plain completion line, queued as its route queues the request."""
@@ -371,10 +368,13 @@ class BatchRunner:
                     if isinstance(body, ChatCompletionRequest)
                     else completion_requests(body, self.settings, common)[0].sampling)
         prompt_only = isinstance(body, CompletionRequest) and body.scores_prompt
+        prompt_ids = line.prompt_token_ids or [None] * len(line.job_ids)
         jobs = [ChoiceJob(index=index, prompt_number=index // line.n, job_id=job_id, echo=echo,
-                          prompt_tokens=prompt_tokens, prompt_only=prompt_only)
-                for index, (job_id, echo, prompt_tokens)
-                in enumerate(zip(line.job_ids, line.echoes, line.prompt_tokens, strict=True))]
+                          prompt_tokens=prompt_tokens, prompt_only=prompt_only,
+                          prompt_token_ids=tuple(ids) if ids is not None else None)
+                for index, (job_id, echo, prompt_tokens, ids)
+                in enumerate(zip(line.job_ids, line.echoes, line.prompt_tokens, prompt_ids,
+                                 strict=True))]
         results = await wait_for_results(self.ctx, jobs)  # ended: their streams end at once
         assert results is not None  # (None only for a client that left)
         state = JobState.from_fields(await self.ctx.aio.hgetall(self.ctx.keys.state(request_id)))
@@ -489,6 +489,15 @@ class BatchRunner:
     def _forget(self, batch_id: str) -> None:
         for cache in (self._inputs, self._lines, self._poll_from, self._answered):
             cache.pop(batch_id, None)
+
+
+def _prompt_ids(line: BatchInputLine, accepted: list[AcceptedJob]) -> list[list[int] | None] | None:
+    """What a return_token_ids line's answer shows as each choice's prompt ids: the ids its job
+    was queued with (None for other lines, which keep none)."""
+    if line.url == RESPONSES_URL or not line.body.get("return_token_ids"):
+        return None
+    return [list(job.spec.prompt_token_ids) if job.spec.prompt_token_ids is not None else None
+            for job in accepted]
 
 
 def _idempotency_key(batch: BatchRecord, line: BatchInputLine) -> str:

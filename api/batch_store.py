@@ -118,18 +118,26 @@ class LineJobs:
     echoes: list[str]  # the text each choice starts with
     n: int
     parses_calls: bool = False  # a chat line whose tools are parsed from the reply
+    # With return_token_ids: the token ids each job was queued with (the API decided them, so
+    # they are what the model saw); kept only for such lines, whose answers show them.
+    prompt_token_ids: list[list[int] | None] | None = None
 
     def to_json(self) -> str:
-        return json.dumps({"custom_id": self.custom_id, "body": self.body, "job_ids": self.job_ids,
-                           "prompt_tokens": self.prompt_tokens, "echoes": self.echoes,
-                           "n": self.n, "parses_calls": self.parses_calls}, ensure_ascii=False)
+        data: dict[str, Any] = {
+            "custom_id": self.custom_id, "body": self.body, "job_ids": self.job_ids,
+            "prompt_tokens": self.prompt_tokens, "echoes": self.echoes, "n": self.n,
+            "parses_calls": self.parses_calls}
+        if self.prompt_token_ids is not None:
+            data["prompt_token_ids"] = self.prompt_token_ids
+        return json.dumps(data, ensure_ascii=False)
 
     @classmethod
     def from_json(cls, payload: str) -> LineJobs:
         data = json.loads(payload)
         return cls(custom_id=data["custom_id"], body=data["body"], job_ids=data["job_ids"],
                    prompt_tokens=data["prompt_tokens"], echoes=data["echoes"], n=data["n"],
-                   parses_calls=bool(data.get("parses_calls")))
+                   parses_calls=bool(data.get("parses_calls")),
+                   prompt_token_ids=data.get("prompt_token_ids"))
 
 
 # KEYS: batch, webhook events. ARGV: number of allowed current statuses, the statuses, the

@@ -217,6 +217,36 @@ async def test_a_line_scoring_its_prompt_answers_the_prompt_alone(harness: Harne
     assert (choice["text"], choice["finish_reason"]) == ("hello world", "length")
 
 
+@pytest.mark.parametrize(("endpoint", "body", "prompt_ids"), [
+    ("/v1/completions", {"prompt": "hello world the"}, [3, 4, 8]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}]},
+     [1, 6, 3, 2, 1, 7]),  # the template's tokens: <|im_start|> user hello <|im_end|> ...
+])
+async def test_return_token_ids_lines_answer_the_ids_their_jobs_ran(
+        harness: Harness, client: httpx.AsyncClient, endpoint: str, body: dict,
+        prompt_ids: list[int]) -> None:
+    content = _jsonl(_line("ids", {"model": MODEL, "max_tokens": 2, "return_token_ids": True,
+                                   **body}, url=endpoint))
+    batch = await _create(client, content, endpoint=endpoint)
+    runner = BatchRunner(harness.context)
+    await runner.tick()  # validating -> in_progress
+    await runner.tick()  # queued
+    job_id = await harness.take_job()
+    assert _job_spec(harness, job_id)["prompt_token_ids"] == prompt_ids  # decided by the API
+    harness.publish_entries(job_id, [(9, " a", None), (4, " world", None)])
+    harness.publish_done(job_id, 2, FinishReason.LENGTH, len(prompt_ids), text=" a world")
+    await runner.tick()
+    done = (await client.get(f"/v1/batches/{batch['id']}")).json()
+    assert done["status"] == "completed", done
+    (line,) = [json.loads(x) for x in
+               (await client.get(f"/v1/files/{done['output_file_id']}/content")).text.splitlines()]
+    answer = line["response"]["body"]
+    choice = answer["choices"][0]
+    # vLLM's places: on a completion's choice; on a chat response (its choices share it).
+    shown = choice["prompt_token_ids"] if endpoint == "/v1/completions" else answer["prompt_token_ids"]
+    assert (shown, choice["token_ids"]) == (prompt_ids, [9, 4])
+
+
 CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 WEATHER = {"type": "function", "name": "get_weather",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
