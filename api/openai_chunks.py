@@ -36,6 +36,9 @@ class ChunkWriter:
     # vLLM's return_token_ids: each chunk's new token ids (`token_ids`, on its choice) and the
     # prompt's (`prompt_token_ids`: on chat's opening chunk, on a completion's first choice chunk).
     return_token_ids: bool = False
+    # vLLM's stream_interval: a choice's text goes out every this many tokens (its first token
+    # and its end at once), fewer chunks for a client that reads many streams.
+    stream_interval: int = 1
 
     def opening(self, index: int = 0, usage: dict[str, Any] | None = None,
                 prompt_token_ids: list[int] | None = None) -> dict[str, Any] | None:

@@ -137,6 +137,10 @@ class StreamOptions(BaseModel):
         False, strict=True, description="vLLM's: usage so far on every chunk (with include_usage).")
 
 
+# stream_interval's bound: past this a stream is a whole answer sent late (use stream: false).
+MAX_STREAM_INTERVAL = 1024
+
+
 class _CommonParams(StructuredOutputParams):
     """Parameters shared by /v1/completions and /v1/chat/completions.
 
@@ -190,6 +194,11 @@ class _CommonParams(StructuredOutputParams):
         None, strict=True,
         description="vLLM's: logprobs name tokens as 'token_id:<id>' instead of their text (a "
                     "token that is part of a character stays distinct).")
+    stream_interval: int | None = Field(
+        None, strict=True, ge=1, le=MAX_STREAM_INTERVAL,
+        description="vLLM's: with stream, the tokens each chunk gathers: a choice's first token "
+                    "and its end go out at once, the rest every this many tokens. Ignored "
+                    "without stream.")
     spaces_between_special_tokens: bool = Field(
         True, strict=True,
         description="vLLM's: accepted; no effect here: the served tokenizers are fast (Rust) "

@@ -59,8 +59,37 @@ async def chunk_payloads(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
         return {"logprobs": formatter.format(entries) if formatter is not None and entries
                 else None, "token_ids": [entry.token_id for entry in entries]}
 
+    # stream_interval: each choice's text and token count since its last text chunk; its first
+    # token's text goes at once (then interval tokens a chunk), the rest with its finish.
+    pending_text = {job.index: "" for job in jobs}
+    pending_tokens = {job.index: 0 for job in jobs}
+    first_sent: set[int] = set()
+
+    def text_due(job: ChoiceJob, text: str) -> str:
+        """The text to send now for a token bringing `text` ("": none yet)."""
+        if writer.stream_interval == 1:
+            return text
+        pending_text[job.index] += text
+        pending_tokens[job.index] += 1
+        if job.index in first_sent and pending_tokens[job.index] < writer.stream_interval:
+            return ""
+        first_sent.add(job.index)
+        due, pending_text[job.index], pending_tokens[job.index] = pending_text[job.index], "", 0
+        return due
+
     def usage_so_far(job: ChoiceJob) -> dict[str, Any]:
         return usage_dict(job.prompt_tokens, num_tokens[job.index])
+
+    def text_chunks(job: ChoiceJob, text: str) -> list[dict[str, Any]]:
+        """The chunks that send `text` of the choice (none for ""), with the logprobs and ids of
+        its tokens not sent yet."""
+        if not text:  # text held back (a possible stop string, an interval) arrives later
+            return []
+        if job.index in call_streams:
+            return [writer.delta(delta, job.index, usage_so_far(job), **take_unsent(job))
+                    for delta in call_streams[job.index].feed(text)]
+        return [writer.text(text, job.index, usage_so_far(job), **take_unsent(job),
+                            prompt_token_ids=prompt_ids(job))]
 
     # echo with logprobs: a choice's echo chunk carries its prompt's logprobs, which the worker
     # writes with the first token, so it goes out when the choice's first entry arrives.
@@ -98,14 +127,12 @@ async def chunk_payloads(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
                         continue  # the one token that brought the prompt's logprobs: not shown
                     if job.index in keeps_tokens:
                         unsent[job.index].append(entry)
-                    if entry.text and job.index in call_streams:
-                        for delta in call_streams[job.index].feed(entry.text):
-                            yield writer.delta(delta, job.index, usage_so_far(job),
-                                               **take_unsent(job))
-                    elif entry.text:  # text held back (a possible stop string) arrives later
-                        yield writer.text(entry.text, job.index, usage_so_far(job),
-                                          **take_unsent(job), prompt_token_ids=prompt_ids(job))
+                    text = text_due(job, entry.text)
+                    for chunk in text_chunks(job, text):
+                        yield chunk
                     continue
+                for chunk in text_chunks(job, pending_text[job.index]):  # the interval's rest
+                    yield chunk
                 if entry.finish_reason is FinishReason.ERROR:
                     # The openai client raises APIError on a data line that carries "error".
                     yield openai_error_body(f"The job failed: {entry.error or 'no reason given'}",

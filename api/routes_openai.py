@@ -136,7 +136,8 @@ async def _answer(ctx: AppContext, request: Request,
                          include_usage=body.include_usage, continuous_usage=body.continuous_usage,
                          service_tier=(body.tier_served if isinstance(body, ChatCompletionRequest)
                                        else None),
-                         return_token_ids=bool(body.return_token_ids))
+                         return_token_ids=bool(body.return_token_ids),
+                         stream_interval=body.stream_interval or 1)
     headers = job_headers(accepted)
     ids_as_tokens = bool(body.return_tokens_as_token_ids)
     formatters = await logprobs_formatters(ctx, first.model, first.sampling, jobs, is_chat,
