@@ -60,7 +60,7 @@ async def chunk_payloads(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
                 else None, "token_ids": [entry.token_id for entry in entries]}
 
     # stream_interval: each choice's text and token count since its last text chunk; its first
-    # token's text goes at once (then interval tokens a chunk), the rest with its finish.
+    # text goes at once (then interval tokens a chunk), the rest with its finish.
     pending_text = {job.index: "" for job in jobs}
     pending_tokens = {job.index: 0 for job in jobs}
     first_sent: set[int] = set()
@@ -71,10 +71,12 @@ async def chunk_payloads(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
             return text
         pending_text[job.index] += text
         pending_tokens[job.index] += 1
-        if job.index in first_sent and pending_tokens[job.index] < writer.stream_interval:
-            return ""
+        due = pending_text[job.index]
+        if not due or (job.index in first_sent
+                       and pending_tokens[job.index] < writer.stream_interval):
+            return ""  # (a first token whose text the worker holds back does not count as sent)
         first_sent.add(job.index)
-        due, pending_text[job.index], pending_tokens[job.index] = pending_text[job.index], "", 0
+        pending_text[job.index], pending_tokens[job.index] = "", 0
         return due
 
     def usage_so_far(job: ChoiceJob) -> dict[str, Any]:

@@ -50,6 +50,16 @@ async def test_completion_chunks_gather_interval_tokens(harness: Harness, interv
     assert [c["finish_reason"] for c in choices] == [None] * (len(texts) - 1) + ["length"]
 
 
+async def test_the_first_text_goes_at_once_even_when_the_first_token_held_it_back(
+        harness: Harness) -> None:
+    tokens: list[tuple[int, str, TokenLogprobs | None]] = [
+        (8, "", None), (3, "the hello", None), (4, " world", None), (9, " the", None)]
+    choices = await _stream(harness, "completions", {"prompt": [3, 4], "stream_interval": 3,
+                                                     "return_token_ids": True}, tokens)
+    assert [(c["text"], c["token_ids"]) for c in choices] == [
+        ("the hello", [8, 3]), (" world the", [4, 9]), ("", [])]
+
+
 async def test_chat_chunks_gather_interval_tokens_with_their_logprobs(harness: Harness) -> None:
     tokens: list[tuple[int, str, TokenLogprobs | None]] = [
         (token_id, text, TokenLogprobs(-0.5 * (i + 1), ((token_id, -0.5 * (i + 1)),)))
