@@ -131,6 +131,15 @@ class LoadReport:
         }
 
 
+def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
+    """When each of `count` jobs is offered, in seconds from the first: Poisson arrivals at
+    `rate` jobs/s (exponential gaps from `seed`), or all at 0 for an infinite rate."""
+    if not np.isfinite(rate):
+        return [0.0] * count
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=count)
+    return [float(at) for at in np.cumsum(gaps) - gaps[0]]
+
+
 class LoadGenerator:
     """Submits each workload item at its Poisson arrival time and reads its SSE stream."""
 
@@ -148,9 +157,7 @@ class LoadGenerator:
         `worker_name` restricts the slot-utilisation samples to that worker: a worker that just
         stopped keeps its stats hash for a few seconds and would otherwise count as idle seats.
         """
-        rng = np.random.default_rng(seed)
-        gaps = rng.exponential(1.0 / rate, size=len(workload)) if np.isfinite(rate) else np.zeros(len(workload))
-        arrivals = np.cumsum(gaps) - gaps[0]
+        arrivals = poisson_arrivals(len(workload), rate, seed)
         records = [RequestRecord(max_tokens=item.max_tokens) for item in workload]
         limits = httpx.Limits(max_connections=len(workload) + 8)
         async with httpx.AsyncClient(base_url=self.api_url, headers=self.headers, limits=limits,
@@ -161,7 +168,7 @@ class LoadGenerator:
             sampler = asyncio.create_task(self._sample_utilisation(client, worker_name))
             start = time.perf_counter()
             await asyncio.gather(*(
-                self._one(client, item, record, start + float(at))
+                self._one(client, item, record, start + at)
                 for item, record, at in zip(workload, records, arrivals)
             ))
             elapsed = time.perf_counter() - start
