@@ -132,6 +132,17 @@ def choice_sampling(sampling: SamplingParams, choice: int) -> SamplingParams:
     return dataclasses.replace(sampling, seed=(sampling.seed + choice) % (MAX_SEED + 1))
 
 
+async def _encoded_ids(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """The text's token ids; a long text is encoded off the event loop, which a long encode
+    would otherwise hold up for every other request."""
+    if len(text) > _THREAD_TOKENIZE_CHARS:
+        encoding = await anyio.to_thread.run_sync(
+            partial(tokenizer.encode, text, add_special_tokens=add_special_tokens))
+    else:
+        encoding = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return list(encoding.ids)
+
+
 def _seen_text(tokenizer: Tokenizer, ids: list[int], text: str | None,
                request: GenerationRequest, card: ModelCard) -> str:
     """The text of the prompt tokens the model sees: `text` (None: the ids decoded) when it sees
@@ -452,12 +463,7 @@ class JobService:
             add_special_tokens = bool(request.add_special_tokens)
         else:
             text, add_special_tokens = request.prompt or "", request.add_special_tokens is not False
-        if len(text) > _THREAD_TOKENIZE_CHARS:
-            encoding = await anyio.to_thread.run_sync(
-                partial(tokenizer.encode, text, add_special_tokens=add_special_tokens))
-        else:
-            encoding = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return list(encoding.ids)
+        return await _encoded_ids(tokenizer, text, add_special_tokens)
 
     async def _count_prompt(self, card: ModelCard,
                             request: GenerationRequest) -> tuple[int | None, bool, str | None]:
@@ -485,14 +491,10 @@ class JobService:
         prompt_text = None if request.messages is not None else text
         if tokenizer is None:
             return None, False, prompt_text
-        if len(text) > _THREAD_TOKENIZE_CHARS:
-            encoding = await anyio.to_thread.run_sync(
-                partial(tokenizer.encode, text, add_special_tokens=add_special_tokens))
-        else:
-            encoding = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        ids = await _encoded_ids(tokenizer, text, add_special_tokens)
         if prompt_text is not None:
-            prompt_text = _seen_text(tokenizer, encoding.ids, prompt_text, request, card)
-        return len(encoding.ids), is_exact, prompt_text
+            prompt_text = _seen_text(tokenizer, ids, prompt_text, request, card)
+        return len(ids), is_exact, prompt_text
 
     def _check_lengths(self, card: ModelCard, request: GenerationRequest, prompt_tokens: int | None,
                        is_exact: bool) -> int:
