@@ -98,14 +98,22 @@ async def chunk_payloads(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
     echo_waits = {job.index for job in jobs if job.echo and job.index in formatters
                   and prompt_logprobs is not None}
 
-    for job in jobs:
-        opening = writer.opening(job.index, usage_so_far(job),
-                                 prompt_ids_of(job) if writer.return_token_ids else None)
-        if opening is not None:
-            yield opening
-        if job.echo and job.index not in echo_waits:
-            yield writer.echo(job.echo, job.index, usage_so_far(job),
-                              prompt_token_ids=prompt_ids(job))
+    def openings() -> list[dict[str, Any]]:
+        chunks = []
+        for job in jobs:
+            opening = writer.opening(job.index, usage_so_far(job),
+                                     prompt_ids_of(job) if writer.return_token_ids else None)
+            if opening is not None:
+                chunks.append(opening)
+            if job.echo and job.index not in echo_waits:
+                chunks.append(writer.echo(job.echo, job.index, usage_so_far(job),
+                                          prompt_token_ids=prompt_ids(job)))
+        return chunks
+
+    # The openings (chat's role chunks, echoes) go out with the first entry any choice brings,
+    # as vLLM's do: a client that times its first chunk (vLLM's and others' benchmarks take it
+    # as the first token) then measures the prefill, not the submission.
+    opened = False
     last_sent = time.monotonic()
     results: list[ChoiceResult] = []
     try:
@@ -117,6 +125,10 @@ async def chunk_payloads(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
                         yield None
                     continue
                 last_sent = time.monotonic()
+                if not opened:
+                    opened = True
+                    for chunk in openings():
+                        yield chunk
                 entry = event.entry
                 if job.index in echo_waits:
                     echo_waits.discard(job.index)

@@ -13,6 +13,9 @@ import openai
 import pytest
 from api_support import CONTEXT, MODEL, Harness, parse_sse
 
+from api.openai_choices import ChoiceJob
+from api.openai_chunks import ChunkWriter
+from api.openai_stream import chunk_payloads
 from protocol import FinishReason, JobStatus
 
 pytestmark = pytest.mark.anyio
@@ -145,6 +148,33 @@ async def test_streamed_chat_chunks_with_usage(harness: Harness, client: httpx.A
                                           "prompt_tokens_details": {"cached_tokens": 0}}},
         "[DONE]",
     ]
+
+
+async def test_a_chat_stream_opens_with_its_first_token_not_at_submission(
+        harness: Harness, client: httpx.AsyncClient) -> None:
+    """The role chunk waits for the job's first entry, as vLLM's does: benchmark clients (vLLM's
+    own among them) take a stream's first chunk as its first token."""
+    submitted = await client.post("/v1/jobs", json={"prompt": "hello", "max_tokens": 2})
+    job_id = submitted.json()["job_id"]
+    writer = ChunkWriter(is_chat=True, response_id=f"chatcmpl-{job_id}", created=1, model=MODEL,
+                         include_usage=False)
+    sent: list[tuple[bool, dict[str, Any]]] = []  # (whether the job had a token then, chunk)
+    has_token = False
+
+    async def read() -> None:
+        async for payload in chunk_payloads(harness.context, [ChoiceJob(0, 0, job_id, is_new=True)],
+                                            writer, {}, None):
+            if payload is not None:  # (None: a keep-alive comment)
+                sent.append((has_token, payload))
+
+    reading = asyncio.create_task(read())
+    await asyncio.sleep(0.3)  # the job waits in the queue
+    has_token = True
+    harness.publish_tokens(job_id, ["Hi"])
+    harness.publish_done(job_id, 1, FinishReason.LENGTH)
+    await asyncio.wait_for(reading, 5)
+    assert [(after, chunk["choices"][0]["delta"]) for after, chunk in sent] == [
+        (True, {"role": "assistant", "content": ""}), (True, {"content": "Hi"}), (True, {})]
 
 
 async def test_official_client_completions(harness: Harness) -> None:
