@@ -3,9 +3,10 @@ bf16 (computed in fp32, rounded once at the output).
 
 Same signature and results as its twin, `paged_attention_torch`. Sequences with up to
 `max_query_rows` query rows in the step are computed by the C++ kernels straight from the paged
-cache: decodes and short chunks always; every bf16 chunk on AVX512-BF16 (the row-by-row scan) and
-on AMX (chunks of 16 rows or more on AMX tiles, csrc/amx_attention.cpp). Longer prefill chunks,
-elsewhere, are GEMMs for torch's CPU flash attention.
+cache: decodes and short chunks always; every bf16 chunk on AVX512-BF16 and on AMX (chunks of 16
+rows or more in csrc/chunk_attention.cpp: AMX tiles, or VDPBF16PS blocks in tile order without AMX;
+shorter ones the row-by-row scan). Longer prefill chunks, elsewhere, are GEMMs for torch's CPU
+flash attention.
 
 A long chunk is the last `q` of a sequence's `ctx` positions, so its mask is causal aligned to
 the bottom right: every row sees the `ctx - q` positions before the chunk, then the chunk's own
@@ -37,7 +38,9 @@ MAX_QUERY_ROWS = 128
 # measured (README, "The whole serving path", long prompts): without AMX (ISA avx512_bf16) the
 # row-by-row scan (VDPBF16PS; a long chunk's rows dealt out to the threads in parts), one layer's
 # attention, 9 heads over 3, on a 2-vCPU Zen 4 EPYC, 3.1x at 256 rows, 1.8x at 512, 1.3x at 1,024,
-# 1.2x at 1,400, 1.1x at 2,048; with AMX the tiles of csrc/amx_attention.cpp, on a 2-core Xeon
+# 1.2x at 1,400, 1.1x at 2,048, and since the VDPBF16PS blocks of csrc/chunk_attention.cpp took the
+# chunks of 16 rows or more from it, 2.9x the scan again at 512 and 1,400 rows (for a head_dim that
+# is a multiple of 32; other heads keep the scan); with AMX the tiles of csrc/chunk_attention.cpp, on a 2-core Xeon
 # 1.65x at 256, 1.5x at 1,024, 1.45x at 1,400 and 2,048 (the same shapes; flash runs on AMX tiles
 # too there, and beats the scan 3.5x at 1,400 rows). AVX2 and fp32 keep the flash path.
 NO_ROW_LIMIT = 1 << 30
@@ -48,8 +51,8 @@ def max_query_rows(dtype: torch.dtype, head_dim: int) -> int:
     `head_dim` with the ISA the kernels run with now; longer chunks go to torch's flash attention."""
     if dtype == torch.bfloat16:
         isa = cpu_isa.active_isa()  # "amx" only where the extension is built and loaded
-        # The AMX tiles' own test of a head's size (csrc/amx_attention.cpp), not a copy of it.
-        if isa == cpu_isa.AVX512_BF16 or (isa == cpu_isa.AMX and cpu_extension.load().amx_attention_runs(head_dim)):
+        # The tiles' own test of a head's size (csrc/chunk_attention.cpp), not a copy of it.
+        if isa == cpu_isa.AVX512_BF16 or (isa == cpu_isa.AMX and cpu_extension.load().chunk_attention_runs(head_dim)):
             return NO_ROW_LIMIT
     return MAX_QUERY_ROWS
 

@@ -1,4 +1,4 @@
-// The operand of LDTILECFG, for the AMX translation units (amx_linear.cpp, amx_attention.cpp):
+// The operand of LDTILECFG, for the AMX translation units (amx_linear.cpp, chunk_attention.cpp):
 // include it only inside their AMX target region. Plain data, no functions (see
 // paged_attention_args.h: a header function built under two target ISAs is one symbol).
 #pragma once

@@ -13,8 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.def("cpu_features", &cpu_features, "the CPU features the kernels probe at run time (CPUID), and whether AVX-512 paths were built");
     m.def("active_isa", &active_isa_name, "the ISA the kernels run with now: 'amx', 'avx512_bf16' or 'avx2'");
     m.def("set_active_isa", &set_active_isa, "run the kernels with 'avx2', 'avx512_bf16' or 'amx' (ValueError where unsupported)");
-    m.def("amx_attention_runs", &carpool::amx_attention_runs,
-          "whether bf16 prefill chunks of this head_dim go to the AMX tiles now (ISA amx, head_dim % 32 == 0, <= 256)");
+    m.def("chunk_attention_runs", &carpool::chunk_attention_runs,
+          "whether bf16 prefill chunks of this head_dim go to chunk_attention.cpp now (ISA amx or avx512_bf16, head_dim % 32 == 0, <= 256)");
     m.def("amx_pack_weight", &amx_pack_weight, "a bf16 weight [N, K] in AMX tile order [N/16, K/32, 16, 32]");
     m.def("amx_linear", &amx_linear, "y = x @ weight.T (+ bias), bf16, on AMX tiles (weight from amx_pack_weight)");
     m.def("skinny_linear", &skinny_linear, "y = x @ weight.T (+ bias), fp32, few rows, AVX2+FMA");

@@ -32,10 +32,11 @@ void paged_attention_task_avx512_bf16(const PagedAttentionArgs& args, int64_t ta
 void paged_attention_task_avx512_fp32(const PagedAttentionArgs& args, int64_t task, int64_t first_row,
                                       int64_t end_row, float* scratch);
 
-// AMX tiles (amx_attention.cpp) for the prefill chunks of bf16 steps. amx_attention_runs: true
-// where they can take a head of this size now (ISA kAmx, head_dim a multiple of 32 up to 256).
-// amx_attention: the sequences with min_rows..max_rows query rows, into out; the others untouched.
-bool amx_attention_runs(int64_t head_dim);
-void amx_attention(const PagedAttentionArgs& args, int64_t num_seqs, int64_t min_rows, int64_t max_rows);
+// AMX tiles, or VDPBF16PS blocks in tile order (chunk_attention.cpp), for the prefill chunks of
+// bf16 steps. chunk_attention_runs: true where they can take a head of this size now (ISA kAmx or
+// kAvx512Bf16, head_dim a multiple of 32 up to 256).
+// chunk_attention: the sequences with min_rows..max_rows query rows, into out; the others untouched.
+bool chunk_attention_runs(int64_t head_dim);
+void chunk_attention(const PagedAttentionArgs& args, int64_t num_seqs, int64_t min_rows, int64_t max_rows);
 
 }  // namespace carpool

@@ -224,11 +224,14 @@ void paged_attention(const at::Tensor& query, const at::Tensor& key_cache, const
 
 // Query rows of a long chunk per task of the AVX-512 path (a decode step has one per sequence).
 constexpr int64_t kRowsPerPart = 32;
-// With AMX, a bf16 sequence with this many rows in the step or more goes to amx_attention.cpp. Its
-// tiles against the row-by-row scan, one sequence, 9 heads over 3, on a 2-core Xeon: 16 rows after
-// 128, 512, 1,000, 2,000 positions 1.3x, 1.8x, 1.5x, 1.6x (8 rows: 0.7-1.0x); from position 0, 16
-// rows 0.5x (16 against 31 us a layer: a prompt that short is rare), 32 rows 1.15x, 64 1.5x, 128 2.4x.
-constexpr int64_t kAmxMinRows = 16;
+// A bf16 sequence with this many rows in the step or more goes to chunk_attention.cpp (AMX tiles,
+// or without AMX VDPBF16PS blocks in tile order). Against the row-by-row scan, one sequence, 9 heads
+// over 3: AMX on a 2-core Xeon, 16 rows after 128, 512, 1,000, 2,000 positions 1.3x, 1.8x, 1.5x,
+// 1.6x (8 rows: 0.7-1.0x); from position 0, 16 rows 0.5x (16 against 31 us a layer: a prompt that
+// short is rare), 32 rows 1.15x, 64 1.5x, 128 2.4x. AVX512-BF16 on a 2-vCPU Zen 4 EPYC, 16 rows
+// after 128, 512, 2,000 positions 1.2x, 1.7x, 2.1x (from 0: 0.85x), 32 rows 1.1-2.7x, 128 rows
+// 1.65-2.9x; 8 rows 0.8-1.5x.
+constexpr int64_t kChunkMinRows = 16;
 
 // The AVX-512 path: the same tasks, each run by paged_attention_avx512.cpp.
 template <typename T>
@@ -258,9 +261,9 @@ void paged_attention_avx512(const at::Tensor& query, const at::Tensor& key_cache
     check_lengths_and_tables(args.starts, args.lens, args.tables, num_seqs, args.table_width, args.block_size,
                              key_cache.size(0), query.size(0));
     if constexpr (std::is_same_v<T, carpool::bf16>) {
-        if (carpool::amx_attention_runs(args.head_dim)) {  // chunks of kAmxMinRows rows or more: AMX tiles
-            carpool::amx_attention(args, num_seqs, kAmxMinRows, max_query_rows);
-            max_query_rows = std::min(max_query_rows, kAmxMinRows - 1);
+        if (carpool::chunk_attention_runs(args.head_dim)) {  // chunks of kChunkMinRows rows or more
+            carpool::chunk_attention(args, num_seqs, kChunkMinRows, max_query_rows);
+            max_query_rows = std::min(max_query_rows, kChunkMinRows - 1);
             args.max_query_rows = max_query_rows;
         }
     }

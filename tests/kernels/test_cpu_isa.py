@@ -55,7 +55,7 @@ def test_avx512_and_avx2_attention_agree_on_an_engine_shaped_decode(paged_batch,
     seq_lens = [1, 15, 16, 17, 100, 255, 256, 257, 499]
     batch = paged_batch([1] * len(seq_lens), seq_lens, num_heads=9, num_kv_heads=3, head_dim=64, dtype=dtype)
     outputs = {}
-    for isa in (cpu_isa.AVX2, cpu_isa.AVX512_BF16):  # not AMX: tiles do matmuls, not attention
+    for isa in (cpu_isa.AVX2, cpu_isa.AVX512_BF16):  # not AMX: its decodes take the same scan
         with cpu_isa.forced_isa(isa):
             outputs[isa] = cpu_paged_attention.paged_attention_cpu(*batch.args())
     tol = 1e-6 if dtype == torch.float32 else 2**-7

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -126,17 +128,32 @@ def test_long_bf16_chunks_run_in_the_kernels_with_avx512_bf16_or_amx(each_isa, p
     assert torch.equal(out, alone)
 
 
-@pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads"), [(32, 4, 4), (64, 9, 3), (128, 8, 2)])
+def _scan_sized(batch: Any, rows_per_piece: int = 15) -> tuple[Any, ...]:
+    """The batch's arguments with each chunk cut into pieces of at most `rows_per_piece` rows, each
+    piece a sequence of its own ending at its last row's position: the same rows, all of them short
+    enough for the row-by-row scan, which computes each row on its own."""
+    tables, seq_lens, starts = [], [], [0]
+    for s, (rows, ctx) in enumerate(zip(batch.query_lens, batch.seq_lens_list)):
+        for first in range(0, rows, rows_per_piece):
+            end = min(rows, first + rows_per_piece)
+            tables.append(batch.block_tables[s])
+            seq_lens.append(ctx - rows + end)
+            starts.append(starts[-1] + end - first)
+    return (batch.query, batch.key_cache, batch.value_cache, torch.stack(tables),
+            torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(starts, dtype=torch.int32), batch.scale)
+
+
+@pytest.mark.parametrize(("head_dim", "num_heads", "num_kv_heads"), [(32, 4, 4), (64, 9, 3), (128, 8, 2), (96, 6, 2)])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_amx_tiles_take_bf16_chunks_of_16_rows_or_more(each_isa, paged_batch, dense_reference, close, head_dim,
-                                                       num_heads, num_kv_heads, block_size):
-    if each_isa != cpu_isa.AMX:
-        pytest.skip("AMX tiles only")
-    # Beside decodes and a 15-row chunk (the scan's): 16 rows after 200 positions (half a tile
-    # block of rows), 32 rows from position 0 and after 5 (a block ending mid-key-tile), 33 rows
-    # (a second, one-row block), a whole 300-row prompt, and 290 rows after 700 positions (several
+def test_chunks_of_16_rows_or_more_take_the_tile_order_kernel_with_avx512_bf16_or_amx(
+        each_isa, paged_batch, dense_reference, close, head_dim, num_heads, num_kv_heads, block_size):
+    if each_isa == cpu_isa.AVX2:
+        pytest.skip("AMX tiles or AVX512-BF16 blocks only")
+    # Beside decodes and a 15-row chunk (the scan's): 16 rows after 200 positions (half a block of
+    # 32 rows), 32 rows from position 0 and after 5 (a block ending mid-key-tile), 33 rows (a
+    # second, one-row block), a whole 300-row prompt, and 290 rows after 700 positions (several
     # key blocks of 256), none a multiple of 32 keys; unowned cache slots hold NaN, which no tile
-    # may read.
+    # may read. head_dim 96: three vectors of 32 features (the AVX-512 V blocks' odd slab).
     query_lens = [1, 16, 15, 32, 32, 33, 300, 1, 290]
     seq_lens = [40, 16 + 200, 15 + 9, 32, 32 + 5, 33 + 100, 300, 555, 290 + 700]
     batch = paged_batch(query_lens, seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -144,12 +161,16 @@ def test_amx_tiles_take_bf16_chunks_of_16_rows_or_more(each_isa, paged_batch, de
     out = paged_attention_cpu(*batch.args())
     close(out, dense_reference(batch), torch.bfloat16)
     assert not out.isnan().any()
-    # The tiles round each probability to bf16 for the product with V (as flash attention does);
-    # the scan keeps them in fp32: the tiles' rows are close to the scan's, not equal.
-    with cpu_isa.forced_isa(cpu_isa.AVX512_BF16):
-        scanned = paged_attention_cpu(*batch.args())
+    # The chunk kernel rounds each probability to bf16 for the product with V (as flash attention
+    # does); the scan keeps them in fp32: its rows are close to the scan's, not equal.
+    scanned = paged_attention_cpu(*_scan_sized(batch))
     starts = batch.query_start_loc.tolist()
     for s, rows in enumerate(query_lens):
         mine, theirs = out[starts[s]:starts[s + 1]], scanned[starts[s]:starts[s + 1]]
         assert torch.equal(mine, theirs) == (rows < 16), f"sequence {s} ({rows} rows)"
         close(mine, theirs, torch.bfloat16)
+
+
+def test_the_tile_order_kernel_runs_where_the_isa_has_it(each_isa):
+    runs = cpu_extension.load().chunk_attention_runs
+    assert [runs(d) for d in (32, 64, 96, 256, 48, 288)] == [each_isa != cpu_isa.AVX2] * 4 + [False, False]
