@@ -4,13 +4,6 @@
 // paged_attention_cpu.cpp hands it those sequences where the ISA is AMX or AVX512-BF16
 // (carpool::chunk_attention_runs) and runs the rest (decodes, short chunks) through its row-by-row scan.
 //
-// Why the AVX512-BF16 blocks: the scan takes one query row at a time, so every 16 keys cost it
-// 16 loads, 32 VDPBF16PS and a 46-instruction transposing sum per head; in tile order a row's
-// broadcast feature pair meets 16 keys in one VDPBF16PS with nothing to sum, and a block of 8
-// rows shares each loaded vector. On a 2-vCPU Zen 4 EPYC, one layer (9 heads over 3): a
-// 1,400-token prompt 3.5 against 10.2 ms, 512 rows after 1,024 positions 2.4 against 7.1 ms,
-// 16 rows after 2,000 positions 0.20 against 0.41 ms (scripts/bench_kernels.py; README, long prompts).
-//
 // Why: on a Xeon with AMX, torch's CPU flash attention (which chunks of more than 128 rows went
 // to) spent about half of a 1,400-token prefill; a perf profile of its call showed the softmax at
 // two thirds of it (separate scale, max, exp and convert passes over each 256 x 512 score block)
@@ -20,6 +13,14 @@
 // sums and rounds it (exp2 of an FMA, VSCALEFPS), blocks of 32 query rows stop at their own last
 // key, and a kv head's K and V are put in tile order once for all the query heads that share them.
 //
+// Why the AVX512-BF16 blocks: the scan takes one query row at a time, so every 16 keys cost it
+// 16 loads, 32 VDPBF16PS and a 46-instruction transposing sum per head; in tile order a row's
+// broadcast feature pair meets 16 keys in one VDPBF16PS with nothing to sum, and a block of 8
+// rows shares each loaded vector. On a 2-vCPU Zen 4 EPYC, one layer (9 heads over 3): a
+// 1,400-token prompt 3.5 against 10.2 ms, 512 rows after 1,024 positions 2.4 against 7.1 ms
+// (scripts/bench_kernels.py; README, long prompts); 16 rows after 2,000 positions 0.20 against
+// 0.41 ms (a scratch script over kernels.paged_attention).
+//
 // Algorithm, per call: each sequence's K, per kv head, becomes B tiles of 16 keys x 32 features
 // (K^T in the pairs TDPBF16PS takes), its V B tiles of 32 keys x 16 features, zero past the
 // context. Then tasks of (sequence, query head, 32 query rows), the costliest first, each thread
@@ -28,6 +29,8 @@
 // output so far rescaled when the max grows), the probabilities rounded to bf16 (as flash
 // attention does) and multiplied by V on tiles into the fp32 output. Row i of a chunk of q rows
 // (position ctx - q + i) sees keys 0..ctx - q + i: the mask is causal aligned to the bottom right.
+// Without AMX the same steps, the two products on VDPBF16PS blocks over the task's rows rounded
+// up to 8 (not all 32: a 16-row chunk costs half).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -45,7 +48,7 @@
 #include "paged_attention_args.h"
 
 #if CARPOOL_BUILD_AVX512 && !defined(__clang__) && __GNUC__ >= 12
-#define CARPOOL_BUILD_AMX_ATTENTION 1
+#define CARPOOL_BUILD_CHUNK_ATTENTION 1
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")
@@ -446,13 +449,13 @@ void attend_chunks(const carpool::PagedAttentionArgs& args, int64_t num_seqs, in
 
 #pragma GCC pop_options
 #else
-#define CARPOOL_BUILD_AMX_ATTENTION 0
+#define CARPOOL_BUILD_CHUNK_ATTENTION 0
 #endif
 
 namespace carpool {
 
 bool chunk_attention_runs(int64_t head_dim) {
-#if CARPOOL_BUILD_AMX_ATTENTION
+#if CARPOOL_BUILD_CHUNK_ATTENTION
     return active_isa() >= Isa::kAvx512Bf16 && head_dim % 32 == 0 && head_dim <= kMaxHeadDim;
 #else
     return head_dim < 0;  // never: not built
@@ -460,7 +463,7 @@ bool chunk_attention_runs(int64_t head_dim) {
 }
 
 void chunk_attention(const PagedAttentionArgs& args, int64_t num_seqs, int64_t min_rows, int64_t max_rows) {
-#if CARPOOL_BUILD_AMX_ATTENTION
+#if CARPOOL_BUILD_CHUNK_ATTENTION
     attend_chunks(args, num_seqs, min_rows, max_rows, active_isa() == Isa::kAmx);
 #else
     (void)args, (void)num_seqs, (void)min_rows, (void)max_rows;
