@@ -115,6 +115,13 @@ async def test_unknown_route_and_method(client: httpx.AsyncClient) -> None:
     assert response.json() == {"detail": "No route GET /v2/nothing: the routes are listed at /docs "
                                          "(job ids go in /v1/jobs/{job_id}, so they cannot "
                                          "contain '/')"}
+    # Under /v1 the same words also come as OpenAI's error object, which OpenAI's clients show.
+    response = await client.post("/v1/embeddings", json={"input": "hi"})
+    message = ("No route POST /v1/embeddings: the routes are listed at /docs (job ids go in "
+               "/v1/jobs/{job_id}, so they cannot contain '/')")
+    assert (response.status_code, response.json()) == (404, {
+        "detail": message, "error": {"message": message, "type": "invalid_request_error",
+                                     "param": None, "code": None}})
     # Allow names every method of the resource, not only its first route's (Starlette's).
     response = await client.put("/v1/jobs")
     assert response.status_code == 405
