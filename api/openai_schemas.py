@@ -606,11 +606,19 @@ class ModelObject(BaseModel):
         default_factory=dict,
         description="Sampling defaults from the model's generation_config.json, applied to the "
                     "fields a request leaves out (as vLLM's --generation-config auto).")
+    # Anthropic's model object, on the same route (its client lists /v1/models too).
+    type: Literal["model"] = Field(default="model", description="Anthropic's: the kind of object.")
+    display_name: str = Field(description="Anthropic's: the model's name for people (its id).")
+    created_at: str = Field(description="Anthropic's: `created` as an RFC 3339 time.")
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = Field(default="list", description="The kind of object.")
     data: list[ModelObject] = Field(description="Models the workers serve, the default first.")
+    # Anthropic's page, on the same route: every model is on it.
+    has_more: bool = Field(default=False, description="Anthropic's: always false (one page).")
+    first_id: str | None = Field(default=None, description="Anthropic's: the first model's id.")
+    last_id: str | None = Field(default=None, description="Anthropic's: the last model's id.")
 
 
 class OpenAIErrorBody(BaseModel):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
 from functools import partial
 from typing import Annotated, Any
 
@@ -66,7 +67,9 @@ _STREAM_DOC = {"content": {"text/event-stream": {}},
 
 @router.get("/models", response_model=ModelList, summary="Models live workers serve now")
 async def list_models(ctx: Context) -> ModelList:
-    return ModelList(data=[_model_object(card) for card in await ctx.models.live_cards()])
+    models = [_model_object(card) for card in await ctx.models.live_cards()]
+    return ModelList(data=models, first_id=models[0].id if models else None,
+                     last_id=models[-1].id if models else None)
 
 
 @router.get("/models/{model}", response_model=ModelObject, summary="One served model",
@@ -114,8 +117,10 @@ def _common(body: CompletionRequest | ChatCompletionRequest, owner: str,
 
 
 def _model_object(card: ModelCard) -> ModelObject:
+    created = datetime.fromtimestamp(int(card.created_at), UTC)
     return ModelObject(id=card.name, created=int(card.created_at), max_model_len=card.max_model_len,
-                       generation_defaults=served_defaults(card.generation_defaults))
+                       generation_defaults=served_defaults(card.generation_defaults),
+                       display_name=card.name, created_at=created.isoformat().replace("+00:00", "Z"))
 
 
 Keep = Callable[[dict[str, Any]], Awaitable[None]]

@@ -244,3 +244,16 @@ async def test_bad_requests_are_400s_naming_the_field(harness: Harness, body: di
     error = response.json()
     assert error["type"] == "error" and error["error"]["type"] == "invalid_request_error"
     assert field in error["error"]["message"], error
+
+
+async def test_the_anthropic_client_lists_and_retrieves_models(harness: Harness) -> None:
+    # /v1/models is OpenAI's route; its objects carry Anthropic's fields too (tests/api/
+    # test_openai_routes.py has the exact body).
+    harness.register_model("second", context=64, created_at=9.0)
+    harness.add_worker("w1")
+    harness.add_worker("w2", model="second")
+    client = _client(harness)
+    listed = [m async for m in client.models.list()]  # every page, as the client walks them
+    assert [(m.id, m.type, m.display_name, m.created_at.timestamp()) for m in listed] == [
+        (MODEL, "model", MODEL, 1.0), ("second", "model", "second", 9.0)]
+    assert (await client.models.retrieve("second")).display_name == "second"

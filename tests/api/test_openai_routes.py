@@ -45,12 +45,16 @@ async def test_models_lists_the_cards_of_models_a_live_worker_serves(
     harness.add_worker("w2", model="second")
     harness.add_worker("w3", model="second")
     response = await client.get("/v1/models")
+    # OpenAI's list and model objects with Anthropic's fields beside them (its client lists the
+    # same route): type, display_name, created_at, and the page's has_more / first_id / last_id.
     assert response.json() == {"object": "list", "data": [
         {"id": MODEL, "object": "model", "created": 1, "owned_by": "carpool",
-         "max_model_len": CONTEXT, "generation_defaults": {}},
+         "max_model_len": CONTEXT, "generation_defaults": {}, "type": "model",
+         "display_name": MODEL, "created_at": "1970-01-01T00:00:01Z"},
         {"id": "second", "object": "model", "created": 9, "owned_by": "carpool",
-         "max_model_len": 64, "generation_defaults": {}},
-    ]}
+         "max_model_len": 64, "generation_defaults": {}, "type": "model",
+         "display_name": "second", "created_at": "1970-01-01T00:00:09Z"},
+    ], "has_more": False, "first_id": MODEL, "last_id": "second"}
     models = await _openai_client(harness).models.list()
     assert [m.id for m in models.data] == [MODEL, "second"]
     assert (await client.get("/v1/models/second")).json()["max_model_len"] == 64
