@@ -38,11 +38,12 @@ MAX_QUERY_ROWS = 128
 # measured (README, "The whole serving path", long prompts): without AMX (ISA avx512_bf16) the
 # row-by-row scan (VDPBF16PS; a long chunk's rows dealt out to the threads in parts), one layer's
 # attention, 9 heads over 3, on a 2-vCPU Zen 4 EPYC, 3.1x at 256 rows, 1.8x at 512, 1.3x at 1,024,
-# 1.2x at 1,400, 1.1x at 2,048, and since the VDPBF16PS blocks of csrc/chunk_attention.cpp took the
-# chunks of 16 rows or more from it, 2.9x the scan again at 512 and 1,400 rows (for a head_dim that
-# is a multiple of 32; other heads keep the scan); with AMX the tiles of csrc/chunk_attention.cpp, on a 2-core Xeon
-# 1.65x at 256, 1.5x at 1,024, 1.45x at 1,400 and 2,048 (the same shapes; flash runs on AMX tiles
-# too there, and beats the scan 3.5x at 1,400 rows). AVX2 and fp32 keep the flash path.
+# 1.2x at 1,400, 1.1x at 2,048. Since the VDPBF16PS blocks of csrc/chunk_attention.cpp took the
+# chunks of 16 rows or more from it (for a head_dim that is a multiple of 32; other heads keep the
+# scan), 2.9x the scan again at 512 and 1,400 rows on a Zen 5 EPYC. With AMX the tiles of
+# csrc/chunk_attention.cpp, on a 2-core Xeon 1.65x at 256, 1.5x at 1,024, 1.45x at 1,400 and 2,048
+# (the same shapes; flash runs on AMX tiles too there, and beats the scan 3.5x at 1,400 rows).
+# AVX2 and fp32 keep the flash path.
 NO_ROW_LIMIT = 1 << 30
 
 

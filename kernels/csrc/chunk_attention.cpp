@@ -16,7 +16,7 @@
 // Why the AVX512-BF16 blocks: the scan takes one query row at a time, so every 16 keys cost it
 // 16 loads, 32 VDPBF16PS and a 46-instruction transposing sum per head; in tile order a row's
 // broadcast feature pair meets 16 keys in one VDPBF16PS with nothing to sum, and a block of 8
-// rows shares each loaded vector. On a 2-vCPU Zen 4 EPYC, one layer (9 heads over 3): a
+// rows shares each loaded vector. On a 2-vCPU AMD EPYC (family 26, Zen 5), one layer (9 heads over 3): a
 // 1,400-token prompt 3.5 against 10.2 ms, 512 rows after 1,024 positions 2.4 against 7.1 ms
 // (scripts/bench_kernels.py; README, long prompts); 16 rows after 2,000 positions 0.20 against
 // 0.41 ms (a scratch script over kernels.paged_attention).

@@ -228,7 +228,7 @@ constexpr int64_t kRowsPerPart = 32;
 // or without AMX VDPBF16PS blocks in tile order). Against the row-by-row scan, one sequence, 9 heads
 // over 3: AMX on a 2-core Xeon, 16 rows after 128, 512, 1,000, 2,000 positions 1.3x, 1.8x, 1.5x,
 // 1.6x (8 rows: 0.7-1.0x); from position 0, 16 rows 0.5x (16 against 31 us a layer: a prompt that
-// short is rare), 32 rows 1.15x, 64 1.5x, 128 2.4x. AVX512-BF16 on a 2-vCPU Zen 4 EPYC, 16 rows
+// short is rare), 32 rows 1.15x, 64 1.5x, 128 2.4x. AVX512-BF16 on a 2-vCPU Zen 5 EPYC, 16 rows
 // after 128, 512, 2,000 positions 1.2x, 1.7x, 2.1x (from 0: 0.85x), 32 rows 1.1-2.7x, 128 rows
 // 1.65-2.9x; 8 rows 0.8-1.5x.
 constexpr int64_t kChunkMinRows = 16;
