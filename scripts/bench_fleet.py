@@ -28,7 +28,8 @@ Reported: us of Redis CPU per generated token (the workers' own count), per
 token delivered (every subscriber), the generated tokens/s one Redis core would carry at that
 cost, and Redis commands per generated token. With `--by-script`, SLOWLOG records every command
 in the window, so Redis' time per token is also split by Lua script (INFO commandstats lumps them
-all under EVALSHA); logging every command adds to the figures, so use it to compare scripts, not
+all under EVALSHA), and each script's time per call into its own commands and the rest (Lua and
+the calls' glue); logging every command adds to the figures, so use it to compare scripts, not
 for the totals.
 """
 
@@ -47,7 +48,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -236,24 +236,50 @@ def _script_names() -> dict[str, str]:
             for name, source in JobScripts.SOURCES.items()}
 
 
+# SLOWLOG's client address for a command a script ran (its own caller's for everything else).
+_SCRIPT_CLIENT = "?:0"
+
+
+def script_split(entries: list[dict[str, Any]], names: dict[str, str]) -> dict[str, tuple[int, int, int]]:
+    """SLOWLOG entries (any order) as {command, or evalsha:<script name>: (calls, usec, usec of the
+    commands it ran)}. A script's commands are logged, under _SCRIPT_CLIENT, just before the
+    script itself (Redis runs nothing else meanwhile), so they are counted twice: on their own
+    line and in their script's third figure; the script's usec less that figure is what Lua and
+    the calls' glue (arguments in, replies back into Lua values) cost."""
+    totals: dict[str, tuple[int, int, int]] = {}
+    nested = 0
+    for entry in sorted(entries, key=lambda e: int(e["id"])):
+        command = entry["command"]
+        words = (command.decode(errors="replace") if isinstance(command, bytes) else str(command)).split(" ")[:2]
+        name = words[0].lower()
+        client = entry.get("client_address", b"")
+        client = client.decode() if isinstance(client, bytes) else str(client)
+        its_commands = 0
+        if client == _SCRIPT_CLIENT:
+            nested += int(entry["duration"])
+        elif name in ("evalsha", "eval"):
+            its_commands, nested = nested, 0
+        if name == "evalsha" and len(words) > 1:
+            name = f"evalsha:{names.get(words[1], words[1][:8])}"
+        calls, usec, inner = totals.get(name, (0, 0, 0))
+        totals[name] = (calls + 1, usec + int(entry["duration"]), inner + its_commands)
+    return totals
+
+
 def _by_script(servers: dict[str, Redis], generated: int) -> dict[str, str]:
-    """Each command in the servers' SLOWLOG (EVALSHA by script name): us per generated token, and
-    us per call (a script's cost per job needs both: how often it runs and what one run costs)."""
+    """Each command in the servers' SLOWLOG (EVALSHA by script name): us per generated token, us
+    per call (a script's cost per job needs both: how often it runs and what one run costs) and,
+    for a script, how much of a call its own commands took."""
     names = _script_names()
-    usec: Counter[str] = Counter()
-    calls: Counter[str] = Counter()
+    totals: dict[str, tuple[int, int, int]] = {}
     for redis in servers.values():
-        for entry in redis.slowlog_get(_SLOWLOG_LEN):
-            words = [w.decode() if isinstance(w, bytes) else str(w)
-                     for w in entry["command"].split(b" " if isinstance(entry["command"], bytes)
-                                                     else " ")[:2]]
-            name = words[0].lower()
-            if name == "evalsha" and len(words) > 1:
-                name = f"evalsha:{names.get(words[1], words[1][:8])}"
-            usec[name] += int(entry["duration"])
-            calls[name] += 1
-    return {name: f"{us / max(generated, 1):.2f} us/token, {us / calls[name]:.1f} us/call"
-            for name, us in usec.most_common(12)}
+        for name, (calls, usec, inner) in script_split(redis.slowlog_get(_SLOWLOG_LEN), names).items():
+            before = totals.get(name, (0, 0, 0))
+            totals[name] = (before[0] + calls, before[1] + usec, before[2] + inner)
+    busiest = sorted(totals.items(), key=lambda item: -item[1][1])[:12]
+    return {name: f"{usec / max(generated, 1):.2f} us/token, {usec / calls:.1f} us/call"
+                  + (f" (its commands {inner / calls:.1f})" if name.startswith("eval") else "")
+            for name, (calls, usec, inner) in busiest}
 
 
 def _sum_stats(servers: dict[str, Redis]) -> dict[str, tuple[int, int]]:

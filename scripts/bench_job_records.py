@@ -11,10 +11,13 @@ job, on a private redis-server, the two alternated in one run.
   (text and token ids), then rq's own `SimpleWorker` in burst mode runs them all.
 
 Neither side generates anything: this is the bookkeeping a job costs, which does not shrink with
-the job, so it sets the Redis ceiling for short jobs (README, "Fleet scale").
+the job, so it sets the Redis ceiling for short jobs (README, "Fleet scale"). With `--by-script`,
+Carpool's side also splits each Lua script's time per job into the commands it ran and the rest:
+Lua itself and each call's glue (its arguments into Redis, its reply back into Lua values).
 
     python scripts/bench_job_records.py
     python scripts/bench_job_records.py --jobs 2000 --rounds 3 --tokens 50
+    python scripts/bench_job_records.py --rounds 1 --by-script
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import rq  # noqa: E402
-from bench_fleet import _start_redis, redis_cpu_seconds  # noqa: E402
+from bench_fleet import _script_names, _start_redis, redis_cpu_seconds, script_split  # noqa: E402
 from redis import Redis  # noqa: E402
 from redis.connection import AbstractConnection  # noqa: E402
 from rq import Queue, SimpleWorker  # noqa: E402
@@ -44,6 +47,7 @@ from protocol import (  # noqa: E402
     Keys,
     SamplingParams,
     TokenEntry,
+    job_submission,
     submit_job,
 )
 from worker.jobs.job_queue import JobQueue  # noqa: E402
@@ -78,6 +82,7 @@ class Meter:
     def __init__(self, redis: Redis, jobs: int) -> None:
         self.redis, self.jobs = redis, jobs
         self.rows: dict[str, tuple[float, float, float]] = {}
+        self.scripts: dict[str, tuple[int, int, int]] = {}  # --by-script: bench_fleet.script_split
 
     def _commands(self) -> int:
         return sum(int(stat["calls"]) for name, stat in self.redis.info("commandstats").items()
@@ -104,6 +109,10 @@ def carpool_jobs(url: str, args: argparse.Namespace) -> Meter:
     scripts.load(redis)
     admission = QueueAdmission(keys, 10**9, 1)
     meter = Meter(redis, args.jobs)
+    if args.by_script:
+        redis.config_set("slowlog-log-slower-than", 0)
+        redis.config_set("slowlog-max-len", 200 * args.jobs)
+        redis.slowlog_reset()
     prompt = "Tell me something about the sea. " * 4
     with meter.phase("submit"):
         for _ in range(args.jobs):
@@ -152,6 +161,12 @@ def carpool_jobs(url: str, args: argparse.Namespace) -> Meter:
         publisher.finish(job, JobEnd(JobStatus.FINISHED, FinishReason.LENGTH))
 
     publish("last tokens and finish", finish)
+    if args.by_script:
+        # The submission's script is registered per admission check (protocol/job_submission.py).
+        names = {**_script_names(),
+                 **{script.sha: "submit" for script in job_submission._SCRIPTS.values()}}
+        meter.scripts = script_split(redis.slowlog_get(200 * args.jobs), names)
+        redis.config_set("slowlog-log-slower-than", 10_000)
     return meter
 
 
@@ -179,6 +194,13 @@ def _print(title: str, meter: Meter) -> None:
     print(f"{title}")
     for name, (cpu, commands, requests) in [*meter.rows.items(), ("all", meter.total())]:
         print(f"  {name:28s} {cpu:8.1f} us {commands:8.1f} commands {requests:6.2f} requests")
+    if meter.scripts:
+        print("  by script, per job (SLOWLOG, every command logged: for the split, not the totals)")
+    for name, (calls, usec, inner) in sorted(meter.scripts.items(), key=lambda item: -item[1][1]):
+        if name.startswith("evalsha"):
+            print(f"  {name:28s} {usec / meter.jobs:8.1f} us {calls / meter.jobs:8.2f} calls, its "
+                  f"commands {inner / meter.jobs:6.1f} us, Lua and the calls' glue "
+                  f"{(usec - inner) / meter.jobs:6.1f} us")
 
 
 def main() -> int:
@@ -189,6 +211,8 @@ def main() -> int:
     parser.add_argument("--claim-batch", type=int, default=2, help="jobs a claim takes")
     parser.add_argument("--flush-batch", type=int, default=2,
                         help="jobs whose writes one publish carries")
+    parser.add_argument("--by-script", action="store_true",
+                        help="split Carpool's scripts' time into their commands and the rest (SLOWLOG)")
     parser.add_argument("--durable-writes", type=int, default=2,
                         help="stream writes between a job's first token and its end (a 50-token "
                              "job at 25 ms a step, written every 500 ms: 2)")
