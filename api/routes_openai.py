@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable
-from datetime import UTC, datetime
 from functools import partial
 from typing import Annotated, Any
 
@@ -50,6 +49,7 @@ from api.sse import EventStreamResponse, sse_comment
 from api.tool_parsers import ToolParser, get_parser
 from api.webhook_urls import webhook_url_of
 from protocol import ModelCard
+from protocol.timestamps import rfc3339_utc
 
 router = APIRouter(prefix="/v1", tags=[OPENAI_TAG], dependencies=[Depends(caller_owner)])
 
@@ -117,10 +117,10 @@ def _common(body: CompletionRequest | ChatCompletionRequest, owner: str,
 
 
 def _model_object(card: ModelCard) -> ModelObject:
-    created = datetime.fromtimestamp(int(card.created_at), UTC)
-    return ModelObject(id=card.name, created=int(card.created_at), max_model_len=card.max_model_len,
+    created = int(card.created_at)
+    return ModelObject(id=card.name, created=created, max_model_len=card.max_model_len,
                        generation_defaults=served_defaults(card.generation_defaults),
-                       display_name=card.name, created_at=created.isoformat().replace("+00:00", "Z"))
+                       display_name=card.name, created_at=rfc3339_utc(created))
 
 
 Keep = Callable[[dict[str, Any]], Awaitable[None]]

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from enum import Enum
 from typing import Any
 
@@ -21,6 +20,7 @@ from redis import Redis
 from redis.client import Pipeline
 
 from protocol.keys import Keys
+from protocol.timestamps import rfc3339_utc
 
 # How long an event waits for a dispatcher: each write trims (MINID ~, whole stream nodes) what is
 # older. A failed job's records are kept as long (protocol.job_submission.DEFAULT_FAILURE_TTL,
@@ -67,8 +67,7 @@ class WebhookEvent:
     def body(self) -> bytes:
         """The POSTed payload, byte-identical across attempts (the signature covers it)."""
         payload = {"type": self.type,
-                   "timestamp": datetime.fromtimestamp(self.at, tz=UTC).isoformat().replace(
-                       "+00:00", "Z"),
+                   "timestamp": rfc3339_utc(self.at),
                    "data": json.loads(self.data)}
         return json.dumps(payload, separators=(",", ":"), sort_keys=True).encode()
 
