@@ -383,15 +383,14 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         shaped = _tgi_or_anthropic_error(request, str(detail), exc.status_code, headers)
         if shaped is not None:
             return shaped
-        if is_openai_route(request):
+        # No route under /v1: an OpenAI client (a route Carpool does not serve, such as
+        # /v1/embeddings) shows only an `error` object's message (the Node client says "no body"
+        # without one), a job API client reads `detail`: both get theirs.
+        unserved_v1 = request.scope.get("route") is None and request.url.path.startswith("/v1/")
+        if is_openai_route(request) or unserved_v1:
             body = openai_error_body(str(detail), "invalid_request_error", None, None)
-            return ErrorJSONResponse(body, status_code=exc.status_code, headers=headers)
-        if request.scope.get("route") is None and request.url.path.startswith("/v1/"):
-            # No route under /v1: an OpenAI client (a route Carpool does not serve, such as
-            # /v1/embeddings) shows only an `error` object's message (the Node client says "no
-            # body" without one), a job API client reads `detail`: both get theirs.
-            body = {**openai_error_body(str(detail), "invalid_request_error", None, None),
-                    "detail": detail}
+            if unserved_v1:
+                body["detail"] = detail
             return ErrorJSONResponse(body, status_code=exc.status_code, headers=headers)
         return ErrorJSONResponse({"detail": detail}, status_code=exc.status_code,
                                  headers=headers)
