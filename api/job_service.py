@@ -107,6 +107,9 @@ class AcceptedJob:
     # The prompt as text (token-id prompts decoded; None without a tokenizer), for `echo`.
     prompt_text: str | None = None
     is_replay: bool = False  # a job of a repeated Idempotency-Key, not a new one
+    # When (monotonic) it had nothing generated for sure: before its submission was sent (None
+    # for a replay), so that the stream hub need not read its stream first (StreamHub.subscribe).
+    fresh_since: float | None = None
 
 
 def sampling_of(body: BaseModel, **overrides: Any) -> SamplingParams:
@@ -264,7 +267,7 @@ class JobService:
                 f"{first.max_tokens_param} or the prompt", param=first.max_tokens_param)
         admission = self._admission.admission(card.name, len(checked), first.owner, policy,
                                               tokens, first.priority)
-        created_at = time.time()
+        created_at, fresh_since = time.time(), time.monotonic()
         accepted = [AcceptedJob(JobSpec(
             job_id=new_job_id(), model=card.name, prompt=request.prompt,
             messages=request.messages, prompt_token_ids=request.prompt_token_ids,
@@ -276,7 +279,7 @@ class JobService:
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
             chat_template_kwargs=request.chat_template_kwargs or {},
-            cache_salt=request.cache_salt), prompt_tokens, prompt_text)
+            cache_salt=request.cache_salt), prompt_tokens, prompt_text, fresh_since=fresh_since)
             for request, sampling, prompt_tokens, prompt_text in checked]
         try:
             # One script checks the limits and enqueues (api/queue_admission.py); RQ is sync, so

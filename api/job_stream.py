@@ -100,12 +100,12 @@ class JobStream:
         self._streams, self._hub = self._shards[index].redis, self._shards[index].hub
         self._placed = True
 
-    async def follow(self, after_id: str = STREAM_START,
-                     fresh: bool = False) -> AsyncGenerator[StreamEvent | None, None]:
+    async def follow(self, after_id: str = STREAM_START, fresh_since: float | None = None,
+                     ) -> AsyncGenerator[StreamEvent | None, None]:
         """Yield each entry after `after_id`, and None whenever a wait of `block_ms` brought nothing.
 
-        `fresh`: the caller saw the job with nothing generated yet, so the hub may skip reading
-        its stream at first (StreamHub.subscribe).
+        `fresh_since`: when (monotonic) the caller last knew the job had nothing generated (None:
+        not known), so the hub may skip reading its stream at first (StreamHub.subscribe).
 
         The Nones let the caller send keep-alives and notice a gone client. Ends after the final
         entry, or when the job's state hash is gone (expired). A job whose state says it ended
@@ -120,9 +120,9 @@ class JobStream:
             assert self._shards is not None
             for index, shard in enumerate(self._shards):
                 if shard.hub is not None:
-                    waiting[index] = await shard.hub.subscribe(key, after_id, fresh)
+                    waiting[index] = await shard.hub.subscribe(key, after_id, fresh_since)
         elif self._hub is not None:
-            subscription = await self._hub.subscribe(key, after_id, fresh)
+            subscription = await self._hub.subscribe(key, after_id, fresh_since)
         try:
             while True:
                 if not self._placed:

@@ -31,7 +31,9 @@ class ChoiceJob:
     job_id: str
     echo: str = ""  # put before the choice's text (`echo`: the prompt; on chat the last assistant message)
     prompt_tokens: int = 0  # the API's count (0: unknown), for usage before the job ends
-    is_new: bool = False  # submitted by this request (not an Idempotency-Key replay): no tokens yet
+    # Submitted by this request (not an Idempotency-Key replay): when (monotonic) it had no
+    # token yet for sure (AcceptedJob.fresh_since); None for a replay.
+    fresh_since: float | None = None
     # The choice is its echo alone (CompletionRequest.scores_prompt): its tokens are not shown.
     prompt_only: bool = False
     # The token ids its job was queued with (None: a text or a chat the worker tokenizes); with
@@ -52,7 +54,7 @@ def choice_jobs(accepted: list[AcceptedJob], n: int, echoes: list[str],
     """The accepted jobs of one request as its choices, numbered as submitted (n per prompt);
     `echoes`: per job, the text its choice starts with."""
     return [ChoiceJob(index=index, prompt_number=index // n, job_id=job.spec.job_id, echo=echo,
-                      prompt_tokens=job.prompt_tokens or 0, is_new=not job.is_replay,
+                      prompt_tokens=job.prompt_tokens or 0, fresh_since=job.fresh_since,
                       prompt_only=prompt_only, prompt_token_ids=_ids_of(job))
             for index, (job, echo) in enumerate(zip(accepted, echoes, strict=True))]
 
@@ -85,7 +87,7 @@ async def merged_events(
 
     async def follow(job: ChoiceJob) -> None:
         try:
-            async for event in ctx.stream(job.job_id).follow(fresh=job.is_new):
+            async for event in ctx.stream(job.job_id).follow(fresh_since=job.fresh_since):
                 await queue.put((job, event))
             await queue.put((job, _End()))
         except Exception as exc:  # handed to the reader, which raises it in the route's task

@@ -129,9 +129,10 @@ async def get_job(
                         "answering, as rq's and arq's job.result(timeout): the answer is the job "
                         "as it is then, ended or not; 0 answers at once.")] = 0,
 ) -> JobView:
+    seen_at = time.monotonic()  # (before the read: what it shows held from then on)
     state = await ctx.jobs.state(job_id, owner)
     if wait > 0 and not state.status.is_final:
-        await _until_ended(ctx.stream(job_id, state), state, wait, request)
+        await _until_ended(ctx.stream(job_id, state), state, seen_at, wait, request)
         state = await ctx.jobs.state(job_id, owner)
     stream = ctx.stream(job_id, state)
     logprobs = None
@@ -155,16 +156,19 @@ async def get_job(
     return view
 
 
-async def _until_ended(stream: JobStream, state: JobState, wait_s: float, request: Request) -> None:
+async def _until_ended(stream: JobStream, state: JobState, seen_at: float, wait_s: float,
+                       request: Request) -> None:
     """Until the job's stream has its final entry, `wait_s` have passed, or the client left;
-    reading only what follows the stream's last entry now."""
+    reading only what follows the stream's last entry now. `state` was read after `seen_at`
+    (monotonic)."""
     last = await stream.last_event()
     if last is not None and last.is_done:
         return
     after = last.entry_id if last is not None else STREAM_START
-    fresh = last is None and not state.first_token_at
+    fresh_since = seen_at if last is None and not state.first_token_at else None
     with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(wait_s), aclosing(stream.follow(after, fresh=fresh)) as events:
+        async with asyncio.timeout(wait_s), \
+                aclosing(stream.follow(after, fresh_since)) as events:
             async for event in events:  # (follow ends after the final entry)
                 if event is None and await request.is_disconnected():
                     return
@@ -187,6 +191,7 @@ async def stream_job(
     after: Annotated[str | None, Query(
         description="Same as Last-Event-ID, for clients that cannot set headers.")] = None,
 ) -> Response:
+    seen_at = time.monotonic()  # (before the read: what it shows held from then on)
     state = await ctx.jobs.state(job_id, owner)  # 404 before any byte of the stream is sent
     resume_from = last_event_id or after or STREAM_START
     if not is_entry_id(resume_from):
@@ -203,9 +208,9 @@ async def stream_job(
             return Response(status_code=204)  # tells EventSource to stop reconnecting
     # Nothing generated yet (the first token writes first_token_at with it): the hub need not
     # read the stream first.
-    fresh = not state.status.is_final and not state.first_token_at
+    fresh_since = seen_at if not state.status.is_final and not state.first_token_at else None
     return EventStreamResponse(_job_events(stream, resume_from, ctx.settings.sse_keepalive_s,
-                                           fresh),
+                                           fresh_since),
                                headers={"X-Carpool-Job-Id": job_id})
 
 
@@ -221,10 +226,10 @@ async def cancel_job(job_id: JobId, owner: Owner, ctx: Context) -> JSONResponse:
 
 
 async def _job_events(stream: JobStream, after: str, keepalive_s: float,
-                      fresh: bool) -> AsyncIterator[bytes]:
+                      fresh_since: float | None) -> AsyncIterator[bytes]:
     last_sent = time.monotonic()
     try:
-        async for event in stream.follow(after, fresh):
+        async for event in stream.follow(after, fresh_since):
             if event is None:
                 if time.monotonic() - last_sent >= keepalive_s:
                     last_sent = time.monotonic()

@@ -29,8 +29,10 @@ the stream has; the tokens after it come with the stream's next write.
 
 Joining: a stream nobody here watches yet is read by the hub from the subscriber's own id at its
 next turn: within `_WAIT_SLICE_S`, the longest it waits for a message before looking (on its own
-socket: no request); for a `fresh` subscriber (a job with nothing generated yet) only when its
-notifications cannot show the stream complete (`subscribe`). A subscriber that
+socket: no request). Not when the hub heard its entries from the first on before the subscriber
+came (it keeps them a while: `_recent`), and for a fresh subscriber (a job with nothing
+generated yet) only when its notifications cannot show the stream complete, and not at all when
+the hub has listened since the subscriber saw the job fresh (`subscribe`). A subscriber that
 joins a watched stream behind the hub's cursor reads the entries in between itself (`catch_up_to`,
 an XRANGE, waiting for the stream to get there: api/job_stream.py) and gets everything after the
 cursor from the hub: no gap. Entries can reach a
@@ -64,7 +66,8 @@ log = logging.getLogger(__name__)
 # The longest the hub waits for a notification before it looks for newly watched streams (no
 # request to Redis: the wait is on the subscribed connection's socket).
 _WAIT_SLICE_S = 0.02
-# [redis-cost] How long a new stream whose job is fresh (`subscribe(..., fresh=True)`) waits for
+# [redis-cost] How long a new stream whose job is fresh (`subscribe(..., fresh_since=...)`),
+# seen so before the hub's subscription was confirmed, waits for
 # a notification that makes its first read needless, before it is read anyway, with every other
 # fresh stream still unread: one XREAD per this interval at most, where each new stream cost one
 # at the next turn (every 20 ms or sooner under load). The read is also the safety net for
@@ -72,10 +75,13 @@ _WAIT_SLICE_S = 0.02
 # it heard it keeps: _RECENT_S), which then come up to this much later than at the next turn.
 _FRESH_READ_DELAY_S = 0.05
 # [redis-cost] A stream's first entries that notifications brought before anyone here followed
-# it, kept this long (and this many at most): a fresh subscriber that comes right after (its
-# first token raced its subscription) gets them from here, with no read and no wait.
-_RECENT_S = 1.0
-_RECENT_MAX_ENTRIES = 16
+# it, kept this long (and this many at most): a subscriber that comes right after (its first
+# token raced its subscription, or a busy API served its request late) gets them from here, with
+# no read and no wait. Reading the stream instead brought less under live tokens (protocol/
+# stream_steps.py): the durable first token alone, then a read at every step (each notification
+# a gap) until the stream's next write, the subscriber waiting.
+_RECENT_S = 2.0
+_RECENT_MAX_ENTRIES = 64
 _FIRST_ENTRY_ID = token_entry_id(0)
 # How long the hub stays subscribed with nothing to follow before it stops: a next subscriber
 # within it costs Redis no new connection and subscription, and its fresh stream no first read
@@ -169,9 +175,11 @@ class StreamHub:
         # notification that follows the subscriber's position comes first.
         self._unread: dict[str, float] = {}
         # Streams nobody here follows whose notified entries start at the first (0-1): when the
-        # first came (monotonic) and the entries since, consecutive (_RECENT_S).
-        self._recent: OrderedDict[str, tuple[float, list[RawEntry]]] = OrderedDict()
+        # first came (monotonic) and the entries since, consecutive (_RECENT_S). None for the
+        # entries: notified entries of a stream not kept (a gap, too many, a `k` naming it).
+        self._recent: OrderedDict[str, tuple[float, list[RawEntry] | None]] = OrderedDict()
         self._listening = False  # subscribed to the notifications: every later one comes here
+        self._listening_since = float("inf")  # when (monotonic) that subscription was confirmed
         self._task: asyncio.Task[None] | None = None
         self._is_closed = False
         self._pubsub: PubSub | None = None  # the reader's subscription to the step notifications
@@ -181,14 +189,23 @@ class StreamHub:
     def num_streams(self) -> int:
         return len(self._watches)
 
-    async def subscribe(self, key: str, after_id: str, fresh: bool = False) -> Subscription:
-        """Entries of `key` after `after_id`, from now on. `fresh`: the caller saw the job with
-        nothing generated yet (just submitted, or its state had no first token): a new stream is
-        then not read at once ([redis-cost]: it was one XREAD a job) when the hub is listening,
-        since every entry written from then on comes with a notification; the first one that
-        follows `after_id` shows nothing was missed, one after a gap has it read, and with none
-        within _FRESH_READ_DELAY_S it is read anyway (entries written before the hub followed
-        it, the job maybe ended)."""
+    async def subscribe(self, key: str, after_id: str,
+                        fresh_since: float | None = None) -> Subscription:
+        """Entries of `key` after `after_id`, from now on. A new stream is read first, at the
+        hub's next turn, unless the hub heard its entries from the first on up to past
+        `after_id` (kept in `_recent`): every entry is notified, so those are all it has.
+
+        `fresh_since`: when (monotonic) the caller last knew the job had nothing generated (before
+        it submitted the job, or before its read of a state with no first token); None: not
+        known. A new fresh stream is then not read at once ([redis-cost]: it was one XREAD a job)
+        while the hub is listening, since every entry written from then on comes with a
+        notification: those notified before this call are in `_recent`, or marked there as not
+        kept (then it is read); when the hub has listened since `fresh_since` (and that is within
+        _RECENT_S), nothing else can have been written, and the stream is not read at all. Else
+        the first notification that follows `after_id` shows nothing was missed, one after a gap
+        has it read, and with none within _FRESH_READ_DELAY_S it is read anyway (entries written
+        before the hub listened, the job maybe ended). The full read every block interval stays
+        the safety net."""
         if self._is_closed:
             raise redis.exceptions.ConnectionError("the stream hub is closed")
         watch = self._watches.get(key)
@@ -200,19 +217,34 @@ class StreamHub:
                                     self._max_pending)
         watch.subscribers.add(subscription)
         if is_new:
-            recent = self._recent.pop(key, None)
-            if fresh and self._listening and recent is not None and after_id == STREAM_START:
-                # Its entries from the first on came before it was followed: complete.
-                for entry in recent[1]:
-                    subscription.deliver(entry)
-                watch.cursor = recent[1][-1][0]
-            elif fresh and self._listening:
-                self._unread[key] = time.monotonic() + _FRESH_READ_DELAY_S
-            else:
+            heard = self._recent.pop(key, None)
+            kept = heard[1] if heard is not None else None
+            if kept and self._listening \
+                    and entry_id_key(after_id) <= entry_id_key(kept[-1][0]):
+                # [redis-cost] Its entries from the first on came before it was followed, every
+                # one notified: the stream holds no others (its live tokens maybe not even
+                # those), so reading it would bring nothing more, or less.
+                position = entry_id_key(after_id)
+                for entry in kept:
+                    if entry_id_key(entry[0]) > position:
+                        subscription.deliver(entry)
+                watch.cursor = kept[-1][0]
+            elif (not self._listening or heard is not None  # (entries it did not keep)
+                  or fresh_since is None or after_id != STREAM_START):
                 self._dirty.add(key)
+            elif not self._heard_all_since(fresh_since):
+                self._unread[key] = time.monotonic() + _FRESH_READ_DELAY_S
+            # else: no entry since the caller saw it fresh; each one to come is notified
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="stream-hub")
         return subscription
+
+    def _heard_all_since(self, moment: float) -> bool:
+        """Whether every notification published since `moment` (monotonic) came to this hub and
+        is still accounted for: handed out, or kept or marked in `_recent` (which forgets after
+        _RECENT_S)."""
+        return (self._listening and not self._subscription_lost
+                and self._listening_since <= moment and time.monotonic() - moment < _RECENT_S)
 
     def unsubscribe(self, subscription: Subscription) -> None:
         watch = self._watches.get(subscription.key)
@@ -270,7 +302,7 @@ class StreamHub:
         try:
             # Subscribed before any stream is read: see the module's docstring.
             pubsub = await self._subscribe()
-            self._listening = True
+            self._listening, self._listening_since = True, time.monotonic()
             full_read_at = -float("inf")
             idle_since = None  # monotonic time the last stream was left, while none is followed
             while not self._is_closed:
@@ -308,7 +340,7 @@ class StreamHub:
                         if key in self._watches:
                             self._dirty.add(key)
                         else:
-                            self._recent.pop(key, None)  # written past what was notified
+                            self._mark_unkept(key)  # written past what was notified
                     message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=0)
                 if self._subscription_lost:
                     raise redis.exceptions.ConnectionError(
@@ -326,7 +358,7 @@ class StreamHub:
                 with contextlib.suppress(Exception):
                     await self._reader.connection.disconnect()
         finally:
-            self._listening = False
+            self._listening, self._listening_since = False, float("inf")
             # Nothing comes for them now: whoever runs the hub next reads them first.
             self._dirty.update(key for key in self._unread if key in self._watches)
             self._unread.clear()
@@ -387,21 +419,31 @@ class StreamHub:
                 subscription.deliver((entry_id, fields))
 
     def _remember(self, key: str, entries: list[RawEntry]) -> None:
-        """Keep a stream's notified entries from its first on (_RECENT_S), while consecutive."""
+        """Keep a stream's notified entries from its first on (_RECENT_S), while consecutive;
+        past a gap or _RECENT_MAX_ENTRIES, only that it got entries not kept."""
         recent = self._recent.get(key)
+        if recent is not None and recent[1] is None:
+            return  # marked already
+        kept = recent[1] if recent is not None else None
         for entry in entries:
-            position = entry_id_key(entry[0])
-            if recent is None:
+            if kept is None:
                 if entry[0] != _FIRST_ENTRY_ID:
                     return
-                recent = self._recent[key] = (time.monotonic(), [])
-            elif position <= entry_id_key(recent[1][-1][0]):
+                kept = []
+                self._recent[key] = (time.monotonic(), kept)
+            elif entry_id_key(entry[0]) <= entry_id_key(kept[-1][0]):
                 continue
-            elif (entry[0] != next_entry_id(recent[1][-1][0])
-                  or len(recent[1]) >= _RECENT_MAX_ENTRIES):
-                del self._recent[key]  # a gap, or too long to keep: it is read when followed
+            elif entry[0] != next_entry_id(kept[-1][0]) or len(kept) >= _RECENT_MAX_ENTRIES:
+                self._mark_unkept(key)  # a gap, or too long to keep: it is read when followed
                 return
-            recent[1].append(entry)
+            kept.append(entry)
+
+    def _mark_unkept(self, key: str) -> None:
+        """`key`, followed by nobody here, got entries the hub does not keep: a fresh subscriber
+        to it reads it at once. (Marked since the first entry kept, if any: `_recent` stays in
+        the order of its times.)"""
+        recent = self._recent.get(key)
+        self._recent[key] = (recent[0] if recent is not None else time.monotonic(), None)
 
     def _dispatch(self, request: dict[str, _Watch], reply: XReadReply) -> None:
         for raw_key, entries in reply:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import httpx
@@ -158,6 +159,7 @@ async def test_a_chat_stream_opens_with_its_first_token_not_at_submission(
         harness: Harness, client: httpx.AsyncClient) -> None:
     """The role chunk waits for the job's first entry, as vLLM's does: benchmark clients (vLLM's
     own among them) take a stream's first chunk as its first token."""
+    before = time.monotonic()
     submitted = await client.post("/v1/jobs", json={"prompt": "hello", "max_tokens": 2})
     job_id = submitted.json()["job_id"]
     writer = ChunkWriter(is_chat=True, response_id=f"chatcmpl-{job_id}", created=1, model=MODEL,
@@ -166,7 +168,7 @@ async def test_a_chat_stream_opens_with_its_first_token_not_at_submission(
     has_token = False
 
     async def read() -> None:
-        async for payload in chunk_payloads(harness.context, [ChoiceJob(0, 0, job_id, is_new=True)],
+        async for payload in chunk_payloads(harness.context, [ChoiceJob(0, 0, job_id, fresh_since=before)],
                                             writer, {}, None):
             if payload is not None:  # (None: a keep-alive comment)
                 sent.append((has_token, payload))

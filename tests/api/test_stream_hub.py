@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import httpx
+import openai
 import pytest
 import redis
 import redis.asyncio as aioredis
@@ -537,46 +538,85 @@ async def test_a_final_entry_a_notification_carries_ends_the_stream_without_a_re
 
 async def test_a_fresh_stream_is_read_only_when_its_notifications_cannot_show_it_complete(
         open_hub: OpenHub, sync: redis.Redis) -> None:
-    """[redis-cost] A stream whose job had nothing generated when its subscriber came (`fresh`)
-    costs the hub no first read when its first notification follows the subscriber's position,
-    or when the hub heard its entries from the first on just before. A gap has it read at once;
-    with no notification it is read after _FRESH_READ_DELAY_S, far less than the block
-    interval."""
+    """[redis-cost] A stream whose job had nothing generated when its subscriber saw it
+    (`fresh_since`) costs the hub no first read when its first notification follows the
+    subscriber's position, or when the hub heard its entries from the first on just before. A
+    gap has it read at once; seen fresh before the hub listened and with no notification, it is
+    read after _FRESH_READ_DELAY_S, far less than the block interval."""
+    before_listening = time.monotonic()
     hub = open_hub(block_ms=10_000)
     read = _record_reads(hub)
     listening = await hub.subscribe(KEYS.stream("busy"), "0-0")
     await _first_reads_done(read)  # the hub listens to the notifications now
 
-    fresh = await hub.subscribe(KEYS.stream("a"), "0-0", fresh=True)
+    fresh = await hub.subscribe(KEYS.stream("a"), "0-0", fresh_since=time.monotonic())
     _publish_step(sync, "a", 0, 2)
     _publish_final(sync, "a", 2)
     assert [entry_id for entry_id, _ in await _collect(fresh, 3)] == ["0-1", "0-2", "0-3"]
     await asyncio.sleep(stream_hub._FRESH_READ_DELAY_S + 0.1)
     assert read == []  # neither a first read nor one after the notifications
 
+    seen_b = time.monotonic()
     _publish(sync, "b", 0, 2, notify=False)  # its first tokens: no notification heard
-    gapped = await hub.subscribe(KEYS.stream("b"), "0-0", fresh=True)
+    gapped = await hub.subscribe(KEYS.stream("b"), "0-0", fresh_since=seen_b)
     _publish_step(sync, "b", 2, 3)
     assert await _ids(gapped) == ["0-1", "0-2", "0-3"]
     assert read == [[KEYS.stream("b")]]
 
     # c ran whole before anyone here followed it (its first token raced the subscription): the
     # hub kept its notified entries from the first on, so they come at once, with no read.
+    seen_c = time.monotonic()
     _publish_step(sync, "c", 0, 1)
     _publish_final(sync, "c", 1)
     await asyncio.sleep(0.1)
-    raced = await hub.subscribe(KEYS.stream("c"), "0-0", fresh=True)
+    raced = await hub.subscribe(KEYS.stream("c"), "0-0", fresh_since=seen_c)
     assert await _ids(raced) == ["0-1", "0-2"]
     assert read == [[KEYS.stream("b")]]
 
-    # d was written with no notification the hub heard: read once _FRESH_READ_DELAY_S passed.
+    # d, seen fresh before the hub listened, was written with no notification: read once
+    # _FRESH_READ_DELAY_S passed.
     _publish(sync, "d", 0, 1, notify=False)
     started = time.monotonic()
-    unheard = await hub.subscribe(KEYS.stream("d"), "0-0", fresh=True)
+    unheard = await hub.subscribe(KEYS.stream("d"), "0-0", fresh_since=before_listening)
     assert await _ids(unheard) == ["0-1"]
     assert stream_hub._FRESH_READ_DELAY_S - 0.01 <= time.monotonic() - started < 1.0
     assert read == [[KEYS.stream("b")], [KEYS.stream("d")]]
     assert listening.key == KEYS.stream("busy")
+
+
+async def test_a_stream_seen_fresh_since_the_hub_listened_is_never_read_first(
+        open_hub: OpenHub, sync: redis.Redis) -> None:
+    """[redis-cost] A job seen with nothing generated after the hub's subscription was
+    confirmed: every entry it gets is notified to this hub, so however long its first token
+    takes (a queued job's wait is often past _FRESH_READ_DELAY_S), its stream is not read. What
+    the hub heard of it before the subscriber came and did not keep (a `k` naming it, more
+    entries than _RECENT_MAX_ENTRIES) has it read at once."""
+    hub = open_hub(block_ms=10_000)
+    read = _record_reads(hub)
+    await hub.subscribe(KEYS.stream("busy"), "0-0")
+    await _first_reads_done(read)
+
+    queued = await hub.subscribe(KEYS.stream("q"), "0-0", fresh_since=time.monotonic())
+    await asyncio.sleep(stream_hub._FRESH_READ_DELAY_S * 3)  # waits for a worker
+    _publish_step(sync, "q", 0, 2)
+    _publish_final(sync, "q", 2)
+    assert [entry_id for entry_id, _ in await _collect(queued, 3)] == ["0-1", "0-2", "0-3"]
+    await asyncio.sleep(stream_hub._FRESH_READ_DELAY_S + 0.1)
+    assert read == []
+
+    seen = time.monotonic()
+    _publish_step(sync, "k", 0, 1)
+    _publish(sync, "k", 1, 2)  # written, then named by a `k`: the hub keeps no entries of it
+    _publish_step(sync, "long", 0, stream_hub._RECENT_MAX_ENTRIES + 1)
+    await asyncio.sleep(0.1)
+    started = time.monotonic()
+    named = await hub.subscribe(KEYS.stream("k"), "0-0", fresh_since=seen)
+    long = await hub.subscribe(KEYS.stream("long"), "0-0", fresh_since=seen)
+    assert [entry_id for entry_id, _ in await _collect(named, 2)] == ["0-1", "0-2"]
+    assert len(await _collect(long, stream_hub._RECENT_MAX_ENTRIES + 1)) \
+        == stream_hub._RECENT_MAX_ENTRIES + 1
+    assert time.monotonic() - started < stream_hub._FRESH_READ_DELAY_S  # not after the delay
+    assert sorted(key for keys in read for key in keys) == [KEYS.stream("k"), KEYS.stream("long")]
 
 
 async def test_a_fresh_stream_is_read_at_once_while_the_hub_is_not_listening_yet(
@@ -587,7 +627,7 @@ async def test_a_fresh_stream_is_read_at_once_while_the_hub_is_not_listening_yet
     _publish_step(sync, "a", 0, 1)
     _publish_final(sync, "a", 1)
     started = time.monotonic()
-    subscription = await hub.subscribe(KEYS.stream("a"), "0-0", fresh=True)
+    subscription = await hub.subscribe(KEYS.stream("a"), "0-0", fresh_since=started)
     assert await _ids(subscription) == ["0-1", "0-2"]
     assert time.monotonic() - started < stream_hub._FRESH_READ_DELAY_S
 
@@ -602,7 +642,9 @@ async def test_the_job_stream_of_a_job_with_no_token_yet_costs_no_first_read(
         sync.config_resetstat()
         fresh_id = (await client.post("/v1/jobs", json={"prompt": "hello"})).json()["job_id"]
         fresh = Reader(client, fresh_id)
-        await asyncio.sleep(0.05)  # it subscribed (a first token written before then: a gap)
+        # It subscribed (a first token written before then: a gap), and waits past
+        # _FRESH_READ_DELAY_S: the hub listened since its state was read, so it reads nothing.
+        await asyncio.sleep(stream_hub._FRESH_READ_DELAY_S * 4)
         for index in range(3):
             _publish_step(sync, job_id, index, index + 1)
             _publish_step(sync, fresh_id, index, index + 1)
@@ -624,18 +666,80 @@ async def test_the_job_stream_of_a_job_with_no_token_yet_costs_no_first_read(
     assert started.events == _expected(2)
 
 
+async def test_a_late_subscriber_gets_the_entries_the_hub_heard_with_no_read(
+        open_hub: OpenHub, sync: redis.Redis) -> None:
+    """[redis-cost] A subscriber that comes after its job's first tokens (not fresh: a busy API
+    served its request late) gets what the hub heard of the stream from the first on, live
+    tokens the stream does not hold yet included, with no read; a read would bring the durable
+    first token alone, and then a read at every step until the stream's next write. One that
+    resumes within them gets those after its position; one past them has the stream read."""
+    hub = open_hub(block_ms=10_000)
+    read = _record_reads(hub)
+    await hub.subscribe(KEYS.stream("busy"), "0-0")
+    await _first_reads_done(read)
+    for job in ("late", "resumed", "ahead"):
+        _publish_step(sync, job, 0, 1)  # the first token, in the stream
+        _notify_live(sync, job, 1, 5)  # live: in notifications only
+    await asyncio.sleep(0.1)
+    late = await hub.subscribe(KEYS.stream("late"), "0-0")
+    resumed = await hub.subscribe(KEYS.stream("resumed"), "0-3")
+    assert await _ids(late) == ["0-1", "0-2", "0-3", "0-4", "0-5"]
+    assert await _ids(resumed) == ["0-4", "0-5"]
+    _notify_live(sync, "late", 5, 6)
+    assert await _ids(late) == ["0-6"]
+    assert read == []
+    ahead = await hub.subscribe(KEYS.stream("ahead"), "0-7")
+    _publish(sync, "ahead", 1, 9)  # the stream's next write
+    assert await _ids(ahead) == ["0-8", "0-9"]
+    assert read and all(keys == [KEYS.stream("ahead")] for keys in read)  # (the `k` may add one)
+
+
+async def test_a_streamed_completion_costs_no_stream_read(redis_url: str, sync: redis.Redis) -> None:
+    """[redis-cost] An OpenAI request follows the job it has just submitted: the hub listened
+    since before the submission, so however long the job waits for its first token, its stream
+    is not read (the official client, streaming)."""
+    async for client, job_id in _served_job(redis_url, sync):
+        first = Reader(client, job_id)  # starts the hub
+        await asyncio.sleep(0.2)
+        sync.config_resetstat()
+        known = set(sync.scan_iter(KEYS.state("*")))
+        oai = openai.AsyncOpenAI(base_url=f"{client.base_url}/v1", api_key="unused", max_retries=0)
+
+        async def completion(oai: openai.AsyncOpenAI) -> list[tuple[str, str | None]]:
+            stream = await oai.completions.create(model=MODEL, prompt="hello", max_tokens=3,
+                                                  stream=True)
+            return [(chunk.choices[0].text, chunk.choices[0].finish_reason)
+                    async for chunk in stream if chunk.choices]
+
+        reading = asyncio.create_task(completion(oai))
+        deadline = time.monotonic() + 5
+        while not (new := set(sync.scan_iter(KEYS.state("*"))) - known):
+            assert time.monotonic() < deadline, "the completion's job was never submitted"
+            await asyncio.sleep(0.01)
+        completion_id = new.pop().decode().removeprefix(KEYS.state(""))
+        await asyncio.sleep(stream_hub._FRESH_READ_DELAY_S * 4)  # queued, waiting for a worker
+        _publish_step(sync, completion_id, 0, 3)
+        _publish_final(sync, completion_id, 3)
+        assert await asyncio.wait_for(reading, 10) == [("t0", None), ("t1", None), ("t2", None),
+                                                       ("", "stop")]
+        assert sync.info("commandstats").get("cmdstat_xread", {}).get("calls", 0) == 0
+        _publish_done(sync, job_id, 0)
+        await _all_ended([first])
+        await oai.close()
+
+
 async def test_the_hub_stays_subscribed_a_while_after_its_last_stream(
         open_hub: OpenHub, sync: redis.Redis) -> None:
     """One job at a time: the next subscriber within _LINGER_S finds the hub still listening (no
     new connection or subscription), so its fresh stream costs no read either."""
     hub = open_hub(block_ms=10_000)
-    first = await hub.subscribe(KEYS.stream("a"), "0-0", fresh=True)
+    first = await hub.subscribe(KEYS.stream("a"), "0-0", fresh_since=time.monotonic())
     await asyncio.sleep(0.1)
     hub.unsubscribe(first)
     await asyncio.sleep(0.3)  # past a few turns with nothing followed
     read = _record_reads(hub)
     sync.config_resetstat()
-    second = await hub.subscribe(KEYS.stream("b"), "0-0", fresh=True)
+    second = await hub.subscribe(KEYS.stream("b"), "0-0", fresh_since=time.monotonic())
     _publish_step(sync, "b", 0, 1)
     _publish_final(sync, "b", 1)
     assert [entry_id for entry_id, _ in await _collect(second, 2)] == ["0-1", "0-2"]
@@ -647,18 +751,20 @@ async def test_the_hub_stays_subscribed_a_while_after_its_last_stream(
 async def test_the_hub_forgets_unfollowed_entries_it_cannot_vouch_for(
         open_hub: OpenHub, sync: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the hub keeps of streams nobody follows yet is dropped when a `k` says the stream
-    got more than was notified, and once _RECENT_S passed: a fresh subscriber then reads."""
+    got more than was notified, and once _RECENT_S passed: a fresh subscriber then reads (one
+    that saw the job fresh that long ago, after the delay)."""
     monkeypatch.setattr(stream_hub, "_RECENT_S", 0.2)
     hub = open_hub(block_ms=10_000)
     read = _record_reads(hub)
     await hub.subscribe(KEYS.stream("busy"), "0-0")
     await _first_reads_done(read)
+    seen = time.monotonic()
     _publish_step(sync, "k", 0, 1)
     _publish(sync, "k", 1, 2)  # written, then named by a `k`
     _publish_step(sync, "old", 0, 1)
     await asyncio.sleep(0.4)  # past _RECENT_S
-    named = await hub.subscribe(KEYS.stream("k"), "0-0", fresh=True)
-    aged = await hub.subscribe(KEYS.stream("old"), "0-0", fresh=True)
+    named = await hub.subscribe(KEYS.stream("k"), "0-0", fresh_since=seen)
+    aged = await hub.subscribe(KEYS.stream("old"), "0-0", fresh_since=seen)
     assert [entry_id for entry_id, _ in await _collect(named, 2)] == ["0-1", "0-2"]
     assert await _ids(aged) == ["0-1"]
     assert read == [[KEYS.stream("k"), KEYS.stream("old")]]  # together, after the delay

@@ -5,6 +5,7 @@ waits on both and stays on the one its stream shows on."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import fakeredis
 import pytest
@@ -90,7 +91,7 @@ def _token(index: int) -> dict[str, str | int | float]:
 
 async def _collect(stream: JobStream, fresh: bool = True) -> list[tuple[str, str, int]]:
     events: list[tuple[str, str, int]] = []
-    async for event in stream.follow(fresh=fresh):
+    async for event in stream.follow(fresh_since=time.monotonic() if fresh else None):
         if isinstance(event, StreamEvent):
             events.append((event.entry_id, event.entry.kind, event.entry.token_id))
     return events
