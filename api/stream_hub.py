@@ -178,12 +178,17 @@ class StreamHub:
         # first came (monotonic) and the entries since, consecutive (_RECENT_S). None for the
         # entries: notified entries of a stream not kept (a gap, too many, a `k` naming it).
         self._recent: OrderedDict[str, tuple[float, list[RawEntry] | None]] = OrderedDict()
-        self._listening = False  # subscribed to the notifications: every later one comes here
-        self._listening_since = float("inf")  # when (monotonic) that subscription was confirmed
+        # When (monotonic) the subscription to the notifications was confirmed, while it holds
+        # (every later notification comes here); None: not subscribed.
+        self._listening_since: float | None = None
         self._task: asyncio.Task[None] | None = None
         self._is_closed = False
         self._pubsub: PubSub | None = None  # the reader's subscription to the step notifications
         self._subscription_lost = False
+
+    @property
+    def _listening(self) -> bool:
+        return self._listening_since is not None
 
     @property
     def num_streams(self) -> int:
@@ -243,8 +248,9 @@ class StreamHub:
         """Whether every notification published since `moment` (monotonic) came to this hub and
         is still accounted for: handed out, or kept or marked in `_recent` (which forgets after
         _RECENT_S)."""
-        return (self._listening and not self._subscription_lost
-                and self._listening_since <= moment and time.monotonic() - moment < _RECENT_S)
+        since = self._listening_since
+        return (since is not None and since <= moment and not self._subscription_lost
+                and time.monotonic() - moment < _RECENT_S)
 
     def unsubscribe(self, subscription: Subscription) -> None:
         watch = self._watches.get(subscription.key)
@@ -302,7 +308,7 @@ class StreamHub:
         try:
             # Subscribed before any stream is read: see the module's docstring.
             pubsub = await self._subscribe()
-            self._listening, self._listening_since = True, time.monotonic()
+            self._listening_since = time.monotonic()
             full_read_at = -float("inf")
             idle_since = None  # monotonic time the last stream was left, while none is followed
             while not self._is_closed:
@@ -358,7 +364,7 @@ class StreamHub:
                 with contextlib.suppress(Exception):
                     await self._reader.connection.disconnect()
         finally:
-            self._listening, self._listening_since = False, float("inf")
+            self._listening_since = None
             # Nothing comes for them now: whoever runs the hub next reads them first.
             self._dirty.update(key for key in self._unread if key in self._watches)
             self._unread.clear()
