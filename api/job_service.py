@@ -106,10 +106,14 @@ class AcceptedJob:
     prompt_tokens: int | None  # None when no tokenizer is published for the model
     # The prompt as text (token-id prompts decoded; None without a tokenizer), for `echo`.
     prompt_text: str | None = None
-    is_replay: bool = False  # a job of a repeated Idempotency-Key, not a new one
-    # When (monotonic) it had nothing generated for sure: before its submission was sent (None
-    # for a replay), so that the stream hub need not read its stream first (StreamHub.subscribe).
+    # When (monotonic) it had nothing generated for sure: before its submission was sent, so
+    # that the stream hub need not read its stream first (StreamHub.subscribe). None: a job of
+    # a repeated Idempotency-Key, not a new one (`is_replay`).
     fresh_since: float | None = None
+
+    @property
+    def is_replay(self) -> bool:
+        return self.fresh_since is None
 
 
 def sampling_of(body: BaseModel, **overrides: Any) -> SamplingParams:
@@ -316,7 +320,7 @@ class JobService:
                     f"This Idempotency-Key made job '{job_id}', which is no longer kept; use a "
                     f"new key to submit again", param=IDEMPOTENCY_HEADER,
                     code="idempotency_key_reused") from exc
-            replayed.append(AcceptedJob(spec, prompt_tokens, prompt_text, is_replay=True))
+            replayed.append(AcceptedJob(spec, prompt_tokens, prompt_text))  # (no fresh_since)
         return replayed
 
     async def model_tokenizer(self, model: str) -> Tokenizer | None:
