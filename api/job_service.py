@@ -33,6 +33,7 @@ from api.idempotency_key import IDEMPOTENCY_HEADER
 from api.key_policies import KeyPolicies
 from api.model_registry import ModelRegistry
 from api.queue_admission import QueueAdmission
+from api.recent_submissions import RecentSubmissions
 from api.sampling_defaults import served_defaults, with_model_defaults
 from api.structured_output import StructuredOutputParams
 from api.submission_batcher import SubmissionBatcher
@@ -195,6 +196,7 @@ class JobService:
         self._admission = QueueAdmission(keys, max_queue_depth, retry_after_s,
                                          max_background_depth=max_batch_queue_depth)
         self._submissions = SubmissionBatcher(sync)
+        self._recent = RecentSubmissions()
         self._idempotency_ttl_s = idempotency_ttl_s
         self._result_ttl_s = result_ttl_s
         self._failure_ttl_s = failure_ttl_s
@@ -285,6 +287,8 @@ class JobService:
             chat_template_kwargs=request.chat_template_kwargs or {},
             cache_salt=request.cache_salt), prompt_tokens, prompt_text, fresh_since=fresh_since)
             for request, sampling, prompt_tokens, prompt_text in checked]
+        result_ttl = first.retention_s or self._result_ttl_s
+        failure_ttl = first.retention_s or self._failure_ttl_s
         try:
             # One script checks the limits and enqueues (api/queue_admission.py); RQ is sync, so
             # it is built and sent from a worker thread, with the submissions arriving beside it
@@ -292,10 +296,12 @@ class JobService:
             await self._submissions.submit(partial(
                 prepare_submission, self._sync, [job.spec for job in accepted], self._keys,
                 check=admission.check, idempotency=idempotency,
-                result_ttl=first.retention_s or self._result_ttl_s,
-                failure_ttl=first.retention_s or self._failure_ttl_s))
+                result_ttl=result_ttl, failure_ttl=failure_ttl))
         except SubmissionRefused as refused:
             raise admission.refusal(refused.verdict) from None
+        for job in accepted:
+            self._recent.add(job.spec.job_id, job.spec.owner, fresh_since,
+                             min(result_ttl, failure_ttl))
         return accepted
 
     async def _replay(self, recorded: str,
@@ -330,6 +336,12 @@ class JobService:
     async def tokenizer(self, card: ModelCard) -> Tokenizer | None:
         """The model's tokenizer as the API knows it (None when no worker published one)."""
         return await self._tokenizers.get(card)
+
+    def submitted_here(self, job_id: str, owner: str) -> float | None:
+        """When (monotonic) `job_id` had nothing generated for sure, if this process submitted
+        it for `owner` lately and its state surely exists still (api/recent_submissions.py); None
+        when only its state can tell."""
+        return self._recent.fresh_since(job_id, owner)
 
     async def state(self, job_id: str, owner: str) -> JobState:
         """The job's state; 404 for unknown jobs and for jobs of another key alike."""

@@ -192,8 +192,14 @@ async def stream_job(
         description="Same as Last-Event-ID, for clients that cannot set headers.")] = None,
 ) -> Response:
     seen_at = time.monotonic()  # (before the read: what it shows held from then on)
-    state = await ctx.jobs.state(job_id, owner)  # 404 before any byte of the stream is sent
     resume_from = last_event_id or after or STREAM_START
+    # [redis-cost] A job this process just submitted, followed from the start: no state read
+    # (it exists, it is the caller's, and it had nothing generated at its submission).
+    fresh_since = (ctx.jobs.submitted_here(job_id, owner) if resume_from == STREAM_START
+                   else None)
+    state = None
+    if fresh_since is None:
+        state = await ctx.jobs.state(job_id, owner)  # 404 before any byte of the stream is sent
     if not is_entry_id(resume_from):
         name, location = ("Last-Event-ID", "header") if last_event_id else ("after", "query")
         raise InvalidRequestError(
@@ -206,9 +212,10 @@ async def stream_job(
         if last is not None and last.is_done \
                 and entry_id_key(last.entry_id) <= entry_id_key(resume_from):
             return Response(status_code=204)  # tells EventSource to stop reconnecting
-    # Nothing generated yet (the first token writes first_token_at with it): the hub need not
-    # read the stream first.
-    fresh_since = seen_at if not state.status.is_final and not state.first_token_at else None
+    if state is not None and not state.status.is_final and not state.first_token_at:
+        # Nothing generated yet (the first token writes first_token_at with it): the hub need
+        # not read the stream first.
+        fresh_since = seen_at
     return EventStreamResponse(_job_events(stream, resume_from, ctx.settings.sse_keepalive_s,
                                            fresh_since),
                                headers={"X-Carpool-Job-Id": job_id})

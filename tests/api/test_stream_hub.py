@@ -11,6 +11,7 @@ import asyncio
 import json
 import socket
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import httpx
@@ -23,9 +24,20 @@ from api_support import MODEL, word_tokenizer
 
 from api import stream_hub
 from api.app import create_app
+from api.job_service import JobService
 from api.settings import ApiSettings
 from api.stream_hub import StreamHub, Subscription
-from protocol import FinishReason, Keys, ModelCard, StreamEntry, stream_ids
+from protocol import (
+    FinishReason,
+    JobSpec,
+    JobState,
+    Keys,
+    ModelCard,
+    SamplingParams,
+    StreamEntry,
+    stream_ids,
+    submit_job,
+)
 from protocol.stream_steps import encode_tokens, notify_steps
 from protocol.token_runs import run_entry_id, run_fields
 
@@ -632,15 +644,22 @@ async def test_a_fresh_stream_is_read_at_once_while_the_hub_is_not_listening_yet
     assert time.monotonic() - started < stream_hub._FRESH_READ_DELAY_S
 
 
+def _submitted_elsewhere(sync: redis.Redis) -> str:
+    """A job queued by another API process (its state read by this one's routes), owner ""."""
+    return submit_job(sync, JobSpec(job_id=uuid.uuid4().hex, model=MODEL, prompt="hello",
+                                    sampling=SamplingParams(max_tokens=8))).id
+
+
 async def test_the_job_stream_of_a_job_with_no_token_yet_costs_no_first_read(
         redis_url: str, sync: redis.Redis) -> None:
     """GET /v1/jobs/{id}/stream subscribes `fresh` while the job's state has no first token: no
-    XREAD for it while its notifications follow each other. A job that has one is read at once."""
+    XREAD for it while its notifications follow each other. A job that has one is read at once.
+    (Both submitted by another API process: this one reads their states.)"""
     async for client, job_id in _served_job(redis_url, sync):
         first = Reader(client, job_id)  # starts the hub: read at once, the hub not listening yet
         await asyncio.sleep(0.2)
         sync.config_resetstat()
-        fresh_id = (await client.post("/v1/jobs", json={"prompt": "hello"})).json()["job_id"]
+        fresh_id = _submitted_elsewhere(sync)
         fresh = Reader(client, fresh_id)
         # It subscribed (a first token written before then: a gap), and waits past
         # _FRESH_READ_DELAY_S: the hub listened since its state was read, so it reads nothing.
@@ -653,17 +672,60 @@ async def test_the_job_stream_of_a_job_with_no_token_yet_costs_no_first_read(
         await _all_ended([first, fresh])
         assert sync.info("commandstats").get("cmdstat_xread", {}).get("calls", 0) == 0
 
-        started_id = (await client.post("/v1/jobs", json={"prompt": "hello"})).json()["job_id"]
+        started_id = _submitted_elsewhere(sync)
         _publish(sync, started_id, 0, 2, notify=False)
         sync.hset(KEYS.state(started_id), "first_token_at", time.time())
+        subscribed_at = time.monotonic()
         started = Reader(client, started_id)
         await started.wait_for(2)  # read at once, no notification needed
+        assert time.monotonic() - subscribed_at < 1.0  # (not by the 5 s full read)
         assert sync.info("commandstats")["cmdstat_xread"]["calls"] == 1
         _publish_final(sync, started_id, 2)
         await _all_ended([started])
     assert first.events == _expected(3)
     assert fresh.events == _expected(3)
     assert started.events == _expected(2)
+
+
+async def test_a_job_followed_where_it_was_submitted_costs_no_state_read(
+        redis_url: str, sync: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    """[redis-cost] The API process that submitted a job knows it exists, is the caller's and
+    had nothing generated at its submission: following it from the start reads neither its
+    state nor (the hub listening since before the submission) its stream. A resume reads the
+    state, as does a job another process submitted."""
+    reads: list[str] = []
+    state = JobService.state
+
+    async def recording_state(self: JobService, job_id: str, owner: str) -> JobState:
+        reads.append(job_id)
+        return await state(self, job_id, owner)
+
+    monkeypatch.setattr(JobService, "state", recording_state)
+    async for client, job_id in _served_job(redis_url, sync):
+        first = Reader(client, job_id)  # starts the hub
+        await asyncio.sleep(0.2)
+        sync.config_resetstat()
+        mine = (await client.post("/v1/jobs", json={"prompt": "hello"})).json()["job_id"]
+        follower = Reader(client, mine)
+        await asyncio.sleep(stream_hub._FRESH_READ_DELAY_S * 4)  # queued a while
+        _publish_step(sync, mine, 0, 1)
+        _publish_step(sync, mine, 1, 3)
+        await follower.wait_for(3)
+        assert reads == []
+        assert sync.info("commandstats").get("cmdstat_xread", {}).get("calls", 0) == 0
+        resumed = Reader(client, mine, last_event_id="0-2")
+        await resumed.wait_for(1)
+        elsewhere = _submitted_elsewhere(sync)
+        other = Reader(client, elsewhere)
+        await asyncio.sleep(0.1)
+        assert reads == [mine, elsewhere]
+        _publish_final(sync, mine, 3)
+        _publish_final(sync, elsewhere, 0)
+        _publish_final(sync, job_id, 0)
+        await _all_ended([first, follower, resumed, other])
+    assert follower.events == _expected(3)
+    assert resumed.events == _expected(3, after=2)
+    assert other.events == _expected(0)
 
 
 async def test_a_late_subscriber_gets_the_entries_the_hub_heard_with_no_read(
