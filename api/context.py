@@ -97,6 +97,12 @@ class AppContext:
                    hub=shard_hubs[0], shard_clients=shard_clients, shard_hubs=shard_hubs,
                    state_reads=SharedStateReads(aio, settings.stream_block_ms / 1000 / 2))
 
+    def redis_heard_within(self, seconds: float) -> bool:
+        """Whether the main Redis was heard serving within the last `seconds`: its stream hub
+        (the first shard's, when that is the main Redis) got a step notification then."""
+        on_main = bool(self.shard_clients) and self.shard_clients[0] is self.aio
+        return on_main and self.hub is not None and self.hub.heard_within(seconds)
+
     def stream(self, job_id: str, state: JobState | None = None) -> JobStream:
         """The reader of `job_id`'s stream, on its shard: the one `state` records (or, for a job
         started before shards were recorded, its job id's). Without a state (a job this request

@@ -65,6 +65,12 @@ _STREAM_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+# How recent a step notification must be for a stream request to skip its state read: a request
+# in the first moments of an outage gets its stream opened and then ended, as a stream opened
+# just before it (its client reconnects, and is answered 503).
+_HEARD_WITHIN_S = 0.1
+
+
 @router.post("", status_code=202, response_model=JobAccepted, summary="Submit a generation job",
              responses={**_ERRORS, 422: {"description": "Invalid field (the message names it)."},
                         413: {"model": ErrorDetail, "description": "Body over the size limit."},
@@ -194,8 +200,10 @@ async def stream_job(
     seen_at = time.monotonic()  # (before the read: what it shows held from then on)
     resume_from = last_event_id or after or STREAM_START
     # [redis-cost] A job this process just submitted, followed from the start: no state read
-    # (it exists, it is the caller's, and it had nothing generated at its submission).
-    fresh_since = (ctx.jobs.submitted_here(job_id, owner) if resume_from == STREAM_START
+    # (it exists, it is the caller's, and it had nothing generated at its submission), as long
+    # as Redis was heard serving just now: were it down, the read says 503 before any byte.
+    fresh_since = (ctx.jobs.submitted_here(job_id, owner)
+                   if resume_from == STREAM_START and ctx.redis_heard_within(_HEARD_WITHIN_S)
                    else None)
     state = None
     if fresh_since is None:

@@ -181,6 +181,8 @@ class StreamHub:
         # When (monotonic) the subscription to the notifications was confirmed, while it holds
         # (every later notification comes here); None: not subscribed.
         self._listening_since: float | None = None
+        # When (monotonic) the last notification came: Redis was serving then (heard_within).
+        self._notified_at = -float("inf")
         self._task: asyncio.Task[None] | None = None
         self._is_closed = False
         self._pubsub: PubSub | None = None  # the reader's subscription to the step notifications
@@ -189,6 +191,13 @@ class StreamHub:
     @property
     def _listening(self) -> bool:
         return self._listening_since is not None
+
+    def heard_within(self, seconds: float) -> bool:
+        """Whether a notification came in the last `seconds` on a subscription that still
+        holds: Redis was up and serving a worker's step that recently, which a route may take
+        for a read that would have succeeded (api/recent_submissions.py)."""
+        return (self._listening and not self._subscription_lost
+                and time.monotonic() - self._notified_at <= seconds)
 
     @property
     def num_streams(self) -> int:
@@ -336,6 +345,7 @@ class StreamHub:
                                                    timeout=wait_s)
                 while message is not None:  # every notification that came, in one turn
                     notified = True
+                    self._notified_at = time.monotonic()
                     fields = note_fields(message["data"])
                     for key, entries in notified_tokens(fields):
                         self._deliver_notified(key, entries)

@@ -8,6 +8,8 @@ with CLIENT LIST.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import socket
 import time
@@ -687,12 +689,31 @@ async def test_the_job_stream_of_a_job_with_no_token_yet_costs_no_first_read(
     assert started.events == _expected(2)
 
 
+@contextlib.asynccontextmanager
+async def _busy_worker(sync: redis.Redis) -> AsyncIterator[None]:
+    """A worker stepping every 20 ms meanwhile (its notifications, of a job nobody here follows):
+    Redis heard serving, as on a busy fleet."""
+    async def steps() -> None:
+        for index in itertools.count():
+            _notify_live(sync, "elsewhere-busy", index, index + 1)
+            await asyncio.sleep(0.02)
+
+    ticking = asyncio.create_task(steps())
+    await asyncio.sleep(0.1)
+    try:
+        yield
+    finally:
+        ticking.cancel()
+
+
 async def test_a_job_followed_where_it_was_submitted_costs_no_state_read(
         redis_url: str, sync: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
     """[redis-cost] The API process that submitted a job knows it exists, is the caller's and
-    had nothing generated at its submission: following it from the start reads neither its
-    state nor (the hub listening since before the submission) its stream. A resume reads the
-    state, as does a job another process submitted."""
+    had nothing generated at its submission: following it from the start while Redis is heard
+    serving reads neither its state nor (the hub listening since before the submission) its
+    stream. A resume reads the state, as does a job another process submitted, and one
+    submitted here while no step notification came lately (Redis may be down: the read says
+    so with a 503)."""
     reads: list[str] = []
     state = JobService.state
 
@@ -704,28 +725,54 @@ async def test_a_job_followed_where_it_was_submitted_costs_no_state_read(
     async for client, job_id in _served_job(redis_url, sync):
         first = Reader(client, job_id)  # starts the hub
         await asyncio.sleep(0.2)
-        sync.config_resetstat()
-        mine = (await client.post("/v1/jobs", json={"prompt": "hello"})).json()["job_id"]
-        follower = Reader(client, mine)
-        await asyncio.sleep(stream_hub._FRESH_READ_DELAY_S * 4)  # queued a while
-        _publish_step(sync, mine, 0, 1)
-        _publish_step(sync, mine, 1, 3)
-        await follower.wait_for(3)
-        assert reads == []
-        assert sync.info("commandstats").get("cmdstat_xread", {}).get("calls", 0) == 0
-        resumed = Reader(client, mine, last_event_id="0-2")
-        await resumed.wait_for(1)
-        elsewhere = _submitted_elsewhere(sync)
-        other = Reader(client, elsewhere)
+        quiet = (await client.post("/v1/jobs", json={"prompt": "hello"})).json()["job_id"]
+        unheard = Reader(client, quiet)
         await asyncio.sleep(0.1)
-        assert reads == [mine, elsewhere]
-        _publish_final(sync, mine, 3)
-        _publish_final(sync, elsewhere, 0)
-        _publish_final(sync, job_id, 0)
-        await _all_ended([first, follower, resumed, other])
+        assert reads == [job_id, quiet]  # no notification yet: Redis not heard lately
+        reads.clear()
+        async with _busy_worker(sync):
+            sync.config_resetstat()
+            mine = (await client.post("/v1/jobs", json={"prompt": "hello"})).json()["job_id"]
+            follower = Reader(client, mine)
+            await asyncio.sleep(stream_hub._FRESH_READ_DELAY_S * 4)  # queued a while
+            _publish_step(sync, mine, 0, 1)
+            _publish_step(sync, mine, 1, 3)
+            await follower.wait_for(3)
+            assert reads == []
+            assert sync.info("commandstats").get("cmdstat_xread", {}).get("calls", 0) == 0
+            resumed = Reader(client, mine, last_event_id="0-2")
+            await resumed.wait_for(1)
+            elsewhere = _submitted_elsewhere(sync)
+            other = Reader(client, elsewhere)
+            await asyncio.sleep(0.1)
+            assert reads == [mine, elsewhere]
+        for done in (mine, elsewhere, job_id, quiet):
+            _publish_final(sync, done, 3 if done == mine else 0)
+        await _all_ended([first, unheard, follower, resumed, other])
     assert follower.events == _expected(3)
     assert resumed.events == _expected(3, after=2)
-    assert other.events == _expected(0)
+    assert other.events == unheard.events == _expected(0)
+
+
+async def test_the_hub_heard_redis_for_a_moment_after_each_notification(
+        open_hub: OpenHub, sync: redis.Redis) -> None:
+    hub = open_hub(block_ms=10_000)
+    assert not hub.heard_within(60)  # not subscribed
+    read = _record_reads(hub)
+    subscription = await hub.subscribe(KEYS.stream("a"), "0-0")
+    await _first_reads_done(read)  # the hub waits for notifications now
+    assert not hub.heard_within(60)  # none came yet
+    _notify_live(sync, "b", 0, 1)
+    deadline = time.monotonic() + 5
+    while not hub.heard_within(0.1):
+        assert time.monotonic() < deadline, "the notification never came"
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.15)
+    assert not hub.heard_within(0.1) and hub.heard_within(60)
+    sync.client_kill_filter(_type="pubsub")  # its subscription lost
+    with pytest.raises(redis.exceptions.ConnectionError):
+        await subscription.next(5)
+    assert not hub.heard_within(60)
 
 
 async def test_a_late_subscriber_gets_the_entries_the_hub_heard_with_no_read(
