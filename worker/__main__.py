@@ -30,6 +30,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--max-num-seqs", type=int)
     add("--max-num-batched-tokens", type=int)
     add("--num-kv-blocks", type=int)
+    add("--kv-cache-memory-gib", type=float,
+        help="GiB the KV pool may take when --num-kv-blocks is unset (default 2)")
     add("--block-size", type=int)
     add("--max-model-len", type=int)
     add("--dtype")
@@ -99,6 +101,9 @@ def main(argv: Sequence[str] | None = None, reexec: bool = False) -> int:
     except ModelLoadError as exc:
         logging.error("%s", exc)
         return 1
+    except ValueError as exc:  # settings the model or this machine cannot take (the KV pool's)
+        logging.error("invalid worker settings: %s", exc)
+        return 2
     worker = BatchingWorker(settings, engine, redis)
     worker.install_signal_handlers()
     return worker.run()

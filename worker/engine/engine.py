@@ -44,6 +44,19 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+
+def available_memory_bytes() -> int | None:
+    """The memory this machine can still give without swapping (Linux' MemAvailable); None
+    where /proc/meminfo cannot tell."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
 DEFAULT_MAX_MODEL_LEN = 2048  # for configs that name no max_position_embeddings
 
 
@@ -356,13 +369,23 @@ class Engine:
             # Within the window, sliding-window attention is full attention, which the kernels do.
             log.warning("capping max_model_len at the model's sliding window, %d", runner.sliding_window)
             model_len = runner.sliding_window
+        bytes_per_block = runner.kv_cache_bytes_per_token() * config.block_size
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
             wanted = -(-num_seqs * model_len // config.block_size)
-            bytes_per_block = runner.kv_cache_bytes_per_token() * config.block_size
             affordable = int(config.kv_cache_memory_gib * 2**30) // bytes_per_block
             num_blocks = max(1, min(wanted, affordable))
+        if runner.device.type == "cpu":
+            # A pool past the memory there is would be filled with zeros page by page until the
+            # kernel kills the process, with no word of why: refuse it with the numbers instead.
+            available = available_memory_bytes()
+            if available is not None and num_blocks * bytes_per_block > available:
+                raise ValueError(
+                    f"the KV pool would take {num_blocks * bytes_per_block / 2**30:.2f} GiB "
+                    f"({num_blocks} blocks of {config.block_size} tokens), more than the "
+                    f"{available / 2**30:.2f} GiB of memory available: lower kv_cache_memory_gib "
+                    "(CARPOOL_KV_CACHE_MEMORY_GIB) or num_kv_blocks")
         capacity = num_blocks * config.block_size
         if capacity < model_len:
             if config.max_model_len is not None:

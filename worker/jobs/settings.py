@@ -28,6 +28,7 @@ class EngineKwargs(TypedDict):
     device: str
     block_size: int
     num_kv_blocks: int | None
+    kv_cache_memory_gib: float
     max_num_seqs: int | None
     max_num_batched_tokens: int | None
     max_model_len: int | None
@@ -61,6 +62,11 @@ class WorkerSettings(BaseSettings):
     max_num_batched_tokens: int | None = Field(
         None, ge=1, description="Token budget of a step; default: 8 per seat, 512 to 2048 on a CPU.")
     num_kv_blocks: int | None = Field(None, ge=1)
+    kv_cache_memory_gib: float = Field(
+        2.0, gt=0, le=1 << 20, description="GiB the paged KV pool may take when num_kv_blocks is "
+        "unset (vLLM's VLLM_CPU_KVCACHE_SPACE on a CPU): the pool holds the seats' full contexts "
+        "or this much, the smaller; more of it gives more seats and longer contexts room. A CPU "
+        "worker refuses to start with a pool larger than the memory available.")
     block_size: int = Field(16, ge=1, le=1024)
     max_model_len: int | None = Field(None, ge=2)
     dtype: str = "auto"
@@ -144,6 +150,7 @@ class WorkerSettings(BaseSettings):
     def engine_kwargs(self) -> EngineKwargs:
         return EngineKwargs(model=self.model, dtype=self.dtype, device=self.device,
                             block_size=self.block_size, num_kv_blocks=self.num_kv_blocks,
+                            kv_cache_memory_gib=self.kv_cache_memory_gib,
                             max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             max_model_len=self.max_model_len, mode=self.mode,

@@ -365,6 +365,37 @@ def test_kv_pool_is_sized_from_the_config(tiny_llama: Any) -> None:
     assert budget.max_model_len == min(1024, budget.block_manager.num_blocks * 4)
 
 
+def test_a_cpu_kv_pool_larger_than_the_memory_available_is_refused_with_its_size(
+        tiny_llama: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.engine import engine as engine_module
+
+    per_block = make_engine(tiny_llama).runner.kv_cache_bytes_per_token() * 4
+    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: 100 * per_block)
+    assert make_engine(tiny_llama, num_kv_blocks=100).block_manager.num_blocks == 100
+    with pytest.raises(ValueError, match=r"\(101 blocks of 4 tokens\), more than the .* GiB of "
+                                         r"memory available: lower kv_cache_memory_gib"):
+        make_engine(tiny_llama, num_kv_blocks=101)
+    sized = {"num_kv_blocks": None, "max_num_seqs": 1, "max_model_len": 1024}
+    with pytest.raises(ValueError, match="more than the"):
+        make_engine(tiny_llama, **sized, kv_cache_memory_gib=1.0)  # the seat's 256 blocks
+    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: None)  # not Linux
+    assert make_engine(tiny_llama, **sized, kv_cache_memory_gib=1.0).block_manager.num_blocks == 256
+
+
+def test_a_worker_whose_kv_pool_cannot_fit_exits_as_for_bad_settings(
+        tiny_llama_dir: Any, redis_url: str, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    from worker.__main__ import main as worker_main
+    from worker.engine import engine as engine_module
+    from worker.jobs.batching_worker import BatchingWorker
+
+    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: 2**20)
+    monkeypatch.setattr(BatchingWorker, "run", lambda self: 99)  # (had its engine been built)
+    assert worker_main(["--model", str(tiny_llama_dir), "--redis-url", redis_url,
+                        "--dtype", "float32"]) == 2
+    assert "more than the 0.00 GiB of memory available" in caplog.text
+
+
 def test_random_prompts_builder_is_deterministic() -> None:
     assert random_prompts(12, seed=1) == random_prompts(12, seed=1)
 

@@ -129,6 +129,18 @@ def test_a_bad_metrics_interval_is_refused_by_name(value: str, monkeypatch: pyte
     assert "metrics_interval_ms" in capsys.readouterr().err
 
 
+def test_the_kv_pool_memory_reaches_the_engine_and_a_bad_one_is_refused_by_name(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from worker.__main__ import main as worker_main
+    from worker.jobs.settings import WorkerSettings
+
+    assert WorkerSettings(model="synthetic").engine_config().kv_cache_memory_gib == 2.0
+    monkeypatch.setenv("CARPOOL_KV_CACHE_MEMORY_GIB", "12.5")
+    assert WorkerSettings(model="synthetic").engine_config().kv_cache_memory_gib == 12.5
+    assert worker_main(["--model", "synthetic", "--kv-cache-memory-gib", "0"]) == 2
+    assert "kv_cache_memory_gib" in capsys.readouterr().err
+
+
 def test_stats_expire_and_the_rq_heartbeat_keeps_the_worker_listed() -> None:
     redis = fake_redis()
     queue = make_queue(redis, worker="w1")
