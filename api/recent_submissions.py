@@ -11,7 +11,9 @@ through the same process: about a fifth of the requests a 50-token job costs Red
 (README, "Fleet scale").
 
 Bounded in time (`window_s`) and entries (`max_entries`, oldest out first); a job submitted
-through another API process, or longer ago, has its state read as before.
+through another API process, or longer ago, has its state read as before. The route skips the
+read only while Redis was heard serving a moment ago (`StreamHub.heard_within`): the read is also
+how a stream request learns that Redis is down, and answers 503.
 """
 
 from __future__ import annotations
