@@ -44,19 +44,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-
-def available_memory_bytes() -> int | None:
-    """The memory this machine can still give without swapping (Linux' MemAvailable); None
-    where /proc/meminfo cannot tell."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
 DEFAULT_MAX_MODEL_LEN = 2048  # for configs that name no max_position_embeddings
 
 
@@ -431,3 +418,16 @@ def _eos_token_ids(loaded: LoadedModel) -> set[int]:
         elif isinstance(source, (list, tuple)):
             ids.update(int(token_id) for token_id in source)
     return ids
+
+
+def available_memory_bytes() -> int | None:
+    """The memory this machine can still give without swapping (Linux' MemAvailable); None
+    where /proc/meminfo cannot tell."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
