@@ -9,6 +9,8 @@ Shapes (num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, shuffled block 
   decode-64: 64 sequences, one new token each, contexts uniform in 50..600
   mixed-256: one 256-token prefill chunk after a 256-token cached prefix, plus 63 decodes as above
   prompt-1400, chunk-512 (--shapes): a whole 1,400-token prompt; 512 rows after 1,024 positions
+  decode-128-long (--shapes): 128 decodes at 50..1,100 positions (long answers late in their run:
+               56 MB of K/V a layer, read from DRAM where decode-64's 16 MB may sit in L3)
 Implementations:
   twin         kernels.paged_attention_torch (the specification, and the CPU path without C++)
   cpp          kernels.paged_attention on CPU tensors: the C++ kernel (the CPU product path; cpu only), on
@@ -121,6 +123,7 @@ def shapes(seed: int = 0) -> dict[str, tuple[list[int], list[int]]]:
         # Long prefill chunks (--shapes): a whole 1,400-token prompt; 512 rows after 1,024 positions.
         "prompt-1400": ([1400], [1400]),
         "chunk-512": ([512], [1536]),
+        "decode-128-long": ([1] * 128, torch.randint(50, 1101, (128,), generator=gen).tolist()),
     }
 
 

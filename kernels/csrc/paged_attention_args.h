@@ -27,10 +27,12 @@ struct PagedAttentionArgs {
 // scratch: at least avx512_attention_scratch_floats(max context) floats, private to the caller.
 int64_t avx512_attention_scratch_floats(int64_t max_ctx);
 int64_t avx512_attention_max_head_dim();
+// next_tasks_share_rows: the caller runs the sequence's other kv heads' tasks next, on this thread,
+// so the first kv head's task fetches whole cache rows for them.
 void paged_attention_task_avx512_bf16(const PagedAttentionArgs& args, int64_t task, int64_t first_row,
-                                      int64_t end_row, float* scratch);
+                                      int64_t end_row, bool next_tasks_share_rows, float* scratch);
 void paged_attention_task_avx512_fp32(const PagedAttentionArgs& args, int64_t task, int64_t first_row,
-                                      int64_t end_row, float* scratch);
+                                      int64_t end_row, bool next_tasks_share_rows, float* scratch);
 
 // AMX tiles, or VDPBF16PS blocks in tile order (chunk_attention.cpp), for the prefill chunks of
 // bf16 steps. chunk_attention_runs: true where they can take a head of this size now (ISA kAmx or

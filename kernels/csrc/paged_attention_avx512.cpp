@@ -10,7 +10,11 @@
 //
 // Per query row and chunk of up to four query heads sharing the kv head: scores of keys 0..p,
 // sixteen keys at a time (keys past p padded with key 0, then masked to -inf), a softmax in fp32
-// with the max subtracted, then the probability-weighted V rows accumulated in registers.
+// with the max subtracted, then the probability-weighted V rows accumulated in registers (a bf16
+// row widened by a shift and a mask into its even and odd elements, no widening shuffle).
+//
+// Memory: a token's cache row holds every kv head's K (and V) side by side; the first kv head's
+// task of a decode step fetches whole rows into L2 for the sequence's other tasks (key_scores).
 //
 // Rounding: bf16 products are exact in fp32, and VDPBF16PS adds lane i's odd product, then its
 // even one, into the fp32 sum (Intel SDM, VDPBF16PS). The fp32 path adds the same products in the
@@ -19,6 +23,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "avx512_build.h"
 #include "paged_attention_args.h"
@@ -115,6 +120,8 @@ struct Task {
     const T* values;
     const int32_t* table;
     int64_t block_size, block_stride, token_stride, head_dim;
+    // Prefetch every kv head's K and V rows into L2, not only this task's (see key_scores).
+    bool fetch_all_heads;
 };
 
 // rows[i] = key first + i's row (through the block table) for first + i < n; key `first`'s row past
@@ -152,12 +159,29 @@ void key_scores(const Task<T>& task, const Q* queries, int64_t num_heads, int64_
             // DRAM or L3 for a real pool), and its V rows, which the V pass reads once this pass ends
             // (a context's V rows for one kv head fit in L2: 128 B a row).
             group_rows(task, first + kKeys, n, next_rows);
-            for (int64_t i = 0; i < kKeys; ++i) {
-                const char* key = reinterpret_cast<const char*>(next_rows[i]);
-                const char* value = reinterpret_cast<const char*>(task.values + (next_rows[i] - task.keys));
-                for (int64_t b = 0; b < row_bytes; b += 64) {
-                    _mm_prefetch(key + b, _MM_HINT_T0);
-                    _mm_prefetch(value + b, _MM_HINT_T1);
+            if (task.fetch_all_heads) {
+                // A kv head's 128 B of a cache row lie between the other heads' (384 B a row for
+                // SmolLM2's 3): fetched head by head, each task's rows came from DRAM at a few lines
+                // in flight, some 6 GB/s on a Zen 4 core. The first kv head's task fetches whole
+                // rows into L2 (its `keys` start at a row's first element: kv head 0), so the
+                // sequence's next tasks, the same thread's, read theirs from there.
+                const int64_t row_span = task.token_stride * static_cast<int64_t>(sizeof(T));
+                for (int64_t i = 0; i < kKeys; ++i) {
+                    const char* key = reinterpret_cast<const char*>(next_rows[i]);
+                    const char* value = reinterpret_cast<const char*>(task.values + (next_rows[i] - task.keys));
+                    for (int64_t b = 0; b < row_span; b += 64) {
+                        _mm_prefetch(key + b, _MM_HINT_T1);
+                        _mm_prefetch(value + b, _MM_HINT_T2);
+                    }
+                }
+            } else {
+                for (int64_t i = 0; i < kKeys; ++i) {
+                    const char* key = reinterpret_cast<const char*>(next_rows[i]);
+                    const char* value = reinterpret_cast<const char*>(task.values + (next_rows[i] - task.keys));
+                    for (int64_t b = 0; b < row_bytes; b += 64) {
+                        _mm_prefetch(key + b, _MM_HINT_T0);
+                        _mm_prefetch(value + b, _MM_HINT_T1);
+                    }
                 }
             }
         }
@@ -204,13 +228,18 @@ inline void softmax(float* scores, int64_t n, float peak) {
 }
 
 // out_h[d0, d0 + 16 * NV) = sum_t probs[h * stride + t] * V_t[d0, ...] for NH heads, the sums in
-// registers across all n keys; V rows are read (and widened) once for all NH heads.
+// registers across all n keys; V rows are read (and widened) once for all NH heads. The loops over
+// heads and vectors are unrolled by pragma: left to GCC, it kept the sums in memory and stored all
+// of them at every key: twelve 64-byte stores a key for 3 heads of 64.
 template <typename T, int NH, int NV>
 void weighted_values(const Task<T>& task, const float* probs, int64_t stride, int64_t n, int64_t d0, T* const* outs) {
     __m512 acc[NH][NV];
+#pragma GCC unroll 4
     for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 4
         for (int v = 0; v < NV; ++v) acc[h][v] = _mm512_setzero_ps();
     __mmask16 masks[NV];
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) masks[v] = first_lanes16(task.head_dim - d0 - 16 * v);
     const int64_t row_bytes = task.head_dim * static_cast<int64_t>(sizeof(T));
     for (int64_t first = 0, c = 0; first < n; first += task.block_size, ++c) {
@@ -224,14 +253,19 @@ void weighted_values(const Task<T>& task, const float* probs, int64_t stride, in
         const int64_t rows = min64(task.block_size, n - first);
         for (int64_t r = 0; r < rows; ++r, row += task.token_stride) {
             __m512 v[NV];
+#pragma GCC unroll 4
             for (int i = 0; i < NV; ++i) v[i] = load16(row + 16 * i, masks[i]);
+#pragma GCC unroll 4
             for (int h = 0; h < NH; ++h) {
                 const __m512 p = _mm512_set1_ps(probs[h * stride + first + r]);
+#pragma GCC unroll 4
                 for (int i = 0; i < NV; ++i) acc[h][i] = _mm512_fmadd_ps(p, v[i], acc[h][i]);
             }
         }
     }
+#pragma GCC unroll 4
     for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 4
         for (int i = 0; i < NV; ++i) store16(outs[h] + d0 + 16 * i, acc[h][i], masks[i]);
 }
 
@@ -245,10 +279,83 @@ void weighted_values_slab(const Task<T>& task, const float* probs, int64_t strid
     }
 }
 
+// weighted_values for a bf16 cache and whole 32-element chunks (NP of them from d0): a 64-byte load
+// of a V row is its 32 elements' fp32 values in two vectors, the even elements (shifted up 16 bits)
+// and the odd ones (masked), with no widening shuffle; each output element gets the same products
+// in the same order as in weighted_values, from the lane that holds it, and the two vectors are
+// interleaved back into element order once, at the end.
+template <int NH, int NP>
+void weighted_values_pairs(const Task<bf16_bits>& task, const float* probs, int64_t stride, int64_t n, int64_t d0,
+                           bf16_bits* const* outs) {
+    __m512 even[NH][NP], odd[NH][NP];
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 4
+        for (int c = 0; c < NP; ++c) even[h][c] = odd[h][c] = _mm512_setzero_ps();
+    const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+    const int64_t row_bytes = task.head_dim * static_cast<int64_t>(sizeof(bf16_bits));
+    for (int64_t first = 0, b = 0; first < n; first += task.block_size, ++b) {
+        if (first + task.block_size < n) {  // the next block's rows of this kv head
+            const char* next = reinterpret_cast<const char*>(task.values + task.table[b + 1] * task.block_stride);
+            for (int64_t r = 0; r < task.block_size; ++r)
+                for (int64_t at = 0; at < row_bytes; at += 64)
+                    _mm_prefetch(next + r * task.token_stride * static_cast<int64_t>(sizeof(bf16_bits)) + at, _MM_HINT_T0);
+        }
+        const bf16_bits* row = task.values + task.table[b] * task.block_stride + d0;
+        const int64_t rows = min64(task.block_size, n - first);
+        for (int64_t r = 0; r < rows; ++r, row += task.token_stride) {
+            __m512 v_even[NP], v_odd[NP];
+#pragma GCC unroll 4
+            for (int c = 0; c < NP; ++c) {
+                const __m512i pairs = _mm512_loadu_si512(row + 32 * c);
+                v_even[c] = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+                v_odd[c] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
+            }
+#pragma GCC unroll 4
+            for (int h = 0; h < NH; ++h) {
+                const __m512 p = _mm512_set1_ps(probs[h * stride + first + r]);
+#pragma GCC unroll 4
+                for (int c = 0; c < NP; ++c) {
+                    even[h][c] = _mm512_fmadd_ps(p, v_even[c], even[h][c]);
+                    odd[h][c] = _mm512_fmadd_ps(p, v_odd[c], odd[h][c]);
+                }
+            }
+        }
+    }
+    // Lane j of the first half: even[j / 2] or odd[j / 2] (index bit 4 picks the second source).
+    const __m512i first_half = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i second_half = _mm512_add_epi32(first_half, _mm512_set1_epi32(8));
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; ++h)
+#pragma GCC unroll 4
+        for (int c = 0; c < NP; ++c) {
+            bf16_bits* out = outs[h] + d0 + 32 * c;
+            store16(out, _mm512_permutex2var_ps(even[h][c], first_half, odd[h][c]), 0xffff);
+            store16(out + 16, _mm512_permutex2var_ps(even[h][c], second_half, odd[h][c]), 0xffff);
+        }
+}
+
+template <int NH>
+void weighted_values_slab_bf16(const Task<bf16_bits>& task, const float* probs, int64_t stride, int64_t n,
+                               int64_t d0, bf16_bits* const* outs) {
+    if (task.head_dim % 32 != 0) return weighted_values_slab<bf16_bits, NH>(task, probs, stride, n, d0, outs);
+    if (task.head_dim - d0 >= 64) return weighted_values_pairs<NH, 2>(task, probs, stride, n, d0, outs);
+    return weighted_values_pairs<NH, 1>(task, probs, stride, n, d0, outs);
+}
+
 template <typename T>
 void weighted_values_all(const Task<T>& task, const float* probs, int64_t stride, int64_t num_heads, int64_t n,
                          T* const* outs) {
     for (int64_t d0 = 0; d0 < task.head_dim; d0 += kSlab) {
+        if constexpr (std::is_same_v<T, bf16_bits>) {
+            switch (num_heads) {
+                case 1: weighted_values_slab_bf16<1>(task, probs, stride, n, d0, outs); break;
+                case 2: weighted_values_slab_bf16<2>(task, probs, stride, n, d0, outs); break;
+                case 3: weighted_values_slab_bf16<3>(task, probs, stride, n, d0, outs); break;
+                default: weighted_values_slab_bf16<4>(task, probs, stride, n, d0, outs); break;
+            }
+            continue;
+        }
         switch (num_heads) {
             case 1: weighted_values_slab<T, 1>(task, probs, stride, n, d0, outs); break;
             case 2: weighted_values_slab<T, 2>(task, probs, stride, n, d0, outs); break;
@@ -260,14 +367,15 @@ void weighted_values_all(const Task<T>& task, const float* probs, int64_t stride
 
 template <typename T, typename Q>
 void attend(const carpool::PagedAttentionArgs& args, int64_t task_id, int64_t first_j, int64_t end_j,
-            float* scratch) {
+            bool next_tasks_share_rows, float* scratch) {
     const int64_t s = task_id / args.num_kv_heads, kv = task_id % args.num_kv_heads;
     const int64_t first_row = args.starts[s], q_len = args.starts[s + 1] - first_row, ctx = args.lens[s];
     if (q_len == 0 || q_len > args.max_query_rows) return;
     const int64_t group = args.num_heads / args.num_kv_heads, head_dim = args.head_dim;
     const Task<T> task{static_cast<const T*>(args.key_cache) + kv * head_dim,
                        static_cast<const T*>(args.value_cache) + kv * head_dim,
-                       args.tables + s * args.table_width, args.block_size, args.block_stride, args.token_stride, head_dim};
+                       args.tables + s * args.table_width, args.block_size, args.block_stride, args.token_stride, head_dim,
+                       next_tasks_share_rows && kv == 0 && args.num_kv_heads > 1};
     const int64_t stride = (ctx + kKeys - 1) / kKeys * kKeys;  // one head's scores, padded to whole groups
     const T* q = static_cast<const T*>(args.query);
     T* o = static_cast<T*>(args.out);
@@ -302,13 +410,14 @@ int64_t avx512_attention_scratch_floats(int64_t max_ctx) {
 int64_t avx512_attention_max_head_dim() { return 32 * carpool512::kMaxChunks; }
 
 void paged_attention_task_avx512_bf16(const PagedAttentionArgs& args, int64_t task, int64_t first_row,
-                                      int64_t end_row, float* scratch) {
-    carpool512::attend<carpool512::bf16_bits, carpool512::QueryBf16>(args, task, first_row, end_row, scratch);
+                                      int64_t end_row, bool next_tasks_share_rows, float* scratch) {
+    carpool512::attend<carpool512::bf16_bits, carpool512::QueryBf16>(args, task, first_row, end_row,
+                                                                     next_tasks_share_rows, scratch);
 }
 
 void paged_attention_task_avx512_fp32(const PagedAttentionArgs& args, int64_t task, int64_t first_row,
-                                      int64_t end_row, float* scratch) {
-    carpool512::attend<float, carpool512::QueryFp32>(args, task, first_row, end_row, scratch);
+                                      int64_t end_row, bool next_tasks_share_rows, float* scratch) {
+    carpool512::attend<float, carpool512::QueryFp32>(args, task, first_row, end_row, next_tasks_share_rows, scratch);
 }
 
 }  // namespace carpool
@@ -320,8 +429,8 @@ CARPOOL_AVX512_END
 namespace carpool {
 int64_t avx512_attention_scratch_floats(int64_t) { return 0; }
 int64_t avx512_attention_max_head_dim() { return 0; }
-void paged_attention_task_avx512_bf16(const PagedAttentionArgs&, int64_t, int64_t, int64_t, float*) {}
-void paged_attention_task_avx512_fp32(const PagedAttentionArgs&, int64_t, int64_t, int64_t, float*) {}
+void paged_attention_task_avx512_bf16(const PagedAttentionArgs&, int64_t, int64_t, int64_t, bool, float*) {}
+void paged_attention_task_avx512_fp32(const PagedAttentionArgs&, int64_t, int64_t, int64_t, bool, float*) {}
 }  // namespace carpool
 
 #endif

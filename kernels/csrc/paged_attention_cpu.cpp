@@ -270,11 +270,11 @@ void paged_attention_avx512(const at::Tensor& query, const at::Tensor& key_cache
     int64_t max_ctx = 0;
     for (int64_t s = 0; s < num_seqs; ++s) max_ctx = std::max<int64_t>(max_ctx, args.lens[s]);
     const size_t scratch_floats = static_cast<size_t>(carpool::avx512_attention_scratch_floats(max_ctx));
-    const auto run = [&](int64_t task, int64_t first_row, int64_t end_row, float* scratch) {
+    const auto run = [&](int64_t task, int64_t first_row, int64_t end_row, bool next_tasks_share_rows, float* scratch) {
         if constexpr (std::is_same_v<T, float>)
-            carpool::paged_attention_task_avx512_fp32(args, task, first_row, end_row, scratch);
+            carpool::paged_attention_task_avx512_fp32(args, task, first_row, end_row, next_tasks_share_rows, scratch);
         else
-            carpool::paged_attention_task_avx512_bf16(args, task, first_row, end_row, scratch);
+            carpool::paged_attention_task_avx512_bf16(args, task, first_row, end_row, next_tasks_share_rows, scratch);
     };
     int64_t longest = 0;
     for (int64_t s = 0; s < num_seqs; ++s) {
@@ -284,7 +284,8 @@ void paged_attention_avx512(const at::Tensor& query, const at::Tensor& key_cache
     if (longest <= kRowsPerPart) {  // decodes and short chunks: a task per (sequence, kv head)
         at::parallel_for(0, num_seqs * args.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
             std::vector<float> scratch(scratch_floats);  // the task's scores, per query head
-            for (int64_t task = begin; task < end; ++task) run(task, 0, kRowsPerPart, scratch.data());
+            // A sequence's kv heads are consecutive tasks, mostly on one thread.
+            for (int64_t task = begin; task < end; ++task) run(task, 0, kRowsPerPart, true, scratch.data());
         });
         return;
     }
@@ -310,7 +311,7 @@ void paged_attention_avx512(const at::Tensor& query, const at::Tensor& key_cache
     at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
         std::vector<float> scratch(scratch_floats);
         for (size_t i = next++; i < parts.size(); i = next++)
-            run(parts[i].task, parts[i].first_row, parts[i].first_row + kRowsPerPart, scratch.data());
+            run(parts[i].task, parts[i].first_row, parts[i].first_row + kRowsPerPart, false, scratch.data());
     });
 }
 

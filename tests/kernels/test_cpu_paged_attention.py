@@ -38,10 +38,14 @@ def test_decodes_and_short_chunks_over_shuffled_blocks(paged_batch, dense_refere
     close(paged_attention_cpu(*batch.args()), dense_reference(batch), dtype)
 
 
-def test_bf16_is_the_fp32_result_rounded_once(paged_batch):
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 96, 128])
+def test_bf16_is_the_fp32_result_rounded_once(paged_batch, head_dim):
     # bf16 K/V and queries are widened exactly, so the kernel's bf16 output must be its own fp32
     # output on the same (widened) values, rounded to bf16 once: nothing else rounds in between.
-    batch = paged_batch([1, 1, 5, 2], [1, 300, 45, 77], num_heads=9, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16)
+    # On AVX-512 a bf16 head of whole 32-element chunks sums its V rows in even and odd lanes (80:
+    # the widening path; 96: a 64-element slab, then a 32-element one).
+    batch = paged_batch([1, 1, 5, 2], [1, 300, 45, 77], num_heads=9, num_kv_heads=3, head_dim=head_dim,
+                        dtype=torch.bfloat16)
     widened = [t.float() if t.is_floating_point() else t for t in batch.args()[:-1]]
     out32 = paged_attention_cpu(*widened, batch.scale)
     out16 = paged_attention_cpu(*batch.args())
