@@ -92,3 +92,11 @@ def long_prompt_workload(num_requests: int = 32, words: int = 1100, max_tokens: 
             max_tokens=max_tokens))
     return items
 
+
+
+def long_answer_workload(num_requests: int = 128, max_tokens: int = 512) -> list[WorkloadItem]:
+    """Decode-heavy requests: the chat workload's questions, each answered at `max_tokens` tokens
+    (EOS ignored), so late in the run every sequence's attention reads hundreds of cached
+    positions a step: what long answers (essays, code) cost, where the chat workload's are short."""
+    return [WorkloadItem(messages=[{"role": "user", "content": text}], max_tokens=max_tokens)
+            for text in prompt_texts(num_requests)]

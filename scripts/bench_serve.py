@@ -11,6 +11,9 @@ questions, long-tailed output lengths, greedy, EOS ignored so both generate the 
     long32     32 prefill-heavy requests at once (about 1,400-token prompts, 48-token answers:
                loadgen.workload.long_prompt_workload; not in the default --loads)
     longrate   24 of those, Poisson arrivals at 1 per second
+    answers512 128 decode-heavy requests at once (the chat questions, 512-token answers:
+               loadgen.workload.long_answer_workload; not in the default --loads)
+    answers1024  the same with 1,024-token answers
 
 Reported per load: generated tok/s (tokens / first submit to last token), TTFT p50/p99, mean
 inter-token latency, e2e p99. Before any ratio, the peer's greedy text is compared with Carpool's
@@ -51,7 +54,7 @@ import openai  # noqa: E402
 from bench_fleet import command_stats, redis_cpu_seconds  # noqa: E402
 from redis import Redis  # noqa: E402
 
-from loadgen.workload import WorkloadItem, build_workload, long_prompt_workload  # noqa: E402
+from loadgen.workload import WorkloadItem, build_workload, long_answer_workload, long_prompt_workload  # noqa: E402
 
 # name: (requests, arrivals per second (None: all at once), workload). The first three are the
 # fleet issue's (the chat workload); the long ones are prefill-heavy (long_prompt_workload).
@@ -60,7 +63,9 @@ LOADS: dict[str, tuple[int, float | None, Callable[[int], list[WorkloadItem]]]] 
     "rate6": (128, 6.0, build_workload),
     # Their own documents each (seeds): a load that resent the other's would hit the prefix cache.
     "long32": (32, None, lambda n: long_prompt_workload(n, seed=1)),
-    "longrate": (24, 1.0, lambda n: long_prompt_workload(n, seed=2))}
+    "longrate": (24, 1.0, lambda n: long_prompt_workload(n, seed=2)),
+    "answers512": (128, None, lambda n: long_answer_workload(n, max_tokens=512)),
+    "answers1024": (128, None, lambda n: long_answer_workload(n, max_tokens=1024))}
 CHECK_PROMPTS = 16  # greedy agreement check: this many prompts, CHECK_TOKENS tokens each
 CHECK_TOKENS = 16
 READY_TIMEOUT_S = 600.0

@@ -1,8 +1,9 @@
-"""The prefill-heavy workload: long documents that share no prefix, the same for the same seed."""
+"""The prefill-heavy workload (long documents that share no prefix, the same for the same seed) and
+the decode-heavy one (the chat questions, every answer the same length)."""
 
 from __future__ import annotations
 
-from loadgen.workload import long_prompt_workload
+from loadgen.workload import build_workload, long_answer_workload, long_prompt_workload
 
 
 def test_long_prompts_are_distinct_documents_repeated_by_seed() -> None:
@@ -15,3 +16,9 @@ def test_long_prompts_are_distinct_documents_repeated_by_seed() -> None:
     assert [item.max_tokens for item in items] == [16] * 4
     assert long_prompt_workload(4, words=300, max_tokens=16, seed=1) == items
     assert long_prompt_workload(4, words=300, max_tokens=16, seed=2) != items
+
+
+def test_long_answers_ask_the_chat_questions_at_one_length() -> None:
+    items = long_answer_workload(6, max_tokens=512)
+    assert [item.messages for item in items] == [item.messages for item in build_workload(6)]
+    assert [item.max_tokens for item in items] == [512] * 6
