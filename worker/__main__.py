@@ -31,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     add("--max-num-batched-tokens", type=int)
     add("--num-kv-blocks", type=int)
     add("--kv-cache-memory-gib", type=float,
-        help="GiB the KV pool may take when --num-kv-blocks is unset (default 2)")
+        help="GiB the KV pool may take when --num-kv-blocks is unset (default: a quarter of the "
+             "memory available on a CPU, at least 2 where half of it allows; 2 on a GPU)")
     add("--block-size", type=int)
     add("--max-model-len", type=int)
     add("--dtype")

@@ -36,7 +36,9 @@ class EngineConfig:
     # True: preempted requests go back to the front of the engine's own queue (library use).
     # False: the engine drops them and reports them in StepOutput.preempted for someone to requeue.
     requeue_preempted: bool = True
-    kv_cache_memory_gib: float = 2.0  # cap on the KV pool when num_kv_blocks is None
+    # Cap on the KV pool when num_kv_blocks is None; None: a quarter of the memory a CPU worker
+    # finds available at start (at least 2 GiB where half of it allows), 2 GiB on a GPU.
+    kv_cache_memory_gib: float | None = None
     enable_prefix_caching: bool = True  # reuse computed K/V blocks of identical prompt prefixes
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default
     # CPUs with AVX2: decode attention, RMSNorm and SiLU-and-multiply (fp32 or bf16) and few-row
@@ -72,8 +74,10 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         if not isinstance(self.enable_cpu_kernels, bool):
             raise ValueError(f"enable_cpu_kernels must be a bool, got {self.enable_cpu_kernels!r}")
-        if not isinstance(self.kv_cache_memory_gib, (int, float)) or not self.kv_cache_memory_gib > 0:
-            raise ValueError(f"kv_cache_memory_gib must be positive, got {self.kv_cache_memory_gib!r}")
+        if self.kv_cache_memory_gib is not None and (
+                not isinstance(self.kv_cache_memory_gib, (int, float)) or not self.kv_cache_memory_gib > 0):
+            raise ValueError(f"kv_cache_memory_gib must be positive (or None: sized from the memory), "
+                             f"got {self.kv_cache_memory_gib!r}")
         if self.num_threads is not None:
             _check_int("num_threads", self.num_threads, 1, 1024)
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from protocol.generation import MAX_SEED, FinishReason, SamplingParams, TokenEntry, TokenLogprobs
+from worker.engine import kv_memory
 from worker.engine.batch_limits import resolve_batch_limits, seat_cap
 from worker.engine.block_manager import BlockManager
 from worker.engine.config import BatchingMode, EngineConfig
@@ -361,12 +362,13 @@ class Engine:
             num_blocks = config.num_kv_blocks
         else:
             wanted = -(-num_seqs * model_len // config.block_size)
-            affordable = int(config.kv_cache_memory_gib * 2**30) // bytes_per_block
-            num_blocks = max(1, min(wanted, affordable))
+            cap = (int(config.kv_cache_memory_gib * 2**30) if config.kv_cache_memory_gib is not None
+                   else kv_memory.default_kv_pool_bytes(runner.device.type))
+            num_blocks = max(1, min(wanted, cap // bytes_per_block))
         if runner.device.type == "cpu":
             # A pool past the memory there is would be filled with zeros page by page until the
             # kernel kills the process, with no word of why: refuse it with the numbers instead.
-            available = available_memory_bytes()
+            available = kv_memory.available_memory_bytes()
             if available is not None and num_blocks * bytes_per_block > available:
                 raise ValueError(
                     f"the KV pool would take {num_blocks * bytes_per_block / 2**30:.2f} GiB "
@@ -418,16 +420,3 @@ def _eos_token_ids(loaded: LoadedModel) -> set[int]:
         elif isinstance(source, (list, tuple)):
             ids.update(int(token_id) for token_id in source)
     return ids
-
-
-def available_memory_bytes() -> int | None:
-    """The memory this machine can still give without swapping (Linux' MemAvailable); None
-    where /proc/meminfo cannot tell."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None

@@ -28,7 +28,7 @@ class EngineKwargs(TypedDict):
     device: str
     block_size: int
     num_kv_blocks: int | None
-    kv_cache_memory_gib: float
+    kv_cache_memory_gib: float | None
     max_num_seqs: int | None
     max_num_batched_tokens: int | None
     max_model_len: int | None
@@ -62,11 +62,13 @@ class WorkerSettings(BaseSettings):
     max_num_batched_tokens: int | None = Field(
         None, ge=1, description="Token budget of a step; default: 8 per seat, 512 to 2048 on a CPU.")
     num_kv_blocks: int | None = Field(None, ge=1)
-    kv_cache_memory_gib: float = Field(
-        2.0, gt=0, le=1 << 20, description="GiB the paged KV pool may take when num_kv_blocks is "
+    kv_cache_memory_gib: float | None = Field(
+        None, gt=0, le=1 << 20, description="GiB the paged KV pool may take when num_kv_blocks is "
         "unset (vLLM's VLLM_CPU_KVCACHE_SPACE on a CPU): the pool holds the seats' full contexts "
-        "or this much, the smaller; more of it gives more seats and longer contexts room. A CPU "
-        "worker refuses to start with a pool larger than the memory available.")
+        "or this much, the smaller; more of it gives more seats and longer contexts room. Unset: "
+        "a quarter of the memory available at start on a CPU (at least 2 GiB where half of it "
+        "allows), 2 GiB on a GPU. A CPU worker refuses to start with a pool larger than the "
+        "memory available.")
     block_size: int = Field(16, ge=1, le=1024)
     max_model_len: int | None = Field(None, ge=2)
     dtype: str = "auto"

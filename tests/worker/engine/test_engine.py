@@ -367,10 +367,10 @@ def test_kv_pool_is_sized_from_the_config(tiny_llama: Any) -> None:
 
 def test_a_cpu_kv_pool_larger_than_the_memory_available_is_refused_with_its_size(
         tiny_llama: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from worker.engine import engine as engine_module
+    from worker.engine import kv_memory
 
     per_block = make_engine(tiny_llama).runner.kv_cache_bytes_per_token() * 4
-    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: 100 * per_block)
+    monkeypatch.setattr(kv_memory, "available_memory_bytes", lambda: 100 * per_block)
     assert make_engine(tiny_llama, num_kv_blocks=100).block_manager.num_blocks == 100
     with pytest.raises(ValueError, match=r"\(101 blocks of 4 tokens\), more than the .* GiB of "
                                          r"memory available: lower kv_cache_memory_gib"):
@@ -378,22 +378,67 @@ def test_a_cpu_kv_pool_larger_than_the_memory_available_is_refused_with_its_size
     sized = {"num_kv_blocks": None, "max_num_seqs": 1, "max_model_len": 1024}
     with pytest.raises(ValueError, match="more than the"):
         make_engine(tiny_llama, **sized, kv_cache_memory_gib=1.0)  # the seat's 256 blocks
-    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: None)  # not Linux
+    monkeypatch.setattr(kv_memory, "available_memory_bytes", lambda: None)  # not Linux
     assert make_engine(tiny_llama, **sized, kv_cache_memory_gib=1.0).block_manager.num_blocks == 256
+
+
+def test_an_unset_kv_pool_cap_is_a_quarter_of_the_memory_on_a_cpu(
+        tiny_llama: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.engine import kv_memory
+
+    gib = 2**30
+    for available, cap in [(24 * gib, 6 * gib), (6 * gib, 2 * gib), (3 * gib, 3 * gib // 2), (None, 2 * gib)]:
+        monkeypatch.setattr(kv_memory, "available_memory_bytes", lambda available=available: available)
+        assert kv_memory.default_kv_pool_bytes("cpu") == cap, available
+        assert kv_memory.default_kv_pool_bytes("cuda") == 2 * gib
+    per_block = make_engine(tiny_llama).runner.kv_cache_bytes_per_token() * 4
+    monkeypatch.setattr(kv_memory, "available_memory_bytes", lambda: 400 * per_block)
+    sized = {"num_kv_blocks": None, "max_num_seqs": 1, "max_model_len": 1024}  # wants 256 blocks
+    assert make_engine(tiny_llama, **sized).block_manager.num_blocks == 200  # half: 2 GiB is more
+    assert make_engine(tiny_llama, **sized, kv_cache_memory_gib=1.0).block_manager.num_blocks == 256
+
+
+def test_the_memory_available_is_the_smaller_of_meminfo_and_the_cgroup_limit(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.engine import kv_memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n")
+    v2_max, v2_current, v1_limit, v1_usage = (tmp_path / name for name in ("max", "current", "limit", "usage"))
+    monkeypatch.setattr(kv_memory, "MEMINFO_PATH", str(meminfo))
+    monkeypatch.setattr(kv_memory, "CGROUP_MEMORY_FILES",
+                        ((str(v2_max), str(v2_current)), (str(v1_limit), str(v1_usage))))
+    assert kv_memory.available_memory_bytes() == 20000000 * 1024  # no cgroup files: MemAvailable
+    v2_max.write_text("max\n")
+    v2_current.write_text("123\n")
+    assert kv_memory.available_memory_bytes() == 20000000 * 1024  # v2, unlimited
+    v2_max.write_text(f"{8 * 2**30}\n")
+    v2_current.write_text(f"{3 * 2**30}\n")
+    assert kv_memory.available_memory_bytes() == 5 * 2**30  # a container of 8 GiB, 3 used
+    v2_max.unlink()
+    v1_limit.write_text("9223372036854771712\n")  # v1, unlimited
+    v1_usage.write_text(f"{10 * 2**30}\n")
+    assert kv_memory.available_memory_bytes() == 20000000 * 1024
+    v1_limit.write_text(f"{4 * 2**30}\n")
+    v1_usage.write_text(f"{5 * 2**30}\n")  # past its limit: nothing left
+    assert kv_memory.available_memory_bytes() == 0
+    meminfo.write_text("MemTotal:       24000000 kB\n")
+    assert kv_memory.available_memory_bytes() is None
 
 
 def test_a_worker_whose_kv_pool_cannot_fit_exits_as_for_bad_settings(
         tiny_llama_dir: Any, redis_url: str, monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
     from worker.__main__ import main as worker_main
-    from worker.engine import engine as engine_module
+    from worker.engine import kv_memory
     from worker.jobs.batching_worker import BatchingWorker
 
-    monkeypatch.setattr(engine_module, "available_memory_bytes", lambda: 2**20)
+    monkeypatch.setattr(kv_memory, "available_memory_bytes", lambda: 2**20)
     monkeypatch.setattr(BatchingWorker, "run", lambda self: 99)  # (had its engine been built)
-    assert worker_main(["--model", str(tiny_llama_dir), "--redis-url", redis_url,
-                        "--dtype", "float32"]) == 2
+    args = ["--model", str(tiny_llama_dir), "--redis-url", redis_url, "--dtype", "float32"]
+    assert worker_main([*args, "--kv-cache-memory-gib", "1"]) == 2
     assert "more than the 0.00 GiB of memory available" in caplog.text
+    assert worker_main(args) == 99  # unset, the cap is sized from the memory there is
 
 
 def test_random_prompts_builder_is_deterministic() -> None:

@@ -134,7 +134,7 @@ def test_the_kv_pool_memory_reaches_the_engine_and_a_bad_one_is_refused_by_name(
     from worker.__main__ import main as worker_main
     from worker.jobs.settings import WorkerSettings
 
-    assert WorkerSettings(model="synthetic").engine_config().kv_cache_memory_gib == 2.0
+    assert WorkerSettings(model="synthetic").engine_config().kv_cache_memory_gib is None  # sized from the memory
     monkeypatch.setenv("CARPOOL_KV_CACHE_MEMORY_GIB", "12.5")
     assert WorkerSettings(model="synthetic").engine_config().kv_cache_memory_gib == 12.5
     assert worker_main(["--model", "synthetic", "--kv-cache-memory-gib", "0"]) == 2
