@@ -150,7 +150,13 @@ void key_scores(const Task<T>& task, const Q* queries, int64_t num_heads, int64_
     const __m512 scale_v = _mm512_set1_ps(scale);
     const T* rows[kKeys];
     const T* next_rows[kKeys];
-    const int64_t row_bytes = task.head_dim * static_cast<int64_t>(sizeof(T));
+    // What of the next group's cache rows to fetch, and to which level. A kv head's 128 B of a row
+    // lie between the other heads' (384 B a row for SmolLM2's 3): fetched head by head, each
+    // task's rows came from DRAM at a few lines in flight, some 6 GB/s on a Zen 4 core. The first
+    // kv head's task of a decode step fetches whole rows into L2 (its `keys` start at a row's first
+    // element: kv head 0), so that the sequence's next tasks, the same thread's, read theirs there.
+    const bool whole_rows = task.fetch_all_heads;
+    const int64_t fetch_bytes = (whole_rows ? task.token_stride : task.head_dim) * static_cast<int64_t>(sizeof(T));
     group_rows(task, 0, n, next_rows);
     for (int64_t first = 0; first < n; first += kKeys) {
         for (int64_t i = 0; i < kKeys; ++i) rows[i] = next_rows[i];
@@ -159,26 +165,14 @@ void key_scores(const Task<T>& task, const Q* queries, int64_t num_heads, int64_
             // DRAM or L3 for a real pool), and its V rows, which the V pass reads once this pass ends
             // (a context's V rows for one kv head fit in L2: 128 B a row).
             group_rows(task, first + kKeys, n, next_rows);
-            if (task.fetch_all_heads) {
-                // A kv head's 128 B of a cache row lie between the other heads' (384 B a row for
-                // SmolLM2's 3): fetched head by head, each task's rows came from DRAM at a few lines
-                // in flight, some 6 GB/s on a Zen 4 core. The first kv head's task fetches whole
-                // rows into L2 (its `keys` start at a row's first element: kv head 0), so the
-                // sequence's next tasks, the same thread's, read theirs from there.
-                const int64_t row_span = task.token_stride * static_cast<int64_t>(sizeof(T));
-                for (int64_t i = 0; i < kKeys; ++i) {
-                    const char* key = reinterpret_cast<const char*>(next_rows[i]);
-                    const char* value = reinterpret_cast<const char*>(task.values + (next_rows[i] - task.keys));
-                    for (int64_t b = 0; b < row_span; b += 64) {
+            for (int64_t i = 0; i < kKeys; ++i) {
+                const char* key = reinterpret_cast<const char*>(next_rows[i]);
+                const char* value = reinterpret_cast<const char*>(task.values + (next_rows[i] - task.keys));
+                for (int64_t b = 0; b < fetch_bytes; b += 64) {
+                    if (whole_rows) {
                         _mm_prefetch(key + b, _MM_HINT_T1);
                         _mm_prefetch(value + b, _MM_HINT_T2);
-                    }
-                }
-            } else {
-                for (int64_t i = 0; i < kKeys; ++i) {
-                    const char* key = reinterpret_cast<const char*>(next_rows[i]);
-                    const char* value = reinterpret_cast<const char*>(task.values + (next_rows[i] - task.keys));
-                    for (int64_t b = 0; b < row_bytes; b += 64) {
+                    } else {
                         _mm_prefetch(key + b, _MM_HINT_T0);
                         _mm_prefetch(value + b, _MM_HINT_T1);
                     }
@@ -227,6 +221,16 @@ inline void softmax(float* scores, int64_t n, float peak) {
     for (int64_t t = 0; t < n; t += kKeys) _mm512_storeu_ps(scores + t, _mm512_mul_ps(_mm512_loadu_ps(scores + t), inv_v));
 }
 
+// Into L1: this kv head's V rows of a block the V pass reads next.
+template <typename T>
+inline void fetch_value_block(const Task<T>& task, int32_t block) {
+    const int64_t row_bytes = task.head_dim * static_cast<int64_t>(sizeof(T));
+    const char* rows = reinterpret_cast<const char*>(task.values + block * task.block_stride);
+    for (int64_t r = 0; r < task.block_size; ++r)
+        for (int64_t b = 0; b < row_bytes; b += 64)
+            _mm_prefetch(rows + r * task.token_stride * static_cast<int64_t>(sizeof(T)) + b, _MM_HINT_T0);
+}
+
 // out_h[d0, d0 + 16 * NV) = sum_t probs[h * stride + t] * V_t[d0, ...] for NH heads, the sums in
 // registers across all n keys; V rows are read (and widened) once for all NH heads. The loops over
 // heads and vectors are unrolled by pragma: left to GCC, it kept the sums in memory and stored all
@@ -241,14 +245,8 @@ void weighted_values(const Task<T>& task, const float* probs, int64_t stride, in
     __mmask16 masks[NV];
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) masks[v] = first_lanes16(task.head_dim - d0 - 16 * v);
-    const int64_t row_bytes = task.head_dim * static_cast<int64_t>(sizeof(T));
     for (int64_t first = 0, c = 0; first < n; first += task.block_size, ++c) {
-        if (first + task.block_size < n) {  // the next block's rows of this kv head
-            const char* next = reinterpret_cast<const char*>(task.values + task.table[c + 1] * task.block_stride);
-            for (int64_t r = 0; r < task.block_size; ++r)
-                for (int64_t b = 0; b < row_bytes; b += 64)
-                    _mm_prefetch(next + r * task.token_stride * static_cast<int64_t>(sizeof(T)) + b, _MM_HINT_T0);
-        }
+        if (first + task.block_size < n) fetch_value_block(task, task.table[c + 1]);
         const T* row = task.values + task.table[c] * task.block_stride + d0;
         const int64_t rows = min64(task.block_size, n - first);
         for (int64_t r = 0; r < rows; ++r, row += task.token_stride) {
@@ -293,14 +291,8 @@ void weighted_values_pairs(const Task<bf16_bits>& task, const float* probs, int6
 #pragma GCC unroll 4
         for (int c = 0; c < NP; ++c) even[h][c] = odd[h][c] = _mm512_setzero_ps();
     const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
-    const int64_t row_bytes = task.head_dim * static_cast<int64_t>(sizeof(bf16_bits));
     for (int64_t first = 0, b = 0; first < n; first += task.block_size, ++b) {
-        if (first + task.block_size < n) {  // the next block's rows of this kv head
-            const char* next = reinterpret_cast<const char*>(task.values + task.table[b + 1] * task.block_stride);
-            for (int64_t r = 0; r < task.block_size; ++r)
-                for (int64_t at = 0; at < row_bytes; at += 64)
-                    _mm_prefetch(next + r * task.token_stride * static_cast<int64_t>(sizeof(bf16_bits)) + at, _MM_HINT_T0);
-        }
+        if (first + task.block_size < n) fetch_value_block(task, task.table[b + 1]);
         const bf16_bits* row = task.values + task.table[b] * task.block_stride + d0;
         const int64_t rows = min64(task.block_size, n - first);
         for (int64_t r = 0; r < rows; ++r, row += task.token_stride) {
