@@ -155,8 +155,7 @@ void key_scores(const Task<T>& task, const Q* queries, int64_t num_heads, int64_
     // task's rows came from DRAM at a few lines in flight, some 6 GB/s on a Zen 4 core. The first
     // kv head's task of a decode step fetches whole rows into L2 (its `keys` start at a row's first
     // element: kv head 0), so that the sequence's next tasks, the same thread's, read theirs there.
-    const bool whole_rows = task.fetch_all_heads;
-    const int64_t fetch_bytes = (whole_rows ? task.token_stride : task.head_dim) * static_cast<int64_t>(sizeof(T));
+    const int64_t fetch_bytes = (task.fetch_all_heads ? task.token_stride : task.head_dim) * static_cast<int64_t>(sizeof(T));
     group_rows(task, 0, n, next_rows);
     for (int64_t first = 0; first < n; first += kKeys) {
         for (int64_t i = 0; i < kKeys; ++i) rows[i] = next_rows[i];
@@ -169,7 +168,7 @@ void key_scores(const Task<T>& task, const Q* queries, int64_t num_heads, int64_
                 const char* key = reinterpret_cast<const char*>(next_rows[i]);
                 const char* value = reinterpret_cast<const char*>(task.values + (next_rows[i] - task.keys));
                 for (int64_t b = 0; b < fetch_bytes; b += 64) {
-                    if (whole_rows) {
+                    if (task.fetch_all_heads) {
                         _mm_prefetch(key + b, _MM_HINT_T1);
                         _mm_prefetch(value + b, _MM_HINT_T2);
                     } else {

@@ -14,15 +14,14 @@ GIB = 2**30
 FIXED_POOL_BYTES = 2 * GIB  # the cap on a GPU, and where Linux cannot tell the memory
 
 
-def default_kv_pool_bytes(device_type: str) -> int:
-    """The KV pool's cap when none is set. On a CPU, a quarter of the memory available now (the
-    model loaded), and at least 2 GiB where 4 or more are available: a fixed 2 GiB held 128
-    SmolLM2 answers to about 700 positions, so longer ones were preempted and recomputed
-    (1,024-token answers 0.84x the throughput of a 4 GiB pool), while vLLM's CPU worker sizes its
-    own from the memory. A quarter leaves room for the API, Redis and two more workers started
-    on the same machine at once (each sees the memory before the others take theirs). On a GPU
-    (and where Linux cannot tell) 2 GiB."""
-    available = available_memory_bytes() if device_type == "cpu" else None
+def default_kv_pool_bytes(available: int | None) -> int:
+    """The KV pool's cap when none is set, from a CPU's `available` memory (available_memory_bytes,
+    the model loaded; None on a GPU or where Linux cannot tell: then 2 GiB): a quarter of it, and
+    at least 2 GiB where 4 or more are available. A fixed 2 GiB held 128 SmolLM2 answers to about
+    700 positions, so longer ones were preempted and recomputed (1,024-token answers 0.84x the
+    throughput of a 4 GiB pool), while vLLM's CPU worker sizes its own from the memory. A quarter
+    leaves room for the API, Redis and two more workers started on the same machine at once (each
+    sees the memory before the others take theirs)."""
     if available is None:
         return FIXED_POOL_BYTES
     return max(min(FIXED_POOL_BYTES, available // 2), available // 4)
