@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name("csrc") / name
            for name in ("bindings.cpp", "cpu_isa.cpp", "skinny_linear.cpp", "paged_attention_cpu.cpp",
-                        "paged_attention_avx512.cpp", "layer_ops_cpu.cpp", "layer_ops_avx512.cpp",
-                        "amx_linear.cpp", "chunk_attention.cpp", "decoder_layer_cpu.cpp")]
+                        "paged_attention_avx2.cpp", "paged_attention_avx512.cpp", "layer_ops_cpu.cpp",
+                        "layer_ops_avx512.cpp", "amx_linear.cpp", "chunk_attention.cpp", "decoder_layer_cpu.cpp")]
 ISA_ENV_VAR = "CARPOOL_CPU_ISA"  # "avx2": the AVX2 paths even on an AVX-512 CPU; unset or "auto": the best
 EXTENSION_NAME = "carpool_cpu_kernels"
 CPU_CAPABILITIES = ("AVX2", "AVX512")  # torch's names for CPUs that have AVX2 and FMA

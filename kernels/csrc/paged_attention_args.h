@@ -34,6 +34,14 @@ void paged_attention_task_avx512_bf16(const PagedAttentionArgs& args, int64_t ta
 void paged_attention_task_avx512_fp32(const PagedAttentionArgs& args, int64_t task, int64_t first_row,
                                       int64_t end_row, bool next_tasks_share_rows, float* scratch);
 
+// The AVX2 path (paged_attention_avx2.cpp), the same tasks on any AVX2 + FMA CPU. scratch: at least
+// avx2_attention_scratch_floats(max context, head_dim) floats, private to the caller.
+int64_t avx2_attention_scratch_floats(int64_t max_ctx, int64_t head_dim);
+void paged_attention_task_avx2_bf16(const PagedAttentionArgs& args, int64_t task, int64_t first_row, int64_t end_row,
+                                    bool next_tasks_share_rows, float* scratch);
+void paged_attention_task_avx2_fp32(const PagedAttentionArgs& args, int64_t task, int64_t first_row, int64_t end_row,
+                                    bool next_tasks_share_rows, float* scratch);
+
 // AMX tiles, or VDPBF16PS blocks in tile order (chunk_attention.cpp), for the prefill chunks of
 // bf16 steps. chunk_attention_runs: true where they can take a head of this size now (ISA kAmx or
 // kAvx512Bf16, head_dim a multiple of 32 up to 256).

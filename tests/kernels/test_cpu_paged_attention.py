@@ -15,11 +15,13 @@ pytestmark = [pytest.mark.skipif(cpu_extension.load() is None, reason="no AVX2 o
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [16, 64, 128])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (9, 3)])
+@pytest.mark.parametrize("head_dim", [16, 24, 64, 128])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (8, 2), (9, 3), (14, 2)])
 def test_mixed_batch_matches_dense(paged_batch, dense_reference, close, mixed_lens, head_dim, num_heads, num_kv_heads,
                                    dtype):
     # The mixed batch: decodes, a 20- and a 33-row chunk (on AMX, in bf16, at head_dim 64 and 128: tiles).
+    # Groups of 1, 4 (the AVX2 path's three heads a pass, then one), 3 and 7 (3, 3, 1); head_dim 24:
+    # a V slab of three vectors.
     batch = paged_batch(*mixed_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                         seed=head_dim, dtype=dtype)
     out = paged_attention_cpu(*batch.args())
@@ -58,6 +60,19 @@ def test_padding_rows_are_zero_and_head_major_query_is_read_in_place(paged_batch
     out = paged_attention_cpu(*batch.args())
     assert torch.equal(out[-3:], torch.zeros_like(out[-3:]))
     close(out, dense_reference(batch), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (14, 2)])
+def test_decodes_at_every_context_length_modulo_the_key_group(paged_batch, dense_reference, close, num_heads,
+                                                              num_kv_heads, dtype):
+    # Keys are scored eight (AVX2) or sixteen (AVX-512) at a time and the rest one by one; a decode's
+    # scores fill its heads' rows end to end, so a group running past the context would show in
+    # the next head's first score.
+    seq_lens = list(range(1, 18)) + [23, 31, 47, 63, 64, 65]
+    batch = paged_batch([1] * len(seq_lens), seq_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=64,
+                        seed=num_heads, dtype=dtype)
+    close(paged_attention_cpu(*batch.args()), dense_reference(batch), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
