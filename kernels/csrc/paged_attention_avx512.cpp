@@ -2,11 +2,11 @@
 // time: a (sequence, kv head) pair's query rows, or a part of a long chunk's; paged_attention_cpu.cpp
 // deals out the tasks and picks this path at run time. The torch twin (kernels/torch_paged_attention.py) is its specification.
 //
-// Why it differs from the AVX2 path: a decode step's attention reads each context's K and V once,
-// so it is bound by those reads and by the instructions spent per key. This path reads the bf16
-// cache where it lies (no widened fp32 copy written and read back), takes q.k on bf16 pairs with
-// VDPBF16PS (two instructions per 64-dim key, no widening), and reduces sixteen keys' partial
-// sums together (46 instructions per 16 keys, not 16 horizontal sums).
+// Why it differs from the AVX2 path (paged_attention_avx2.cpp, which walks the cache the same way):
+// a decode step's attention reads each context's K and V once, so it is bound by those reads and
+// by the instructions spent per key. Both read the cache where it lies; this path also takes q.k
+// on bf16 pairs with VDPBF16PS (two instructions per 64-dim key, no widening), and reduces sixteen
+// keys' partial sums together (46 instructions per 16 keys, not 16 horizontal sums).
 //
 // Per query row and chunk of up to four query heads sharing the kv head: scores of keys 0..p,
 // sixteen keys at a time (keys past p padded with key 0, then masked to -inf), a softmax in fp32
