@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels import StepOps  # noqa: E402
 from loadgen.workload import build_workload as build_chat_workload  # noqa: E402
+from loadgen.workload import long_answer_workload  # noqa: E402
 from protocol.generation import SamplingParams  # noqa: E402
 from worker.engine.batch_limits import BatchLimits  # noqa: E402
 from worker.engine.config import BatchingMode, EngineConfig  # noqa: E402
@@ -85,10 +86,13 @@ class Result:
         return self.num_tokens / self.seconds
 
 
-def build_workload(tokenizer: Any, num_requests: int, seed: int = 0) -> Workload:
-    """The shared workload (loadgen/workload.py), through the model's chat template."""
+def build_workload(tokenizer: Any, num_requests: int, seed: int = 0, answer_tokens: int | None = None) -> Workload:
+    """The shared workload (loadgen/workload.py), through the model's chat template; with
+    `answer_tokens`, its questions each answered at that many tokens (the long answers)."""
     prompts, lens = [], []
-    for item in build_chat_workload(num_requests, seed):
+    items = (build_chat_workload(num_requests, seed) if answer_tokens is None
+             else long_answer_workload(num_requests, answer_tokens))
+    for item in items:
         chat = tokenizer.apply_chat_template(item.messages, add_generation_prompt=True, tokenize=False)
         prompts.append(tokenizer.encode(chat, add_special_tokens=False))
         lens.append(item.max_tokens)
@@ -363,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
     parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--answer-tokens", type=int, default=None,
+                        help="every request answered at this many tokens (the chat questions; "
+                             "scripts/bench_serve.py's answers512 load, engine only)")
     parser.add_argument("--sequential-subset", type=int, default=16,
                         help="requests for the one-at-a-time systems (a, carpool-sequential)")
     parser.add_argument("--baselines", default="a,b,c", help="any of a,b,c,d (or 'none'); d needs --vllm-python")
@@ -406,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# preloaded: {os.environ.get('LD_PRELOAD') or 'nothing (glibc malloc, GNU OpenMP)'}", flush=True)
     print(f"# model={args.model} device={device} dtype={dtype} threads={torch.get_num_threads()}", flush=True)
     engine_model = load_model(args.model, dtype=dtype, device=str(device))
-    work = build_workload(engine_model.tokenizer, args.num_requests)
+    work = build_workload(engine_model.tokenizer, args.num_requests, answer_tokens=args.answer_tokens)
     sequential_work = work.subset(spread(len(work.prompts), args.sequential_subset))
     print(f"# {len(work.prompts)} requests, {work.num_tokens} output tokens "
           f"(min {min(work.output_lens)}, median {sorted(work.output_lens)[len(work.output_lens) // 2]}, "
