@@ -82,7 +82,7 @@ inline void group_rows(const Task<T>& task, int64_t first, int64_t n, const T** 
 }
 
 // The K rows of a group of keys (and their V rows, which the V pass reads once this pass ends),
-// fetched while the group before them is scored: blocks lie scattered, in DRAM for a real pool. A
+// fetched kFetchAhead keys before they are scored: blocks lie scattered, in DRAM for a real pool. A
 // kv head's part of a row lies between the other heads' (768 B a fp32 row for SmolLM2's 3 heads of
 // 64): the first kv head's task of a decode step fetches whole rows, into L2, so that the
 // sequence's next tasks, the same thread's, read theirs there.
