@@ -163,14 +163,19 @@ def test_a_job_past_its_queue_timeout_or_deadline_is_never_started(running: Runn
 @pytest.mark.parametrize("running", ["continuous"], indirect=True)
 def test_a_running_job_past_its_deadline_ends_at_a_step_boundary_and_frees_its_blocks(
         running: Running) -> None:
-    (spec,) = _specs(running.worker.settings.served_model_name, 1, max_tokens=1000)
+    warm, spec = _specs(running.worker.settings.served_model_name, 2, max_tokens=1000)
+    # A short job first, so the deadline's window below holds no worker start-up: once on a slow
+    # 2-vCPU Zen 3 the job got no token before its deadline 0.6 s after submission.
+    warm = dataclasses.replace(warm, sampling=dataclasses.replace(warm.sampling, max_tokens=2))
+    submit_jobs(running.redis, [warm])
+    reader = JobReader(running.redis)
+    wait_for(lambda: (s := reader.state(warm.job_id)) and s.status.is_final)
     # The deadline well inside the generation: the tiny model on one thread made 900 tokens in
     # under 1.5 s on a quiet 2-vCPU Zen 4 (about 1.6 ms a step).
     spec = dataclasses.replace(spec, sampling=dataclasses.replace(spec.sampling, ignore_eos=True),
                                deadline_at=time.time() + 0.6,
                                queue_deadline_at=time.time() + 0.3)
     submit_jobs(running.redis, [spec])
-    reader = JobReader(running.redis)
     state = wait_for(lambda: (s := reader.state(spec.job_id)) and s.status.is_final and s)
     # The queue timeout no longer applies once it started; the deadline ended it mid-generation.
     assert (state.status, state.finish_reason) == (JobStatus.FINISHED, FinishReason.EXPIRED)
@@ -184,6 +189,8 @@ def test_a_running_job_past_its_deadline_ends_at_a_step_boundary_and_frees_its_b
         running.redis.hgetall(KEYS.worker_stats(running.worker.name)))).num_running == 0
         and s.num_kv_blocks_used == 0 and s)
     assert running.worker.engine.num_free_kv_blocks() == stats.num_kv_blocks_total
+
+
 def test_the_model_card_carries_generation_config_defaults(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
