@@ -221,6 +221,7 @@ class JobService:
             request = await self._rendered(card, request)
             request, decided_text = await self._with_decided_ids(card, request)
             self._check_sampling(card, request)
+            await self._check_bad_words(card, request)
             prompt_tokens, is_exact, prompt_text = await self._count_prompt(card, request)
             if decided_text is not None:
                 prompt_text = decided_text  # the text given, not its ids decoded (with a BOS...)
@@ -395,6 +396,23 @@ class JobService:
                     raise InvalidRequestError(
                         f"'{param}' names token id {token_id}, outside the vocabulary of model "
                         f"'{card.name}' (ids 0 to {card.vocab_size - 1})", param=param)
+
+    async def _check_bad_words(self, card: ModelCard, request: GenerationRequest) -> None:
+        """A bad word the model's tokenizer turns into no tokens (its normalizer drops every
+        character of it) would ban nothing: the worker refuses it as vLLM does, which fails the
+        job after it queued. Refused here instead, where the tokenizer is published."""
+        words = request.sampling.bad_words
+        if not words:
+            return
+        tokenizer = await self._tokenizers.get(card)
+        if tokenizer is None:
+            return  # the worker tokenizes them, and fails the job with the same words
+        for i, word in enumerate(words):
+            # The worker's tokenization (worker/engine/engine.py): leading whitespace stripped.
+            if not tokenizer.encode(word.lstrip(), add_special_tokens=False).ids:
+                raise InvalidRequestError(
+                    f"'bad_words' entry {i} ({word!r}) is no tokens at all in model "
+                    f"'{card.name}''s tokenizer, so it could ban nothing", param=f"bad_words.{i}")
 
     async def prompt_tokens(self, request: GenerationRequest) -> int:
         """The prompt's length in the model's tokens, as a submission of `request` counts it (its

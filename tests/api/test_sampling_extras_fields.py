@@ -10,11 +10,13 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from api_support import VOCAB, Harness
+from api_support import MODEL, VOCAB, Harness, word_tokenizer
 from rq.job import Job
 from rq.serializers import JSONSerializer
+from tokenizers.normalizers import Replace
 
 from protocol.generation import MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS
+from protocol.rq_keys import RQKeys
 
 pytestmark = pytest.mark.anyio
 
@@ -105,3 +107,32 @@ async def test_the_jobs_api_refuses_an_allowed_id_outside_the_vocabulary(
     detail = response.json()["detail"][0]
     assert detail["loc"] == ["body", param]
     assert words in detail["msg"]
+
+
+async def test_a_bad_word_the_tokenizer_turns_into_nothing_is_refused_before_it_queues(
+        harness: Harness, client: httpx.AsyncClient) -> None:
+    # A normalizer that drops zero-width spaces, which are not whitespace to str.strip(): a word
+    # of them passes the field's own checks and is no tokens at all (the worker would fail it).
+    tokenizer = word_tokenizer()
+    tokenizer.normalizer = Replace("\u200b", "")
+    harness.sync.set(harness.keys.model_tokenizer(MODEL), tokenizer.to_str())
+    words = ["hello", "\u200b\u200b"]
+    message = (f"'bad_words' entry 1 ({words[1]!r}) is no tokens at all in model 'tiny''s "
+               "tokenizer, so it could ban nothing")
+    for route, body in ROUTES:
+        with anyio.fail_after(10):  # accepted, the request would wait for a worker
+            response = await client.post(route, json={**body, "bad_words": words})
+        if route == "/v1/jobs":
+            assert response.status_code == 422, response.text
+            detail = response.json()["detail"][0]
+            assert (detail["loc"], detail["msg"]) == (["body", "bad_words", "1"], message)
+        else:
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert (error["param"], error["message"]) == ("bad_words.1", message)
+    queues = [RQKeys.queue(name) for name in harness.keys.queue_names(MODEL)]
+    assert [harness.sync.llen(queue) for queue in queues] == [0] * len(queues)
+    # The same words without the empty one are taken.
+    sampling = await _submitted_sampling(harness, client, "/v1/completions",
+                                         {"prompt": "hello", "bad_words": words[:1]})
+    assert sampling["bad_words"] == words[:1]
