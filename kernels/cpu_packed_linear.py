@@ -1,4 +1,4 @@
-"""bf16 linear layers through oneDNN with each weight reordered once, not on every call.
+"""bf16 and fp32 linear layers through oneDNN with each weight reordered once, not on every call.
 
 `F.linear` on bf16 CPU tensors hands the weight to oneDNN in torch's row-major layout, and oneDNN
 reorders it into its blocked layout for the bf16 dot-product instructions on every call: a decode
@@ -19,9 +19,16 @@ COARSE_ABOVE_ROWS (a prefill chunk of a large budget) to a multiple of COARSE_RO
 shapes stay inside the cache. `row_buckets` lists the counts a warm-up should visit so that no
 step pays for a primitive.
 
-Where the kernels run AMX (kernels.cpu_amx_linear), `pack_weight` packs into AMX tile order
-instead, and `packed_linear` runs Carpool's AMX kernel: faster than oneDNN at every row count a
-step brings on the Xeons measured, with no primitives to build and no padding.
+Where the kernels run AMX (kernels.cpu_amx_linear), `pack_weight` packs bf16 weights into AMX
+tile order instead, and `packed_linear` runs Carpool's AMX kernel: faster than oneDNN at every row
+count a step brings on the Xeons measured, with no primitives to build and no padding.
+
+fp32 (the dtype where bf16 does not run fast: AVX2 CPUs): `F.linear` goes to MKL's sgemm, which
+packs the weight into its own panels on every call too. Between the skinny kernel's rows and a
+long prefill chunk's, oneDNN on a weight reordered once is faster: on a 2-vCPU Zen 3 EPYC over
+SmolLM2's layers, 1.1-1.3x at 97-256 rows and 1.2x on the 49,152-wide lm_head at 128 rows
+(`python scripts/bench_cpu_linear.py --fp32-packed --rows 97,128,192,256 --threads 2`). Its sums
+run in another order than MKL's: results agree to fp32 rounding, not to the bit.
 """
 
 from __future__ import annotations
@@ -41,13 +48,21 @@ def runs_fast_here() -> bool:
         torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
 
+@functools.cache
+def packs_fp32_here() -> bool:
+    """torch built with oneDNN on an x86 CPU with AVX2 or better: where fp32 weights are reordered
+    once for oneDNN (measured on AVX2; the gain is the per-call reorder saved, on any x86 ISA)."""
+    return torch.backends.mkldnn.is_available() and torch.backends.cpu.get_cpu_capability() in (
+        "AVX2", "AVX512")
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight: [out_features, in_features] bf16 CPU -> its copy packed for packed_linear: AMX tiles
-    where the kernels run AMX and the shape fits, else oneDNN's blocked copy."""
-    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2:
-        raise ValueError(f"pack_weight needs a 2-D bf16 CPU weight, got {weight.dtype} {tuple(weight.shape)} "
-                         f"on {weight.device}")
-    if cpu_amx_linear.is_available() and cpu_amx_linear.fits(weight):
+    """weight: [out_features, in_features] bf16 or fp32 CPU -> its copy packed for packed_linear:
+    AMX tiles for bf16 where the kernels run AMX and the shape fits, else oneDNN's blocked copy."""
+    if weight.dtype not in (torch.bfloat16, torch.float32) or weight.device.type != "cpu" or weight.dim() != 2:
+        raise ValueError(f"pack_weight needs a 2-D bf16 or fp32 CPU weight, got {weight.dtype} "
+                         f"{tuple(weight.shape)} on {weight.device}")
+    if weight.dtype == torch.bfloat16 and cpu_amx_linear.is_available() and cpu_amx_linear.fits(weight):
         return cpu_amx_linear.pack(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
@@ -72,7 +87,8 @@ def row_buckets(max_rows: int) -> list[int]:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for x: [..., in_features] bf16, packed = pack_weight(weight)."""
+    """`F.linear(x, weight, bias)` for x: [..., in_features] of the weight's dtype (bf16 or fp32),
+    packed = pack_weight(weight)."""
     if cpu_amx_linear.is_packed(packed):
         return cpu_amx_linear.amx_linear(x, packed, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -85,13 +101,17 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def warm_up(packed: torch.Tensor, max_rows: int) -> None:
+def warm_up(packed: torch.Tensor, max_rows: int) -> bool:
     """Build (and cache) oneDNN's primitive for every row count up to max_rows, for this weight's
     shape (a packed tensor keeps its [out_features, in_features]): a step then never waits for one.
-    AMX tiles need none."""
-    if cpu_amx_linear.is_packed(packed):
-        return
+    True if it did. AMX tiles need none. An fp32 copy is left to build its primitives as steps
+    come: it serves only row counts past the skinny kernel's (a few dozen buckets), where the
+    first call at a count cost about 1 ms more on a 3072 x 576 weight against a 4-17 ms GEMM,
+    while warming the 49,152-wide lm_head at those counts would take seconds of GEMMs at start."""
+    if cpu_amx_linear.is_packed(packed) or packed.dtype == torch.float32:
+        return False
     buckets = row_buckets(max_rows)
     inputs = torch.zeros(buckets[-1], packed.shape[1], dtype=torch.bfloat16)
     for rows in buckets:
         packed_linear(inputs[:rows], packed)
+    return True

@@ -96,15 +96,22 @@ def paged_attention(
 # (2 threads) at 64 rows, where MKL packs the whole 113 MB weight on every call. Prefill chunks
 # (hundreds of rows) go to MKL's packed GEMM.
 MAX_SKINNY_ROWS = 96
+# Between MAX_SKINNY_ROWS and this many rows an fp32 input goes to the weight's oneDNN copy (where
+# the layers were routed with packed=True): MKL's sgemm packs the weight on every call, 113 MB for
+# SmolLM2's lm_head, which the copy saves (lm_head 1.69x at 128 rows, 1.32x at 256; the fused
+# layers 1.07-1.09x at 96-192 rows, 0.97x at 256; 2-vCPU Zen 3 EPYC, `python
+# scripts/bench_cpu_linear.py --fp32-packed --weights fused_layers|lm_head --threads 2`). Past it
+# (prefill chunks) MKL was as fast or faster: 0.90-0.96x at 320-512 rows on the layers.
+MAX_PACKED_FP32_ROWS = 256
 
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, packed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`F.linear`, through the skinny CPU kernel when x has few rows (fp32 on an AVX2 CPU), or
-    through the weight's packed copy when one is given (bf16 on a CPU,
-    `cpu_packed_linear.pack_weight(weight)`: AMX tiles up to cpu_amx_linear.MAX_ROWS rows, or
-    oneDNN's pre-reordered copy)."""
+    through the weight's packed copy when one is given (`cpu_packed_linear.pack_weight(weight)`;
+    bf16: AMX tiles up to cpu_amx_linear.MAX_ROWS rows, or oneDNN's pre-reordered copy; fp32:
+    oneDNN's copy, for the rows between the skinny kernel's and MAX_PACKED_FP32_ROWS)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
         if cpu_amx_linear.is_packed(packed) and rows > cpu_amx_linear.MAX_ROWS:
@@ -117,6 +124,9 @@ def linear(
         # The extension directly: the conditions above are skinny_linear's checks, already made.
         out = cpu_extension.load().skinny_linear(x.reshape(rows, x.shape[-1]).contiguous(), weight, bias)
         return out.view(*x.shape[:-1], weight.shape[0])
+    if (packed is not None and MAX_SKINNY_ROWS < rows <= MAX_PACKED_FP32_ROWS and x.dtype == torch.float32
+            and packed.dtype == x.dtype and x.device.type == "cpu"):
+        return cpu_packed_linear.packed_linear(x, packed, bias)
     return F.linear(x, weight, bias)
 
 

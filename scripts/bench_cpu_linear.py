@@ -6,6 +6,7 @@
     python scripts/bench_cpu_linear.py --bf16             # also F.linear in bf16 (oneDNN)
     python scripts/bench_cpu_linear.py --bf16 --packed    # ... and on weights reordered once
     python scripts/bench_cpu_linear.py --bf16 --packed --rows 1,8,32,64,128,512 --threads 1
+    python scripts/bench_cpu_linear.py --fp32-packed --weights fused_layers --rows 96,128,256,512
 
 Every implementation of a row count is timed interleaved (one pass of each per round; the median
 of --repeats rounds), so load from other processes falls on all of them alike. The header names
@@ -21,7 +22,11 @@ times F.linear on bf16 copies of the weights: on CPUs with AVX512-BF16 or AMX it
 paths, which is why worker.model.routing.resolve_dtype picks bf16 there. With --packed, a fourth
 times the same bf16 GEMMs on weights oneDNN reordered once (kernels/cpu_packed_linear.py), and
 where the kernels run AMX a fifth times Carpool's AMX kernel on weights in tile order
-(kernels/cpu_amx_linear.py), which the engine packs for there instead of oneDNN's.
+(kernels/cpu_amx_linear.py), which the engine packs for there instead of oneDNN's. With
+--fp32-packed, a column times fp32 GEMMs on weights oneDNN reordered once, which the engine uses
+between the skinny kernel's rows and kernels.dispatch.MAX_PACKED_FP32_ROWS. `--weights
+fused_layers` times the shapes the engine multiplies by where it fuses q, k and v and gate and up
+(worker/model/fused_layers.py).
 """
 
 from __future__ import annotations
@@ -51,7 +56,9 @@ SHAPES = {  # [out_features, in_features] of SmolLM2-135M
     "gate": (1536, 576), "up": (1536, 576), "down": (576, 1536),
 }
 # Weight sets: their shapes and how many copies a step multiplies by.
-WEIGHT_SETS = {"layers": (SHAPES, NUM_LAYERS), "lm_head": ({"lm_head": (49152, 576)}, 1)}
+FUSED_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+WEIGHT_SETS = {"layers": (SHAPES, NUM_LAYERS), "fused_layers": (FUSED_SHAPES, NUM_LAYERS),
+               "lm_head": ({"lm_head": (49152, 576)}, 1)}
 
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -105,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights", choices=sorted(WEIGHT_SETS), default="layers")
     parser.add_argument("--bf16", action="store_true", help="also time F.linear with bf16 weights and inputs")
     parser.add_argument("--packed", action="store_true", help="with --bf16: also on weights reordered once")
+    parser.add_argument("--fp32-packed", action="store_true",
+                        help="also fp32 on weights oneDNN reordered once")
     args = parser.parse_args(argv)
     if cpu_extension.load() is None:
         raise SystemExit("the CPU kernels cannot be built here (no AVX2 or no compiler)")
@@ -122,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         if cpu_amx_linear.is_available():
             amx_weights = {name: [cpu_amx_linear.pack(w) for w in ws] for name, ws in bf16_weights.items()}
             bf16_header += f"{'amx ms':>9}{'amx vs packed':>15}"
+    fp32_packed_weights = {}
+    if args.fp32_packed:
+        fp32_packed_weights = {name: [cpu_packed_linear.pack_weight(w) for w in ws] for name, ws in weights.items()}
+        bf16_header += f"{'fp32 packed ms':>16}{'vs F.linear':>13}"
     print(describe_machine())
     print(f"{'threads':>7}{'rows':>6}{'F.linear ms':>13}{'skinny ms':>11}{'speed-up':>10}{bf16_header}")
     for threads in (int(t) for t in args.threads.split(",")):
@@ -133,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
                 passes["bf16"] = make_pass(rows, bf16_weights, F.linear)
             if packed_weights:
                 passes["packed"] = make_pass(rows, packed_weights, cpu_packed_linear.packed_linear, torch.bfloat16)
+            if fp32_packed_weights:
+                passes["fp32 packed"] = make_pass(rows, fp32_packed_weights, cpu_packed_linear.packed_linear,
+                                                  torch.float32)
             if amx_weights:
                 passes["amx"] = make_pass(rows, amx_weights, cpu_amx_linear.amx_linear, torch.bfloat16)
             times = time_interleaved(passes, args.repeats)
@@ -146,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                 line += f"{packed * 1e3:>16.1f}{bf16 / packed:>19.2f}x"
             if amx_weights:
                 line += f"{times['amx'] * 1e3:>9.1f}{times['packed'] / times['amx']:>14.2f}x"
+            if fp32_packed_weights:
+                line += f"{times['fp32 packed'] * 1e3:>16.1f}{reference / times['fp32 packed']:>12.2f}x"
             print(line, flush=True)
     return 0
 

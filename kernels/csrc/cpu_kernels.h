@@ -32,4 +32,5 @@ at::Tensor decoder_layer_cpu(const at::Tensor& hidden, const at::Tensor& input_n
                              const at::Tensor& sin, at::Tensor& key_cache, at::Tensor& value_cache,
                              const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t max_query_rows,
-                             int64_t packed_rows, int64_t max_skinny_rows, int64_t max_amx_rows);
+                             int64_t packed_rows, int64_t max_skinny_rows, int64_t max_amx_rows,
+                             int64_t max_packed_fp32_rows);

@@ -23,6 +23,7 @@ struct RowPlan {
     int64_t packed_rows;  // rows handed to oneDNN (padded_rows; AMX tiles take the rows as they are)
     int64_t max_skinny_rows;  // fp32: the skinny kernel up to this many rows
     int64_t max_amx_rows;  // AMX tiles up to this many rows, oneDNN on the plain weight above
+    int64_t max_packed_fp32_rows;  // fp32: oneDNN's packed copy past the skinny rows, up to this many
 };
 
 at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
@@ -34,20 +35,32 @@ at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& packed, const c10:
     return stack[0].toTensor();
 }
 
+// oneDNN on its packed copy, the rows padded to plan.packed_rows (kernels.cpu_packed_linear.padded_rows).
+at::Tensor padded_packed_gemm(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                              const RowPlan& plan) {
+    const int64_t rows = x.size(0);
+    if (plan.packed_rows == rows) return packed_gemm(x, packed, bias);
+    at::Tensor padded = at::zeros({plan.packed_rows, x.size(1)}, x.options());
+    padded.narrow(0, 0, rows).copy_(x);
+    return packed_gemm(padded, packed, bias).narrow(0, 0, rows);
+}
+
 at::Tensor linear(const at::Tensor& x, const LinearArgs& args, const RowPlan& plan) {
     const auto& [weight, bias, packed] = args;
     const int64_t rows = x.size(0);
-    if (packed.has_value()) {
+    const bool fp32 = x.scalar_type() == at::kFloat;
+    if (packed.has_value() && !fp32) {
         if (packed->dim() == 4)  // AMX tiles: no padding; a long prefill chunk goes to oneDNN (see cpu_amx_linear.py)
             return rows <= plan.max_amx_rows ? amx_linear(x, *packed, bias) : at::linear(x, weight, bias);
-        if (plan.packed_rows == rows) return packed_gemm(x, *packed, bias);
-        at::Tensor padded = at::zeros({plan.packed_rows, x.size(1)}, x.options());
-        padded.narrow(0, 0, rows).copy_(x);
-        return packed_gemm(padded, *packed, bias).narrow(0, 0, rows);
+        return padded_packed_gemm(x, *packed, bias, plan);
     }
-    if (x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && rows > 0 &&
-        rows <= plan.max_skinny_rows && weight.is_contiguous() && (!bias.has_value() || bias->is_contiguous()))
+    if (fp32 && weight.scalar_type() == at::kFloat && rows > 0 && rows <= plan.max_skinny_rows &&
+        weight.is_contiguous() && (!bias.has_value() || bias->is_contiguous()))
         return skinny_linear(x, weight, bias);
+    // fp32 past the skinny kernel's rows and short of a prefill chunk's: the weight's oneDNN copy
+    // (kernels.dispatch.MAX_PACKED_FP32_ROWS), where MKL would pack the weight again on this call.
+    if (packed.has_value() && rows > plan.max_skinny_rows && rows <= plan.max_packed_fp32_rows)
+        return padded_packed_gemm(x, *packed, bias, plan);
     return at::linear(x, weight, bias);
 }
 
@@ -62,8 +75,9 @@ at::Tensor decoder_layer_cpu(const at::Tensor& hidden, const at::Tensor& input_n
                              const at::Tensor& sin, at::Tensor& key_cache, at::Tensor& value_cache,
                              const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                              const at::Tensor& seq_lens, const at::Tensor& query_start_loc, int64_t max_query_rows,
-                             int64_t packed_rows, int64_t max_skinny_rows, int64_t max_amx_rows) {
-    const RowPlan plan{packed_rows, max_skinny_rows, max_amx_rows};
+                             int64_t packed_rows, int64_t max_skinny_rows, int64_t max_amx_rows,
+                             int64_t max_packed_fp32_rows) {
+    const RowPlan plan{packed_rows, max_skinny_rows, max_amx_rows, max_packed_fp32_rows};
     const int64_t tokens = hidden.size(0), head_dim = cos.size(1);
     const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
 

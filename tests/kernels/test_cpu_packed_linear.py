@@ -1,4 +1,4 @@
-"""bf16 linear on a weight oneDNN reordered once, against F.linear on the plain weight."""
+"""bf16 and fp32 linear on a weight oneDNN reordered once, against F.linear on the plain weight."""
 
 from __future__ import annotations
 
@@ -7,10 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_packed_linear, linear
-from kernels.cpu_packed_linear import PAD_ABOVE_ROWS, pack_weight, packed_linear, row_buckets
+from kernels.cpu_packed_linear import PAD_ABOVE_ROWS, pack_weight, packed_linear, row_buckets, warm_up
+from kernels.dispatch import MAX_PACKED_FP32_ROWS, MAX_SKINNY_ROWS
 
 # The engine packs only where oneDNN multiplies bf16 natively; elsewhere it may refuse the reorder.
 needs_fast_bf16 = pytest.mark.skipif(not cpu_packed_linear.runs_fast_here(), reason="no AVX512-BF16 or AMX here")
+needs_fp32_packing = pytest.mark.skipif(not cpu_packed_linear.packs_fp32_here(),
+                                        reason="no oneDNN or no AVX2 here")
 
 
 @needs_fast_bf16
@@ -46,10 +49,67 @@ def test_row_buckets_coarsen_past_512_so_a_large_budget_fits_the_primitive_cache
 
 
 def test_pack_weight_refuses_what_it_cannot_pack() -> None:
-    with pytest.raises(ValueError, match="2-D bf16 CPU weight"):
-        pack_weight(torch.randn(4, 4))
-    with pytest.raises(ValueError, match="2-D bf16 CPU weight"):
+    with pytest.raises(ValueError, match="2-D bf16 or fp32 CPU weight"):
+        pack_weight(torch.randn(4, 4).half())
+    with pytest.raises(ValueError, match="2-D bf16 or fp32 CPU weight"):
         pack_weight(torch.randn(4).bfloat16())
+    with pytest.raises(ValueError, match="2-D bf16 or fp32 CPU weight"):
+        pack_weight(torch.randn(4, 4, 4))
+
+
+@needs_fp32_packing
+@pytest.mark.parametrize("rows", [MAX_SKINNY_ROWS + 1, 100, 128, 203, MAX_PACKED_FP32_ROWS])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_fp32_linear_agrees_with_f_linear_and_its_padding_never_shows(rows: int, with_bias: bool) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 40, generator=generator)
+    bias = torch.randn(96, generator=generator) if with_bias else None
+    x = torch.randn(1, rows, 40, generator=generator)
+    packed = pack_weight(weight)
+    out = packed_linear(x, packed, bias)
+    assert out.shape == (1, rows, 96) and out.is_contiguous()
+    # oneDNN sums in another order than MKL: fp32 rounding apart, no more.
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+    # Rows past PAD_ABOVE_ROWS go in padded to a multiple of 8: the real rows' bits are those of
+    # the unpadded call.
+    unpadded = torch.ops.mkldnn._linear_pointwise(x[0], packed, bias, "none", [], "")
+    assert torch.equal(out[0], unpadded)
+
+
+@needs_fp32_packing
+def test_dispatch_sends_fp32_to_the_packed_copy_only_between_the_skinny_rows_and_its_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(64, 32, generator=generator)
+    bias = torch.randn(64, generator=generator)
+    packed = pack_weight(weight)
+    calls = []
+
+    def spied(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return packed_linear(x, packed, bias)
+
+    monkeypatch.setattr(cpu_packed_linear, "packed_linear", spied)
+    for rows in (1, MAX_SKINNY_ROWS, MAX_SKINNY_ROWS + 1, MAX_PACKED_FP32_ROWS, MAX_PACKED_FP32_ROWS + 1):
+        x = torch.randn(rows, 32, generator=generator)
+        torch.testing.assert_close(linear(x, weight, bias, packed), F.linear(x, weight, bias),
+                                   rtol=1e-5, atol=1e-5)
+    assert calls == [MAX_SKINNY_ROWS + 1, MAX_PACKED_FP32_ROWS]
+    # No copy given: F.linear.
+    linear(torch.randn(128, 32), weight, bias)
+    assert calls == [MAX_SKINNY_ROWS + 1, MAX_PACKED_FP32_ROWS]
+
+
+@needs_fp32_packing
+def test_an_fp32_copy_is_not_warmed_up() -> None:
+    # Its primitives are built as steps bring their row counts (warm_up's docstring says why).
+    assert warm_up(pack_weight(torch.randn(16, 8)), max_rows=300) is False
+
+
+def test_packs_fp32_here_matches_the_cpu_features() -> None:
+    expected = torch.backends.mkldnn.is_available() and torch.backends.cpu.get_cpu_capability() in (
+        "AVX2", "AVX512")
+    assert cpu_packed_linear.packs_fp32_here() == expected
 
 
 def test_runs_fast_here_matches_the_cpu_features() -> None:

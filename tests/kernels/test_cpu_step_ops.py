@@ -9,15 +9,22 @@ import torch
 
 import kernels
 from kernels import StepOps, cpu_extension, cpu_isa
-from kernels.cpu_packed_linear import pack_weight, runs_fast_here
+from kernels.cpu_packed_linear import pack_weight, packs_fp32_here, runs_fast_here
 from kernels.cpu_paged_attention import MAX_QUERY_ROWS
 
 pytestmark = pytest.mark.skipif(cpu_extension.load() is None, reason="the C++ CPU kernels are not built here")
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN = 4, 2, 16, 64
 BLOCK_SIZE, NUM_BLOCKS = 4, 320
-DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    not runs_fast_here(), reason="packed bf16 weights need AVX512-BF16 or AMX"))]
+# Long enough a sum that MKL's sgemm and oneDNN round the down projection differently (at 96 they
+# agreed to the bit): a layer that took the wrong one of them fails the bit-for-bit check.
+INTERMEDIATE = 320
+# (dtype, whether the projections carry a packed copy), as the engine routes them (worker/model/routing.py).
+WEIGHTS = [pytest.param((torch.float32, False), id="fp32"),
+           pytest.param((torch.float32, True), id="fp32-packed", marks=pytest.mark.skipif(
+               not packs_fp32_here(), reason="packed fp32 weights need oneDNN on AVX2 or better")),
+           pytest.param((torch.bfloat16, True), id="bf16", marks=pytest.mark.skipif(
+               not runs_fast_here(), reason="packed bf16 weights need AVX512-BF16 or AMX"))]
 
 
 def _step(dtype: torch.dtype, query_lens: list[int], seq_lens: list[int]) -> dict:
@@ -78,15 +85,18 @@ def _per_op_layer(hidden: torch.Tensor, layer: dict, cos: torch.Tensor, sin: tor
     return kernels.linear(activated, *layer["down"]).add_(residual)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize(("query_lens", "seq_lens"), [
     ([1, 1, 1], [9, 5, 30]), ([3, 1, 16], [9, 5, 30]), ([1] * 70, [1 + i % 5 for i in range(70)]),
-    # More rows than kernels.linear gives AMX tiles (cpu_amx_linear.MAX_ROWS): oneDNN on the plain weight.
+    # Past the skinny kernel's rows (kernels.dispatch.MAX_SKINNY_ROWS): fp32's packed copy.
+    ([1] * 150, [1 + i % 7 for i in range(150)]),
+    # More rows than kernels.linear gives AMX tiles (cpu_amx_linear.MAX_ROWS) or fp32's packed copy
+    # (kernels.dispatch.MAX_PACKED_FP32_ROWS): oneDNN or MKL on the plain weight.
     ([MAX_QUERY_ROWS] * 9, [MAX_QUERY_ROWS + 3] * 9),
-], ids=["decodes", "chunks", "70-padded", "past-amx-rows"])
-def test_a_whole_layer_in_one_call_equals_the_layer_op_by_op(dtype: torch.dtype, query_lens: list[int],
-                                                               seq_lens: list[int]) -> None:
-    _check_whole_layer(dtype, query_lens, seq_lens)
+], ids=["decodes", "chunks", "70-padded", "150-past-skinny", "past-amx-rows"])
+def test_a_whole_layer_in_one_call_equals_the_layer_op_by_op(weights: tuple[torch.dtype, bool],
+                                                               query_lens: list[int], seq_lens: list[int]) -> None:
+    _check_whole_layer(*weights, query_lens, seq_lens)
 
 
 def test_a_long_bf16_chunk_is_a_whole_layer_step_on_avx512_bf16() -> None:
@@ -95,10 +105,10 @@ def test_a_long_bf16_chunk_is_a_whole_layer_step_on_avx512_bf16() -> None:
     if cpu_isa.AVX512_BF16 not in cpu_isa.supported_isas() or not runs_fast_here():
         pytest.skip("needs AVX512-BF16")
     with cpu_isa.forced_isa(cpu_isa.AVX512_BF16):
-        _check_whole_layer(torch.bfloat16, [1, 300], [7, 320])
+        _check_whole_layer(torch.bfloat16, True, [1, 300], [7, 320])
 
 
-def _check_whole_layer(dtype: torch.dtype, query_lens: list[int], seq_lens: list[int]) -> None:
+def _check_whole_layer(dtype: torch.dtype, packed: bool, query_lens: list[int], seq_lens: list[int]) -> None:
     step = _step(dtype, query_lens, seq_lens)
     ops = _ops(step)
     assert ops is not None
@@ -107,13 +117,13 @@ def _check_whole_layer(dtype: torch.dtype, query_lens: list[int], seq_lens: list
     def projection(rows: int, columns: int, bias: bool = False) -> tuple:
         weight = (torch.randn(rows, columns, generator=generator) / columns ** 0.5).to(dtype)
         return (weight, torch.randn(rows, generator=generator).to(dtype) if bias else None,
-                pack_weight(weight) if dtype == torch.bfloat16 else None)
+                pack_weight(weight) if packed else None)
 
     layer = {"input_norm": torch.rand(HIDDEN, generator=generator).to(dtype) + 0.5,
              "post_norm": torch.rand(HIDDEN, generator=generator).to(dtype) + 0.5,
              "qkv": projection((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN, bias=True),
-             "o_proj": projection(HIDDEN, HEADS * HEAD_DIM), "gate_up": projection(2 * 96, HIDDEN),
-             "down": projection(HIDDEN, 96)}
+             "o_proj": projection(HIDDEN, HEADS * HEAD_DIM), "gate_up": projection(2 * INTERMEDIATE, HIDDEN),
+             "down": projection(HIDDEN, INTERMEDIATE)}
     hidden = step["hidden"]
     cos, sin = torch.randn(2, hidden.shape[0], HEAD_DIM, generator=generator).to(dtype)
     caches = [(step["key_cache"].clone(), step["value_cache"].clone()) for _ in range(2)]

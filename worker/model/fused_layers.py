@@ -58,7 +58,7 @@ class _FusedRMSNorm(nn.Module):
 class _FusedGatedMLP(nn.Module):
     down_proj: nn.Linear
     carpool_gate_up_weight: torch.Tensor  # [2 * intermediate, hidden]: gate rows, then up rows
-    carpool_packed_gate_up_weight: torch.Tensor | None = None  # its oneDNN copy (bf16, packed=True)
+    carpool_packed_gate_up_weight: torch.Tensor | None = None  # its packed copy (packed=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.carpool_gate_up_weight, None, self.carpool_packed_gate_up_weight)
@@ -72,7 +72,7 @@ class _FusedAttention(nn.Module):
     o_proj: nn.Linear
     carpool_qkv_weight: torch.Tensor  # [(H + 2 * KV) * head_dim, hidden]: q rows, then k, then v
     carpool_qkv_bias: torch.Tensor | None
-    carpool_packed_qkv_weight: torch.Tensor | None = None  # its oneDNN copy (bf16, packed=True)
+    carpool_packed_qkv_weight: torch.Tensor | None = None  # its packed copy (packed=True)
     carpool_num_heads: int
     carpool_num_kv_heads: int
 

@@ -2,7 +2,8 @@
 
 A decode step late in a batch multiplies a handful of rows by every weight; `kernels.linear`
 sends such calls to the skinny CPU kernel (fp32) or to oneDNN with a weight reordered once (bf16,
-`packed=True`), and everything else to `F.linear`. The layers keep their parameters (tied
+`packed=True`), a fuller fp32 step to the weight's oneDNN copy too (`packed=True`), and everything
+else to `F.linear`. The layers keep their parameters (tied
 embeddings included): only their class changes, to a subclass whose forward calls the
 dispatcher, and a packed layer also holds its reordered copy in `carpool_packed_weight`.
 """
@@ -26,15 +27,15 @@ class DispatchedLinear(nn.Linear):
 
 
 def packed_copy(weight: torch.Tensor, packed: bool) -> torch.Tensor | None:
-    """The oneDNN copy of a bf16 CPU weight when packing is asked for, else None."""
-    if packed and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+    """The packed copy of a bf16 or fp32 CPU weight when packing is asked for, else None."""
+    if packed and weight.dtype in (torch.bfloat16, torch.float32) and weight.device.type == "cpu":
         return pack_weight(weight)
     return None
 
 
 def route_linear_layers(model: nn.Module, dispatched: bool = True, packed: bool = False) -> int:
     """Make every plain nn.Linear of `model` a DispatchedLinear (or back); returns how many changed.
-    packed: also keep a oneDNN-reordered copy of each bf16 weight (dropped when routed back)."""
+    packed: also keep a packed copy of each bf16 or fp32 weight (dropped when routed back)."""
     count = 0
     for module in model.modules():
         cls = type(module)
@@ -63,7 +64,6 @@ def warm_up_packed_layers(model: nn.Module, max_rows: int, max_output_rows: int)
                 continue
             rows = max_output_rows if module is output_embedding else max_rows
             key = (*packed.shape, rows)
-            if key not in done:
-                warm_up(packed, rows)
+            if key not in done and warm_up(packed, rows):
                 done.add(key)
     return len(done)

@@ -35,11 +35,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def route_cpu_kernels(model: torch.nn.Module, enabled: bool, device: torch.device, dtype: torch.dtype) -> bool:
     """Route the model's linear, RMSNorm and gated-MLP layers and its paged attention through the
     CPU kernels where they run (fp32 or bf16 on a CPU, extension built), or back to transformers'
-    own; True if they run. Linear layers: the skinny C++ kernel in fp32, oneDNN on weights
-    reordered once in bf16. The extension is built (once per machine) here, not mid-step."""
+    own; True if they run. Linear layers: in fp32 the skinny C++ kernel for a few rows and oneDNN
+    on weights reordered once for more; in bf16 oneDNN on weights reordered once (or AMX tiles).
+    The extension is built (once per machine) here, not mid-step."""
     uses = (enabled and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and cpu_extension.load() is not None)
-    packed = uses and dtype == torch.bfloat16 and cpu_packed_linear.runs_fast_here()
+    packed = uses and (cpu_packed_linear.runs_fast_here() if dtype == torch.bfloat16
+                       else cpu_packed_linear.packs_fp32_here())
     route_linear_layers(model, uses, packed)
     route_fused_layers(model, uses, packed)
     return uses

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.cpu_packed_linear import runs_fast_here
+from kernels.cpu_packed_linear import packs_fp32_here, runs_fast_here
+from kernels.dispatch import MAX_SKINNY_ROWS
 from worker.model.fused_layers import route_fused_layers
 from worker.model.linear_layers import DispatchedLinear, route_linear_layers, warm_up_packed_layers
 from worker.model.loader import load_model
@@ -144,6 +145,25 @@ def test_routed_model_computes_what_transformers_does_in_fp32(model: torch.nn.Mo
     route_fused_layers(model)
     # The C++ kernels: only fp32 summation order differs.
     torch.testing.assert_close(_logits(model, ids), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not packs_fp32_here(), reason="no oneDNN or no AVX2 here")
+def test_packed_fp32_linears_compute_transformers_logits_in_a_step_past_the_skinny_rows(
+        model: torch.nn.Module) -> None:
+    # More rows than the skinny kernel takes: every projection and the lm_head multiply by their
+    # oneDNN copies (kernels.dispatch), which sum in another order than MKL.
+    ids = torch.randint(3, 1000, (1, MAX_SKINNY_ROWS + 24), generator=torch.Generator().manual_seed(4))
+    expected = _logits(model, ids)
+    route_linear_layers(model, packed=True)
+    route_fused_layers(model, packed=True)
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    copies = [attention.carpool_packed_qkv_weight, attention.o_proj.carpool_packed_weight,
+              mlp.carpool_packed_gate_up_weight, mlp.down_proj.carpool_packed_weight,
+              model.get_output_embeddings().carpool_packed_weight]
+    assert all(copy is not None and copy.dtype == torch.float32 for copy in copies)
+    torch.testing.assert_close(_logits(model, ids), expected, rtol=1e-5, atol=1e-5)
+    # Nothing of it is warmed up: fp32 copies build their primitives as steps come.
+    assert warm_up_packed_layers(model, max_rows=200, max_output_rows=200) == 0
 
 
 @needs_fast_bf16
