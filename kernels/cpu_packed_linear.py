@@ -25,11 +25,11 @@ count a step brings on the Xeons measured, with no primitives to build and no pa
 
 fp32 (the dtype where bf16 does not run fast: AVX2 CPUs): `F.linear` goes to MKL's sgemm, which
 packs the weight into its own panels on every call too. Between the skinny kernel's rows and a
-long prefill chunk's, oneDNN on a weight reordered once is faster: on a 2-vCPU Zen 3 EPYC, all 30
-of SmolLM2's fused layers 1.03-1.09x at 96-192 rows, even at 256 (0.97-1.00x), its 49,152-wide lm_head
-1.3-1.8x at 96-256 rows (`python scripts/bench_cpu_linear.py --fp32-packed --weights
-fused_layers|lm_head --rows 96,128,192,256 --threads 2`). Its sums run in another order than
-MKL's: results agree to fp32 rounding, not to the bit.
+long prefill chunk's, oneDNN on a weight reordered once is faster: on a 2-vCPU Zen 3 EPYC, all
+30 of SmolLM2's fused layers 1.01-1.09x at 96-192 rows and even at 256 (0.97-1.00x), its
+49,152-wide lm_head 1.3-1.8x at 96-256 rows (`python scripts/bench_cpu_linear.py --fp32-packed
+--weights fused_layers|lm_head --rows 96,128,192,256 --threads 2`). Its sums run in another order
+than MKL's: results agree to fp32 rounding, not to the bit.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ MAX_SKINNY_ROWS = 96
 # Between MAX_SKINNY_ROWS and this many rows an fp32 input goes to the weight's oneDNN copy (where
 # the layers were routed with packed=True): MKL's sgemm packs the weight on every call, 113 MB for
 # SmolLM2's lm_head, which the copy saves (lm_head 1.69x at 128 rows, 1.32x at 256; the fused
-# layers 1.07-1.09x at 96-192 rows, 0.97x at 256; 2-vCPU Zen 3 EPYC, `python
+# layers 1.01-1.09x at 96-192 rows, 0.97-1.00x at 256; 2-vCPU Zen 3 EPYC, `python
 # scripts/bench_cpu_linear.py --fp32-packed --weights fused_layers|lm_head --threads 2`). Past it
 # (prefill chunks) MKL was as fast or faster: 0.90-0.96x at 320-512 rows on the layers.
 MAX_PACKED_FP32_ROWS = 256

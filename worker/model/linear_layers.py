@@ -3,9 +3,9 @@
 A decode step late in a batch multiplies a handful of rows by every weight; `kernels.linear`
 sends such calls to the skinny CPU kernel (fp32) or to oneDNN with a weight reordered once (bf16,
 `packed=True`), a fuller fp32 step to the weight's oneDNN copy too (`packed=True`), and everything
-else to `F.linear`. The layers keep their parameters (tied
-embeddings included): only their class changes, to a subclass whose forward calls the
-dispatcher, and a packed layer also holds its reordered copy in `carpool_packed_weight`.
+else to `F.linear`. The layers keep their parameters (tied embeddings included): only their class
+changes, to a subclass whose forward calls the dispatcher, and a packed layer also holds its
+reordered copy in `carpool_packed_weight`.
 """
 
 from __future__ import annotations
