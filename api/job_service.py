@@ -409,7 +409,7 @@ class JobService:
             return  # the worker tokenizes them, and fails the job with the same words
         for i, word in enumerate(words):
             # The worker's tokenization (worker/engine/engine.py): leading whitespace stripped.
-            if not tokenizer.encode(word.lstrip(), add_special_tokens=False).ids:
+            if not await _encoded_ids(tokenizer, word.lstrip(), add_special_tokens=False):
                 raise InvalidRequestError(
                     f"'bad_words' entry {i} ({word!r}) is no tokens at all in model "
                     f"'{card.name}''s tokenizer, so it could ban nothing", param=f"bad_words.{i}")

@@ -38,7 +38,7 @@ import functools
 
 import torch
 
-from kernels import cpu_amx_linear
+from kernels import cpu_amx_linear, cpu_extension
 
 
 @functools.cache
@@ -53,8 +53,8 @@ def runs_fast_here() -> bool:
 def packs_fp32_here() -> bool:
     """torch built with oneDNN on an x86 CPU with AVX2 or better: where fp32 weights are reordered
     once for oneDNN (measured on AVX2; the gain is the per-call reorder saved, on any x86 ISA)."""
-    return torch.backends.mkldnn.is_available() and torch.backends.cpu.get_cpu_capability() in (
-        "AVX2", "AVX512")
+    return (torch.backends.mkldnn.is_available()
+            and torch.backends.cpu.get_cpu_capability() in cpu_extension.CPU_CAPABILITIES)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
