@@ -21,8 +21,12 @@ $(STAMP): pyproject.toml
 run: install
 	$(VENV)/bin/carpool up
 
+# Two test processes (pytest-xdist), each with its own redis-server; a file stays on one of them,
+# so a module's fleet fixture is started once. TEST_PROCESSES=1 runs the suite in one.
+TEST_PROCESSES ?= 2
+
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile
 
 # ruff, mypy (strict on protocol, api, worker.engine, worker.jobs) and the import contracts.
 lint: install
@@ -31,7 +35,7 @@ lint: install
 	$(VENV)/bin/lint-imports
 
 test-fast: install
-	$(PY) -m pytest -q -m "not slow and not triton_interpret"
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadfile -m "not slow and not triton_interpret"
 
 bench: install
 	$(PY) scripts/bench_engine.py

@@ -53,7 +53,7 @@ def reference_greedy(model: Any, prompt: list[int], p: SamplingParams, eos: set[
             logits[token_id] = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
         for token_id, count in Counter(output).items():  # frequency and presence: output only
             logits[token_id] -= p.frequency_penalty * count + p.presence_penalty
-        best = max(range(len(logits)), key=lambda i: (logits[i], -i))
+        best = logits.index(max(logits))  # the first of equal maxima: the lowest id
         output.append(best)
         tokens.append(best)
         if best in stops:
