@@ -1,6 +1,8 @@
 // The paged-attention launch, as plain data: what the ISA-specific translation units share.
 // POD only (no inline functions): a header function compiled under two target ISAs would be
 // one symbol with two bodies, and the linker may keep the AVX-512 one for every caller.
+// (Code both paths share, the cache walk, is in paged_attention_rows.h, which each unit includes
+// inside its own anonymous namespace.)
 #pragma once
 #include <cstdint>
 

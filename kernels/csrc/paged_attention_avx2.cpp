@@ -34,6 +34,8 @@
 
 namespace {
 
+#include "paged_attention_rows.h"  // Task, sequence_task, group_rows: inside this unit's namespace
+
 using carpool::bf16;
 using carpool::exp_nonpositive;
 using carpool::horizontal_sum;
@@ -54,31 +56,6 @@ inline __m256 sum_each(const __m256* a) {
     const __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
     const __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
-}
-
-template <typename T>
-struct Task {
-    const T* keys;  // the kv head's first element in the key cache (block 0, row 0)
-    const T* values;
-    const int32_t* table;
-    int64_t block_size, block_stride, token_stride, head_dim;
-    // Prefetch every kv head's K and V rows, not only this task's (see key_scores).
-    bool fetch_all_heads;
-};
-
-// rows[i] = key first + i's row (through the block table) for first + i < n; key `first`'s row past
-// n, so every pointer is a row the sequence owns. Walks the table: no division per key.
-template <typename T>
-inline void group_rows(const Task<T>& task, int64_t first, int64_t n, const T** rows) {
-    int64_t c = first / task.block_size, r = first % task.block_size;
-    const T* block = task.keys + task.table[c] * task.block_stride;
-    for (int64_t i = 0; i < kKeys; ++i) {
-        rows[i] = first + i < n ? block + r * task.token_stride : rows[0];
-        if (++r == task.block_size && first + i + 1 < n) {
-            r = 0;
-            block = task.keys + task.table[++c] * task.block_stride;
-        }
-    }
 }
 
 // The K rows of a group of keys (and their V rows, which the V pass reads once this pass ends),
@@ -116,14 +93,14 @@ void key_scores(const Task<T>& task, const float* queries, int64_t num_heads, in
     const T* rows[kKeys];
     const T* ahead_rows[kKeys];
     for (int64_t first = 0; first < kFetchAhead && first < n; first += kKeys) {
-        group_rows(task, first, n, ahead_rows);
+        group_rows<kKeys>(task, first, n, ahead_rows);
         fetch_rows(task, ahead_rows);
     }
     int64_t first = 0;
     for (; first < n; first += kKeys) {
-        group_rows(task, first, n, rows);
+        group_rows<kKeys>(task, first, n, rows);
         if (first + kFetchAhead < n) {
-            group_rows(task, first + kFetchAhead, n, ahead_rows);
+            group_rows<kKeys>(task, first + kFetchAhead, n, ahead_rows);
             fetch_rows(task, ahead_rows);
         }
         if (first + kKeys > n) break;  // the last keys, fewer than eight: one at a time, below
@@ -251,14 +228,11 @@ void weighted_values_all(const Task<T>& task, const float* probs, int64_t stride
 template <typename T>
 void attend(const carpool::PagedAttentionArgs& args, int64_t task_id, int64_t first_j, int64_t end_j,
             bool next_tasks_share_rows, float* scratch) {
-    const int64_t s = task_id / args.num_kv_heads, kv = task_id % args.num_kv_heads;
-    const int64_t first_row = args.starts[s], q_len = args.starts[s + 1] - first_row, ctx = args.lens[s];
+    const SequenceTask<T> st = sequence_task<T>(args, task_id, next_tasks_share_rows);
+    const int64_t kv = st.kv, first_row = st.first_row, q_len = st.q_len, ctx = st.ctx;
     if (q_len == 0 || q_len > args.max_query_rows) return;
     const int64_t group = args.num_heads / args.num_kv_heads, head_dim = args.head_dim;
-    const Task<T> task{static_cast<const T*>(args.key_cache) + kv * head_dim,
-                       static_cast<const T*>(args.value_cache) + kv * head_dim,
-                       args.tables + s * args.table_width, args.block_size, args.block_stride, args.token_stride, head_dim,
-                       next_tasks_share_rows && kv == 0 && args.num_kv_heads > 1};
+    const Task<T>& task = st.cache;
     const int64_t stride = ctx;  // one head's scores
     float* queries = scratch + kMaxHeads * stride;  // the chunk's query heads in fp32, head_dim apart
     const T* q = static_cast<const T*>(args.query);

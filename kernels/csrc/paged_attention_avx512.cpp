@@ -36,6 +36,8 @@ CARPOOL_AVX512_BEGIN
 namespace carpool512 {
 namespace {
 
+#include "paged_attention_rows.h"  // Task, sequence_task, group_rows: inside this unit's namespace
+
 constexpr int64_t kKeys = 16;  // keys per score group: one per lane
 constexpr int64_t kMaxHeads = 4;  // query heads per pass: 4 heads x 4 vectors of V sums in registers
 constexpr int64_t kMaxChunks = 8;  // 32-element chunks of a head: head_dim <= 256
@@ -114,31 +116,6 @@ inline __m512 sum_each(const __m512* a) {
     return _mm512_permutexvar_ps(order, e);
 }
 
-template <typename T>
-struct Task {
-    const T* keys;  // the kv head's first element in the key cache (block 0, row 0)
-    const T* values;
-    const int32_t* table;
-    int64_t block_size, block_stride, token_stride, head_dim;
-    // Prefetch every kv head's K and V rows into L2, not only this task's (see key_scores).
-    bool fetch_all_heads;
-};
-
-// rows[i] = key first + i's row (through the block table) for first + i < n; key `first`'s row past
-// n, so every pointer is a row the sequence owns. Walks the table: no division per key.
-template <typename T>
-inline void group_rows(const Task<T>& task, int64_t first, int64_t n, const T** rows) {
-    int64_t c = first / task.block_size, r = first % task.block_size;
-    const T* block = task.keys + task.table[c] * task.block_stride;
-    for (int64_t i = 0; i < kKeys; ++i) {
-        rows[i] = first + i < n ? block + r * task.token_stride : rows[0];
-        if (++r == task.block_size && first + i + 1 < n) {
-            r = 0;
-            block = task.keys + task.table[++c] * task.block_stride;
-        }
-    }
-}
-
 // scores[h * stride + t] = scale * q_h.k_t for t < n (then -inf up to the next multiple of 16);
 // returns nothing but fills peaks[h] with each head's max score.
 template <int NC, typename T, typename Q>
@@ -156,14 +133,14 @@ void key_scores(const Task<T>& task, const Q* queries, int64_t num_heads, int64_
     // kv head's task of a decode step fetches whole rows into L2 (its `keys` start at a row's first
     // element: kv head 0), so that the sequence's next tasks, the same thread's, read theirs there.
     const int64_t fetch_bytes = (task.fetch_all_heads ? task.token_stride : task.head_dim) * static_cast<int64_t>(sizeof(T));
-    group_rows(task, 0, n, next_rows);
+    group_rows<kKeys>(task, 0, n, next_rows);
     for (int64_t first = 0; first < n; first += kKeys) {
         for (int64_t i = 0; i < kKeys; ++i) rows[i] = next_rows[i];
         if (first + kKeys < n) {
             // The next group's K rows, fetched while this one is scored (blocks lie scattered, in
             // DRAM or L3 for a real pool), and its V rows, which the V pass reads once this pass ends
             // (a context's V rows for one kv head fit in L2: 128 B a row).
-            group_rows(task, first + kKeys, n, next_rows);
+            group_rows<kKeys>(task, first + kKeys, n, next_rows);
             for (int64_t i = 0; i < kKeys; ++i) {
                 const char* key = reinterpret_cast<const char*>(next_rows[i]);
                 const char* value = reinterpret_cast<const char*>(task.values + (next_rows[i] - task.keys));
@@ -359,14 +336,11 @@ void weighted_values_all(const Task<T>& task, const float* probs, int64_t stride
 template <typename T, typename Q>
 void attend(const carpool::PagedAttentionArgs& args, int64_t task_id, int64_t first_j, int64_t end_j,
             bool next_tasks_share_rows, float* scratch) {
-    const int64_t s = task_id / args.num_kv_heads, kv = task_id % args.num_kv_heads;
-    const int64_t first_row = args.starts[s], q_len = args.starts[s + 1] - first_row, ctx = args.lens[s];
+    const SequenceTask<T> st = sequence_task<T>(args, task_id, next_tasks_share_rows);
+    const int64_t kv = st.kv, first_row = st.first_row, q_len = st.q_len, ctx = st.ctx;
     if (q_len == 0 || q_len > args.max_query_rows) return;
     const int64_t group = args.num_heads / args.num_kv_heads, head_dim = args.head_dim;
-    const Task<T> task{static_cast<const T*>(args.key_cache) + kv * head_dim,
-                       static_cast<const T*>(args.value_cache) + kv * head_dim,
-                       args.tables + s * args.table_width, args.block_size, args.block_stride, args.token_stride, head_dim,
-                       next_tasks_share_rows && kv == 0 && args.num_kv_heads > 1};
+    const Task<T>& task = st.cache;
     const int64_t stride = (ctx + kKeys - 1) / kKeys * kKeys;  // one head's scores, padded to whole groups
     const T* q = static_cast<const T*>(args.query);
     T* o = static_cast<T*>(args.out);
