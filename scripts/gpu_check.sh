@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU check for the kernels: environment, `pytest -m gpu tests/kernels`, then one benchmark table
-# (Triton vs torch twin vs SDPA vs flex attention), then the engine benchmark if it exists.
+# GPU check for the kernels: environment, `pytest -m gpu tests/kernels` and `tests/worker/engine`,
+# then one benchmark table (Triton vs torch twin vs SDPA vs flex attention), then the engine
+# benchmark if it exists.
 #
 #   bash scripts/gpu_check.sh            # from anywhere; finishes in under 9 minutes
 #
@@ -65,6 +66,11 @@ nvidia-smi --query-gpu=name,memory.used,memory.total,utilization.gpu --format=cs
 step "pytest -m gpu tests/kernels"
 timeout "$(budget 150)" "$PY" -m pytest -m gpu tests/kernels -q -p no:cacheprovider -rs
 record "pytest -m gpu tests/kernels" $?
+
+# The engine's GPU test: its KV pool sized from the memory CUDA reports free (a tiny model).
+step "pytest -m gpu tests/worker/engine"
+timeout "$(budget 90)" "$PY" -m pytest -m gpu tests/worker/engine -q -p no:cacheprovider -rs
+record "pytest -m gpu tests/worker/engine" $?
 
 step "benchmark: scripts/bench_kernels.py --device cuda"
 timeout "$(budget 120)" "$PY" scripts/bench_kernels.py --device cuda --dtypes fp32,bf16 --flex-dtypes bf16 --check

@@ -37,7 +37,8 @@ class EngineConfig:
     # False: the engine drops them and reports them in StepOutput.preempted for someone to requeue.
     requeue_preempted: bool = True
     # Cap on the KV pool when num_kv_blocks is None; None: a quarter of the memory a CPU worker
-    # finds available at start (at least 2 GiB where half of it allows), 2 GiB on a GPU.
+    # finds available at start (at least 2 GiB where half of it allows), half of what a GPU has
+    # free once the model is loaded (kv_memory.default_kv_pool_bytes).
     kv_cache_memory_gib: float | None = None
     enable_prefix_caching: bool = True  # reuse computed K/V blocks of identical prompt prefixes
     num_threads: int | None = None  # torch intra-op threads; None leaves torch's default

@@ -358,22 +358,23 @@ class Engine:
             log.warning("capping max_model_len at the model's sliding window, %d", runner.sliding_window)
             model_len = runner.sliding_window
         bytes_per_block = runner.kv_cache_bytes_per_token() * config.block_size
-        available = kv_memory.available_memory_bytes() if runner.device.type == "cpu" else None
+        available = kv_memory.memory_for_kv(runner.device)
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
             wanted = -(-num_seqs * model_len // config.block_size)
             cap = (int(config.kv_cache_memory_gib * 2**30) if config.kv_cache_memory_gib is not None
-                   else kv_memory.default_kv_pool_bytes(available))
+                   else kv_memory.default_kv_pool_bytes(available, runner.device.type))
             num_blocks = max(1, min(wanted, cap // bytes_per_block))
         if available is not None and num_blocks * bytes_per_block > available:
             # A CPU pool past the memory there is would be filled with zeros page by page until
-            # the kernel kills the process, with no word of why: refuse it with the numbers instead.
+            # the kernel kills the process, with no word of why (a GPU's would fail with CUDA's
+            # out-of-memory error): refuse it with the numbers instead.
             raise ValueError(
                 f"the KV pool would take {num_blocks * bytes_per_block / 2**30:.2f} GiB "
                 f"({num_blocks} blocks of {config.block_size} tokens), more than the "
-                f"{available / 2**30:.2f} GiB of memory available: lower kv_cache_memory_gib "
-                "(CARPOOL_KV_CACHE_MEMORY_GIB) or num_kv_blocks")
+                f"{available / 2**30:.2f} GiB of memory available on {runner.device}: lower "
+                "kv_cache_memory_gib (CARPOOL_KV_CACHE_MEMORY_GIB) or num_kv_blocks")
         capacity = num_blocks * config.block_size
         if capacity < model_len:
             if config.max_model_len is not None:

@@ -67,8 +67,8 @@ class WorkerSettings(BaseSettings):
         "unset (vLLM's VLLM_CPU_KVCACHE_SPACE on a CPU): the pool holds the seats' full contexts "
         "or this much, the smaller; more of it gives more seats and longer contexts room. Unset: "
         "a quarter of the memory available at start on a CPU (at least 2 GiB where half of it "
-        "allows), 2 GiB on a GPU. A CPU worker refuses to start with a pool larger than the "
-        "memory available.")
+        "allows), half the memory free on a GPU once the model is loaded. A worker refuses to "
+        "start with a pool larger than the memory available (free on a GPU).")
     block_size: int = Field(16, ge=1, le=1024)
     max_model_len: int | None = Field(None, ge=2)
     dtype: str = "auto"

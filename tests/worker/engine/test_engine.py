@@ -373,7 +373,7 @@ def test_a_cpu_kv_pool_larger_than_the_memory_available_is_refused_with_its_size
     monkeypatch.setattr(kv_memory, "available_memory_bytes", lambda: 100 * per_block)
     assert make_engine(tiny_llama, num_kv_blocks=100).block_manager.num_blocks == 100
     with pytest.raises(ValueError, match=r"\(101 blocks of 4 tokens\), more than the .* GiB of "
-                                         r"memory available: lower kv_cache_memory_gib"):
+                                         r"memory available on cpu: lower kv_cache_memory_gib"):
         make_engine(tiny_llama, num_kv_blocks=101)
     sized = {"num_kv_blocks": None, "max_num_seqs": 1, "max_model_len": 1024}
     with pytest.raises(ValueError, match="more than the"):
@@ -394,6 +394,43 @@ def test_an_unset_kv_pool_cap_is_a_quarter_of_the_memory_on_a_cpu(
     sized = {"num_kv_blocks": None, "max_num_seqs": 1, "max_model_len": 1024}  # wants 256 blocks
     assert make_engine(tiny_llama, **sized).block_manager.num_blocks == 200  # half: 2 GiB is more
     assert make_engine(tiny_llama, **sized, kv_cache_memory_gib=1.0).block_manager.num_blocks == 256
+
+
+def test_an_unset_kv_pool_cap_is_half_the_free_memory_on_a_gpu() -> None:
+    from worker.engine import kv_memory
+
+    gib = 2**30
+    # 2 GiB, fixed, was the cap on every GPU: 4,096 tokens of a 7B Llama's K/V on an 80 GB card.
+    for free, cap in [(64 * gib, 32 * gib), (3 * gib, 3 * gib // 2), (None, 2 * gib)]:
+        assert kv_memory.default_kv_pool_bytes(free, "cuda") == cap, free
+    assert kv_memory.default_kv_pool_bytes(64 * gib, "cpu") == 16 * gib
+
+
+def test_the_memory_for_the_kv_pool_is_the_devices_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker.engine import kv_memory
+
+    monkeypatch.setattr(kv_memory, "available_memory_bytes", lambda: 12345)
+    assert kv_memory.memory_for_kv(torch.device("cpu")) == 12345
+    assert kv_memory.memory_for_kv(torch.device("meta")) is None
+    if torch.cuda.is_available():
+        free, _total = torch.cuda.mem_get_info(0)
+        assert abs(kv_memory.memory_for_kv(torch.device("cuda", 0)) - free) < 256 * 2**20
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_engine_sizes_its_kv_pool_from_the_free_memory(tiny_llama: Any) -> None:
+    from worker.engine import kv_memory
+
+    per_block = make_engine(tiny_llama).runner.kv_cache_bytes_per_token() * 4
+    free = kv_memory.memory_for_kv(torch.device("cuda", 0))
+    assert free is not None
+    # The engine reads the free memory again with the tiny model on the GPU: a few MiB less.
+    engine = make_engine(tiny_llama, device="cuda", num_kv_blocks=None, max_num_seqs=4096,
+                         max_model_len=1024)
+    wanted = 4096 * 1024 // 4
+    num_blocks = engine.block_manager.num_blocks
+    assert min(wanted, (free - 2**28) // 2 // per_block) <= num_blocks <= min(wanted, free // 2 // per_block)
 
 
 def test_the_memory_available_is_the_smaller_of_meminfo_and_the_cgroup_limit(
