@@ -16,7 +16,10 @@ to the token budget, so above PAD_ABOVE_ROWS rows the input is padded to a multi
 ROW_MULTIPLE (at most 7 wasted rows where a step is compute-bound anyway), and above
 COARSE_ABOVE_ROWS (a prefill chunk of a large budget) to a multiple of COARSE_ROW_MULTIPLE (at most
 12 % more rows): a 4,096-token budget then needs 176 counts per weight shape, and a model's five
-shapes stay inside the cache. `row_buckets` lists the counts a warm-up should visit so that no
+shapes stay inside the cache. A decoder layer in one C++ call also pads fewer rows than
+MIN_LAYER_ROWS up to it, where oneDNN is faster (MIN_LAYER_ROWS says where it was measured). Padding
+never changes a row's result (the tests compare with F.linear, and the layer in one call with the
+layer op by op, bit for bit). `row_buckets` lists the counts a warm-up should visit so that no
 step pays for a primitive.
 
 Where the kernels run AMX (kernels.cpu_amx_linear), `pack_weight` packs bf16 weights into AMX
@@ -68,14 +71,26 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
+# The C++ decoder layer (kernels/cpu_step_ops.py) pads a step of fewer rows to MIN_LAYER_ROWS: on
+# AVX512-BF16 without AMX (a 2-vCPU Zen 4 EPYC) oneDNN's bf16 GEMMs over SmolLM2's 30 layers took
+# 15.2, 13.3, 11.3, 11.3 and 10.7 ms at 1, 2, 4, 5 and 6 rows (`python scripts/bench_cpu_linear.py
+# --weights fused_layers --bf16 --packed --rows 1,2,4,5,6 --threads 2 --repeats 11`): its few-row
+# kernels stream the weights slower, and the zero rows cost nothing while that stream bounds the
+# step. Decode steps of one and two sequences took 7-9 % and 13-15 % less (the two row counts
+# alternated every four steps in one engine). Not packed_linear: from Python the padding itself (a
+# zeros tensor and a copy, some 25 us a call) costs more than it saves at these rows.
+MIN_LAYER_ROWS = 5
 PAD_ABOVE_ROWS = 64
 ROW_MULTIPLE = 8
 COARSE_ABOVE_ROWS = 512
 COARSE_ROW_MULTIPLE = 64
 
 
-def padded_rows(rows: int) -> int:
-    """The row count packed_linear hands oneDNN for an input of `rows` rows."""
+def padded_rows(rows: int, min_rows: int = 1) -> int:
+    """The row count packed_linear hands oneDNN for an input of `rows` rows (the C++ decoder
+    layer: at least min_rows = MIN_LAYER_ROWS)."""
+    if rows < min_rows:
+        return min_rows
     if rows <= PAD_ABOVE_ROWS:
         return rows
     multiple = ROW_MULTIPLE if rows <= COARSE_ABOVE_ROWS else COARSE_ROW_MULTIPLE

@@ -21,7 +21,7 @@ import torch
 
 from kernels import cpu_amx_linear, cpu_extension, cpu_layer_ops, cpu_paged_attention, cpu_skinny_linear
 from kernels.arg_checks import check_paged_attention_args, check_write_kv_cache_args
-from kernels.cpu_packed_linear import padded_rows
+from kernels.cpu_packed_linear import MIN_LAYER_ROWS, padded_rows
 from kernels.dispatch import MAX_PACKED_FP32_ROWS, MAX_SKINNY_ROWS
 
 # A projection as kernels.linear takes it: weight, bias, oneDNN's packed copy of the weight.
@@ -81,4 +81,5 @@ class StepOps:
             hidden, input_norm, input_eps, qkv_proj, o_proj, post_norm, post_eps, gate_up_proj, down_proj,
             num_heads, num_kv_heads, scale, cos, sin, key_cache, value_cache, self._slot_mapping,
             self._block_tables, self._seq_lens, self._query_start_loc, self._max_query_rows,
-            padded_rows(hidden.shape[0]), self._max_skinny_rows, cpu_amx_linear.MAX_ROWS, MAX_PACKED_FP32_ROWS)
+            padded_rows(hidden.shape[0], MIN_LAYER_ROWS), self._max_skinny_rows, cpu_amx_linear.MAX_ROWS,
+            MAX_PACKED_FP32_ROWS)

@@ -7,7 +7,15 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_packed_linear, linear
-from kernels.cpu_packed_linear import PAD_ABOVE_ROWS, pack_weight, packed_linear, row_buckets, warm_up
+from kernels.cpu_packed_linear import (
+    MIN_LAYER_ROWS,
+    PAD_ABOVE_ROWS,
+    pack_weight,
+    packed_linear,
+    padded_rows,
+    row_buckets,
+    warm_up,
+)
 from kernels.dispatch import MAX_PACKED_FP32_ROWS, MAX_SKINNY_ROWS
 
 # The engine packs only where oneDNN multiplies bf16 natively; elsewhere it may refuse the reorder.
@@ -35,6 +43,12 @@ def test_dispatch_takes_the_packed_weight_for_bf16_cpu_inputs() -> None:
     weight = torch.randn(16, 8).bfloat16()
     x = torch.randn(3, 8).bfloat16()
     assert torch.equal(linear(x, weight, None, pack_weight(weight)), F.linear(x, weight))
+
+
+def test_a_layer_in_one_call_pads_fewer_rows_than_min_layer_rows_and_packed_linear_does_not() -> None:
+    assert [padded_rows(rows, MIN_LAYER_ROWS) for rows in range(1, 8)] == [5, 5, 5, 5, 5, 6, 7]
+    assert [padded_rows(rows) for rows in range(1, 8)] == list(range(1, 8))
+    assert padded_rows(70, MIN_LAYER_ROWS) == padded_rows(70) == 72
 
 
 def test_row_buckets_are_exact_up_to_64_then_multiples_of_8() -> None:

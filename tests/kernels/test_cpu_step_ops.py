@@ -87,6 +87,7 @@ def _per_op_layer(hidden: torch.Tensor, layer: dict, cos: torch.Tensor, sin: tor
 
 @pytest.mark.parametrize("weights", WEIGHTS)
 @pytest.mark.parametrize(("query_lens", "seq_lens"), [
+    # Three decodes: in one call oneDNN gets them padded to MIN_LAYER_ROWS, op by op not: the same bits.
     ([1, 1, 1], [9, 5, 30]), ([3, 1, 16], [9, 5, 30]), ([1] * 70, [1 + i % 5 for i in range(70)]),
     # Past the skinny kernel's rows (kernels.dispatch.MAX_SKINNY_ROWS): fp32's packed copy.
     ([1] * 150, [1 + i % 7 for i in range(150)]),
