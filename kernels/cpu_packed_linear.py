@@ -78,9 +78,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 # kernels stream the weights slower, and the zero rows cost nothing while that stream bounds the
 # step. Decode steps of one, two, three and four sequences took 3-10 % and 6-14 % less, 4 % less to
 # 1 % more, and 1 % less to 6 % more (`python scripts/bench_step_rows.py --sequences 1,2,3,4
-# --rounds 60`, four runs; a minimum of 4 instead: 3 % and 11 % less at one and two, nothing at
-# three and four). Not packed_linear: from Python the padding itself (a zeros tensor and a copy,
-# some 25 us a call) costs more than it saves.
+# --rounds 60`, four runs, one shorter; a minimum of 4 instead: 3 % and 11 % less at one and two,
+# nothing at three and four). Not packed_linear: from Python the padding itself (a zeros tensor and
+# a copy, some 25 us a call) costs more than it saves.
 MIN_LAYER_ROWS = 5
 PAD_ABOVE_ROWS = 64
 ROW_MULTIPLE = 8
