@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from kernels import cpu_extension
 
@@ -27,6 +28,25 @@ def cpu_features() -> dict[str, bool]:
     the AVX-512 paths at all. Empty where the extension is not built."""
     module = cpu_extension.load()
     return {} if module is None else dict(module.cpu_features())
+
+
+def cpu_family(cpuinfo: str | None = None) -> tuple[str, int] | None:
+    """The CPU's vendor and family as Linux names them (`vendor_id`, `cpu family` in /proc/cpuinfo:
+    ("AuthenticAMD", 25) on a Zen 3 or Zen 4, 26 on a Zen 5; ("GenuineIntel", 6) on Xeons), for
+    the tuning choices a feature flag does not tell; None where they cannot be read."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor's block is enough: every core of a VM is the same
+        name, _, value = line.partition(":")
+        fields[name.strip()] = value.strip()
+    vendor, family = fields.get("vendor_id"), fields.get("cpu family", "")
+    return (vendor, int(family)) if vendor and family.isdigit() else None
 
 
 def active_isa() -> str:

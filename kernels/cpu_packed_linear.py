@@ -16,11 +16,11 @@ to the token budget, so above PAD_ABOVE_ROWS rows the input is padded to a multi
 ROW_MULTIPLE (at most 7 wasted rows where a step is compute-bound anyway), and above
 COARSE_ABOVE_ROWS (a prefill chunk of a large budget) to a multiple of COARSE_ROW_MULTIPLE (at most
 12 % more rows): a 4,096-token budget then needs 176 counts per weight shape, and a model's five
-shapes stay inside the cache. A decoder layer in one C++ call also pads fewer rows than
-MIN_LAYER_ROWS up to it, where oneDNN is faster (MIN_LAYER_ROWS says where it was measured). Padding
-never changes a row's result (the tests compare with F.linear, and the layer in one call with the
-layer op by op, bit for bit). `row_buckets` lists the counts a warm-up should visit so that no
-step pays for a primitive.
+shapes stay inside the cache. On a Zen 4 a decoder layer in one C++ call also pads fewer rows than
+MIN_LAYER_ROWS up to it, where oneDNN is faster (`layer_min_rows`; MIN_LAYER_ROWS says where it
+was measured, and where it was not faster). Padding never changes a row's result (the tests compare
+with F.linear, and the layer in one call with the layer op by op, bit for bit). `row_buckets` lists
+the counts a warm-up should visit so that no step pays for a primitive.
 
 Where the kernels run AMX (kernels.cpu_amx_linear), `pack_weight` packs bf16 weights into AMX
 tile order instead, and `packed_linear` runs Carpool's AMX kernel: faster than oneDNN at every row
@@ -41,7 +41,7 @@ import functools
 
 import torch
 
-from kernels import cpu_amx_linear, cpu_extension
+from kernels import cpu_amx_linear, cpu_extension, cpu_isa
 
 
 @functools.cache
@@ -71,26 +71,40 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
-# The C++ decoder layer (kernels/cpu_step_ops.py) pads a step of fewer rows to MIN_LAYER_ROWS: on
-# AVX512-BF16 without AMX (a 2-vCPU Zen 4 EPYC) oneDNN's bf16 GEMMs over SmolLM2's 30 layers took
-# 15.2, 13.3, 11.3, 11.3 and 10.7 ms at 1, 2, 4, 5 and 6 rows (`python scripts/bench_cpu_linear.py
-# --weights fused_layers --bf16 --packed --rows 1,2,4,5,6 --threads 2 --repeats 11`): its few-row
-# kernels stream the weights slower, and the zero rows cost nothing while that stream bounds the
-# step. Decode steps of one, two, three and four sequences took 3-10 % and 6-14 % less, 4 % less to
-# 1 % more, and 1 % less to 6 % more (`python scripts/bench_step_rows.py --sequences 1,2,3,4
-# --rounds 60`, four runs, one shorter; a minimum of 4 instead: 3 % and 11 % less at one and two,
-# nothing at three and four). Not packed_linear: from Python the padding itself (a zeros tensor and
-# a copy, some 25 us a call) costs more than it saves.
+# The C++ decoder layer (kernels/cpu_step_ops.py) pads a step of fewer rows to MIN_LAYER_ROWS on a
+# Zen 4 (layer_min_rows): on a 2-vCPU one (family 25 model 17; AVX512-BF16, no AMX) oneDNN's bf16
+# GEMMs over SmolLM2's 30 layers took 15.2, 13.3, 11.3, 11.3 and 10.7 ms at 1, 2, 4, 5 and 6 rows
+# (`python scripts/bench_cpu_linear.py --weights fused_layers --bf16 --packed --rows 1,2,4,5,6
+# --threads 2 --repeats 11`): its few-row kernels stream the weights slower, and the zero rows cost
+# nothing while that stream bounds the step. Decode steps of one, two, three and four sequences took
+# 3-10 % and 6-14 % less, 4 % less to 1 % more, and 1 % less to 6 % more (`python
+# scripts/bench_step_rows.py --sequences 1,2,3,4 --rounds 60`, four runs, one shorter; a minimum of
+# 4 instead: 3 % and 11 % less at one and two, nothing at three and four). On a Zen 5 (family 26
+# model 2: 512-bit units where Zen 4 runs each 512-bit op as two halves) the padding did not pay:
+# one sequence's steps 3, 6 and 11 % longer in three runs of the same command, two within 1 %,
+# three and four 2 % shorter to 5 % longer, and minimums of 3 and 4 no better; so it pads only
+# where it was measured to gain. Not packed_linear: from Python the padding itself (a zeros tensor
+# and a copy, some 25 us a call) costs more than it saves.
 MIN_LAYER_ROWS = 5
+ZEN4_FAMILY = ("AuthenticAMD", 25)  # Zen 3 too, which has no AVX-512: then bf16 does not run fast
 PAD_ABOVE_ROWS = 64
 ROW_MULTIPLE = 8
 COARSE_ABOVE_ROWS = 512
 COARSE_ROW_MULTIPLE = 64
 
 
+@functools.cache
+def layer_min_rows() -> int:
+    """The row minimum of the C++ decoder layer's oneDNN GEMMs on this CPU: MIN_LAYER_ROWS on a Zen 4
+    (oneDNN's bf16 GEMMs, no AMX tiles), 1 (no padding) elsewhere."""
+    zen4 = (cpu_isa.cpu_family() == ZEN4_FAMILY and runs_fast_here()
+            and not torch.cpu._is_amx_tile_supported())
+    return MIN_LAYER_ROWS if zen4 else 1
+
+
 def padded_rows(rows: int, min_rows: int = 1) -> int:
     """The row count packed_linear hands oneDNN for an input of `rows` rows (the C++ decoder
-    layer: at least min_rows = MIN_LAYER_ROWS)."""
+    layer: at least min_rows = layer_min_rows())."""
     if rows < min_rows:
         return min_rows
     if rows <= PAD_ABOVE_ROWS:

@@ -21,8 +21,12 @@ import torch
 
 from kernels import cpu_amx_linear, cpu_extension, cpu_layer_ops, cpu_paged_attention, cpu_skinny_linear
 from kernels.arg_checks import check_paged_attention_args, check_write_kv_cache_args
-from kernels.cpu_packed_linear import MIN_LAYER_ROWS, padded_rows
+from kernels.cpu_packed_linear import layer_min_rows, padded_rows
 from kernels.dispatch import MAX_PACKED_FP32_ROWS, MAX_SKINNY_ROWS
+
+# The row minimum of a step's layers where it is set (scripts/bench_step_rows.py and the tests set
+# it between steps); None: this CPU's, cpu_packed_linear.layer_min_rows.
+LAYER_MIN_ROWS: int | None = None
 
 # A projection as kernels.linear takes it: weight, bias, oneDNN's packed copy of the weight.
 LinearArgs: TypeAlias = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
@@ -42,6 +46,7 @@ class StepOps:
         self._block_tables, self._seq_lens, self._query_start_loc = block_tables, seq_lens, query_start_loc
         self._slot_mapping = slot_mapping
         self._max_skinny_rows = MAX_SKINNY_ROWS if skinny else 0  # fp32: kernels.linear's skinny kernel
+        self._min_rows = layer_min_rows() if LAYER_MIN_ROWS is None else LAYER_MIN_ROWS
 
     @classmethod
     def of(cls, hidden: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, key_cache: torch.Tensor,
@@ -81,5 +86,5 @@ class StepOps:
             hidden, input_norm, input_eps, qkv_proj, o_proj, post_norm, post_eps, gate_up_proj, down_proj,
             num_heads, num_kv_heads, scale, cos, sin, key_cache, value_cache, self._slot_mapping,
             self._block_tables, self._seq_lens, self._query_start_loc, self._max_query_rows,
-            padded_rows(hidden.shape[0], MIN_LAYER_ROWS), self._max_skinny_rows, cpu_amx_linear.MAX_ROWS,
+            padded_rows(hidden.shape[0], self._min_rows), self._max_skinny_rows, cpu_amx_linear.MAX_ROWS,
             MAX_PACKED_FP32_ROWS)

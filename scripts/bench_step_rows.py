@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Decode steps of a few sequences with the C++ decoder layer's row minimum at 1 and at
-kernels.cpu_packed_linear.MIN_LAYER_ROWS, alternated every few steps in one engine.
+kernels.cpu_packed_linear.MIN_LAYER_ROWS, alternated every few steps in one engine (a worker pads
+only where `layer_min_rows` says so: a Zen 4).
 
 The two settings take turns on the same engine, the same sequences and the same process, so the
 VM's drift (steps a fifth slower from one minute to the next on the 2-vCPU VMs here) falls on
@@ -45,13 +46,13 @@ def step_times(engine: Engine, settings: tuple[int, ...], rounds: int, steps_eac
     try:
         for _ in range(rounds):
             for setting in settings:
-                cpu_step_ops.MIN_LAYER_ROWS = setting
+                cpu_step_ops.LAYER_MIN_ROWS = setting
                 for _ in range(steps_each):
                     started = time.perf_counter()
                     engine.step()
                     times[setting].append(time.perf_counter() - started)
     finally:
-        cpu_step_ops.MIN_LAYER_ROWS = MIN_LAYER_ROWS
+        cpu_step_ops.LAYER_MIN_ROWS = None
     return times
 
 

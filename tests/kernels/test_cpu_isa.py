@@ -60,3 +60,23 @@ def test_avx512_and_avx2_attention_agree_on_an_engine_shaped_decode(paged_batch,
             outputs[isa] = cpu_paged_attention.paged_attention_cpu(*batch.args())
     tol = 1e-6 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(outputs[cpu_isa.AVX512_BF16].float(), outputs[cpu_isa.AVX2].float(), rtol=tol, atol=tol)
+
+
+ZEN5_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 26
+model\t\t: 2
+model name\t: AMD EPYC
+
+processor\t: 1
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+"""
+
+
+def test_the_cpu_family_is_the_first_processors_vendor_and_family() -> None:
+    assert cpu_isa.cpu_family(ZEN5_CPUINFO) == ("AuthenticAMD", 26)
+    assert cpu_isa.cpu_family("processor\t: 0\nvendor_id\t: GenuineIntel\n") is None  # no family: unknown
+    assert cpu_isa.cpu_family("") is None
+    here = cpu_isa.cpu_family()
+    assert here is None or (isinstance(here[0], str) and isinstance(here[1], int))

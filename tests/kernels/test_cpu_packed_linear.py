@@ -51,6 +51,26 @@ def test_a_layer_in_one_call_pads_fewer_rows_than_min_layer_rows_and_packed_line
     assert padded_rows(70, MIN_LAYER_ROWS) == padded_rows(70) == 72
 
 
+@pytest.mark.parametrize(("family", "fast_bf16", "amx", "expected"), [
+    (("AuthenticAMD", 25), True, False, MIN_LAYER_ROWS),  # Zen 4: measured faster padded
+    (("AuthenticAMD", 26), True, False, 1),  # Zen 5: measured slower padded
+    (("AuthenticAMD", 25), False, False, 1),  # Zen 3: no AVX512-BF16, bf16 does not run fast
+    (("GenuineIntel", 6), True, True, 1),  # AMX tiles take the rows as they are
+    (("GenuineIntel", 6), True, False, 1),  # not measured: no padding
+    (None, True, False, 1),  # no /proc/cpuinfo
+])
+def test_the_layers_pad_few_rows_only_on_a_zen_4(family: tuple[str, int] | None, fast_bf16: bool, amx: bool,
+                                                 expected: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_packed_linear.cpu_isa, "cpu_family", lambda: family)
+    monkeypatch.setattr(cpu_packed_linear, "runs_fast_here", lambda: fast_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    cpu_packed_linear.layer_min_rows.cache_clear()
+    try:
+        assert cpu_packed_linear.layer_min_rows() == expected
+    finally:
+        cpu_packed_linear.layer_min_rows.cache_clear()
+
+
 def test_row_buckets_are_exact_up_to_64_then_multiples_of_8() -> None:
     assert row_buckets(10) == list(range(1, 11))
     assert row_buckets(100) == [*range(1, 65), 72, 80, 88, 96, 104]
