@@ -3,6 +3,7 @@ what a GPU has free, and the pool's cap when the worker's settings name none."""
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,7 @@ def memory_for_kv(device: torch.device) -> int | None:
     (available_memory_bytes), a CUDA GPU's free memory as CUDA counts it (other processes'
     allocations included); None on other devices or where it cannot be told."""
     if device.type == "cpu":
+        return_free_memory()
         return available_memory_bytes()
     if device.type == "cuda":
         import torch
@@ -55,6 +57,20 @@ def memory_for_kv(device: torch.device) -> int | None:
             return None
         return int(free)
     return None
+
+
+def return_free_memory() -> None:
+    """Hand the allocator's free pages back to the OS, so that MemAvailable counts them: the
+    model's loading and routing free hundreds of MB (plain weights released, weights concatenated)
+    that tcmalloc (the worker's allocator) would otherwise keep for this process alone, out of the
+    pool's reckoning. tcmalloc's MallocExtension_ReleaseFreeMemory where it is loaded, else glibc's
+    malloc_trim; neither frees anything in use."""
+    process = ctypes.CDLL(None)
+    for name in ("MallocExtension_ReleaseFreeMemory", "malloc_trim"):
+        function = getattr(process, name, None)
+        if function is not None:
+            function(*(() if name.startswith("Malloc") else (0,)))
+            return
 
 
 def available_memory_bytes() -> int | None:

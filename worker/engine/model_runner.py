@@ -7,6 +7,7 @@ through the block tables, so prefill chunks and decodes share a single forward.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,10 @@ from worker.model.attention_backend import AttentionMetadata, PagedAttentionBack
 from worker.model.decoder_loop import DecoderLoop
 from worker.model.linear_layers import warm_up_packed_layers
 from worker.model.loader import LoadedModel, ModelLoadError
+from worker.model.plain_weights import release_plain_weights, restore_plain_weights
 from worker.model.routing import route_cpu_kernels
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -63,6 +67,8 @@ class ModelRunner:
         self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, cpu_kernels: bool = True,
     ) -> None:
         model = loaded.model
+        # Another runner may have released its plain weights (plain_weights): back before any use.
+        restore_plain_weights(model)
         first = next(model.parameters())
         if first.device != device or first.dtype != dtype:
             model.to(device=device, dtype=dtype)
@@ -77,7 +83,15 @@ class ModelRunner:
             )
         self.uses_cpu_kernels = route_cpu_kernels(model, cpu_kernels, device, dtype)
         # The routed model's forward without its module tree, where that reproduces it exactly.
-        self.decoder_loop = DecoderLoop.of(model) if self.uses_cpu_kernels else None
+        loop = DecoderLoop.of(model) if self.uses_cpu_kernels else None
+        # Where the loop runs the model (every layer routed, whole-head rotary), the engine's steps
+        # multiply by the packed copies alone: the plain weights beside them go (plain_weights).
+        released = release_plain_weights(model) if loop is not None else 0
+        if released:
+            log.info("linear weights held once, in their packed copies: %.0f MB of plain copies released",
+                     released / 2**20)
+            loop = DecoderLoop.of(model)  # records of the weights as they are now, not the released ones
+        self.decoder_loop = loop
         self.model = model
         self.device = device
         self.dtype = dtype

@@ -7,6 +7,7 @@ import torch
 from kernels import cpu_extension, cpu_packed_linear
 from worker.model.fused_layers import route_fused_layers
 from worker.model.linear_layers import route_linear_layers
+from worker.model.plain_weights import restore_plain_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,6 +39,7 @@ def route_cpu_kernels(model: torch.nn.Module, enabled: bool, device: torch.devic
     own; True if they run. Linear layers: in fp32 the skinny C++ kernel for a few rows and oneDNN
     on weights reordered once for more; in bf16 oneDNN on weights reordered once (or AMX tiles).
     The extension is built (once per machine) here, not mid-step."""
+    restore_plain_weights(model)  # routed and released before: packed again from the plain weights
     uses = (enabled and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
             and cpu_extension.load() is not None)
     packed = uses and (cpu_packed_linear.runs_fast_here() if dtype == torch.bfloat16

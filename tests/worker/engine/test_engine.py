@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -415,6 +417,41 @@ def test_the_memory_for_the_kv_pool_is_the_devices_own(monkeypatch: pytest.Monke
     if torch.cuda.is_available():
         free, _total = torch.cuda.mem_get_info(0)
         assert abs(kv_memory.memory_for_kv(torch.device("cuda", 0)) - free) < 256 * 2**20
+
+
+_FREED_AND_RETURNED = """
+from worker.engine import kv_memory
+def anon_mb():
+    return next(int(line.split()[1]) // 1024 for line in open("/proc/self/status") if line.startswith("RssAnon:"))
+chunks = [bytearray(64 * 1024) for _ in range(3000)]  # 192 MB in chunks malloc keeps in its heap
+pin = bytearray(64 * 1024)  # above them: the heap's top is in use, so free() alone trims nothing
+del chunks
+freed = anon_mb()
+kv_memory.return_free_memory()
+print(freed, anon_mb())
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="Linux only")
+@pytest.mark.parametrize("allocator", ["glibc", "tcmalloc"])
+def test_the_allocators_free_pages_go_back_before_the_pool_is_sized(allocator: str) -> None:
+    # The KV pool is sized from MemAvailable (kv_memory.memory_for_kv), which cannot see pages a
+    # process freed while its allocator keeps them: the routing frees hundreds of MB so.
+    import subprocess
+    import sys
+
+    from worker.model import process_preloads
+
+    env = dict(os.environ)
+    if allocator == "tcmalloc":
+        library = process_preloads.tcmalloc_library()
+        if library is None:
+            pytest.skip("no tcmalloc here")
+        env["LD_PRELOAD"] = str(library)
+    out = subprocess.run([sys.executable, "-c", _FREED_AND_RETURNED], env=env, capture_output=True,
+                         text=True, check=True, cwd=Path(__file__).resolve().parents[3]).stdout
+    freed, returned = (int(value) for value in out.split())
+    assert freed - returned >= 150, (freed, returned)
 
 
 @pytest.mark.gpu
