@@ -161,7 +161,18 @@ def is_openai_route(request: Request) -> bool:
 
 
 def is_tgi_route(request: Request) -> bool:
-    return _has_tag(request, TGI_TAG)
+    return _has_tag(request, TGI_TAG) or getattr(request.state, TGI_SHAPE_STATE, False)
+
+
+def answer_in_tgi_shape(request: Request) -> None:
+    """This request's errors in TGI's shape, on a route shared with another API's body (/tokenize)."""
+    setattr(request.state, TGI_SHAPE_STATE, True)
+
+
+TGI_SHAPE_STATE = "carpool_tgi_shape"
+# A route taking several APIs' bodies tells them apart with these union tags (pydantic puts the
+# tag in an error's location: not a field).
+BODY_FORM_TAGS = frozenset({"vllm_body", "tgi_body"})
 
 
 def is_anthropic_route(request: Request) -> bool:
@@ -240,7 +251,7 @@ def describe_validation_error(errors: Sequence[Any]) -> tuple[str, str | None]:
     first = errors[0] if errors else {}
     loc = [part for part in first.get("loc", ()) if part != "body"]
     # A union adds the member that failed to the location ("tool_choice", "str"): not a field.
-    loc = [part for part in loc if not (isinstance(part, str) and _is_type_name(part))]
+    loc = [part for part in loc if not (isinstance(part, str) and (_is_type_name(part) or part in BODY_FORM_TAGS))]
     param = ".".join(str(part) for part in loc) or None
     kind = first.get("type", "")
     message = clean_message(first.get("msg", "invalid"))

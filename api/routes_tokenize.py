@@ -1,20 +1,25 @@
 """/tokenize and /detokenize, as vLLM's OpenAI server has them, on the API's own tokenizer
-(the tokenizer.json a worker published: no torch, no worker round trip)."""
+(the tokenizer.json a worker published: no torch, no worker round trip).
+
+/tokenize also takes Text Generation Inference's body (`inputs`, a generate request) and answers
+it as TGI does: each token's id, text and character span, errors in TGI's shape (422). The two are
+told apart by `inputs`, which vLLM's body never has."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 from tokenizers import Tokenizer
 
 from api.auth import caller_owner
 from api.chat_template import ChatTemplateError, render_chat, template_kwargs_for
 from api.context import AppContext, get_context
-from api.errors import OPENAI_TAG, InvalidRequestError, ServiceUnavailableError
-from api.fields import Text
+from api.errors import OPENAI_TAG, InvalidRequestError, ServiceUnavailableError, answer_in_tgi_shape
+from api.fields import NonEmptyText, Text
 from api.openai_schemas import ChatMessage, ChatRenderingParams, OpenAIError
+from api.tgi_schemas import GenerateParameters, TGIError
 from api.tool_calls import NO_TOOLS, plain_messages
 from protocol import ModelCard
 
@@ -43,6 +48,49 @@ class TokenizeRequest(ChatRenderingParams):
         return self
 
 
+class TGITokenizeRequest(BaseModel):
+    """TGI's body: a generate request, of whose parameters only `truncate` applies."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [{"inputs": "Hello world"}]})
+
+    inputs: NonEmptyText = Field(description="Text to tokenize.")
+    parameters: GenerateParameters = Field(
+        default_factory=lambda: GenerateParameters.model_validate({}),
+        description="A generate request's parameters; `truncate` keeps the last tokens only.")
+    add_special_tokens: bool = Field(True, strict=True, description="Add the tokenizer's special tokens.")
+    model: Text | None = Field(None, description="Carpool's: which served model (default: the first).")
+
+
+class SimpleToken(BaseModel):
+    """A token as TGI's /tokenize lists it."""
+
+    id: int = Field(description="The token id.")
+    text: str = Field(description="The input's characters it covers (\"\" for an added special token).")
+    start: int = Field(description="Where those characters start in `inputs`.")
+    stop: int = Field(description="Where they end (exclusive).")
+
+
+VLLM_BODY, TGI_BODY = "vllm_body", "tgi_body"  # api.errors.BODY_FORM_TAGS
+
+
+def _body_form(payload: Any) -> str:
+    return TGI_BODY if isinstance(payload, dict) and "inputs" in payload else VLLM_BODY
+
+
+TokenizeBody = Annotated[Annotated[TokenizeRequest, Tag(VLLM_BODY)] | Annotated[TGITokenizeRequest, Tag(TGI_BODY)],
+                         Discriminator(_body_form)]
+
+
+async def _tgi_bodies_answered_in_tgi_shape(request: Request) -> None:
+    # A dependency, so that it runs before FastAPI reports the body's validation errors.
+    try:
+        payload = await request.json()
+    except ValueError:  # not JSON: the body's own validation says so
+        return
+    if _body_form(payload) == TGI_BODY:
+        answer_in_tgi_shape(request)
+
+
 class TokenizeResponse(BaseModel):
     count: int = Field(description="Number of tokens.")
     max_model_len: int = Field(description="The model's context length.")
@@ -68,10 +116,20 @@ _ERRORS: dict[int | str, dict[str, object]] = {
 }
 
 
-@router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS,
-             summary="Tokenize a prompt or a chat (vLLM)")
-async def tokenize(body: TokenizeRequest, ctx: Context) -> TokenizeResponse:
+# /tokenize answers a TGI body's errors in TGI's shape: 422 for an invalid field, and 401, 404, 503.
+_TOKENIZE_ERRORS: dict[int | str, dict[str, object]] = {
+    **{status: {**answer, "model": OpenAIError | TGIError} for status, answer in _ERRORS.items() if status != 400},
+    400: _ERRORS[400], 422: {"model": TGIError, "description": "A TGI body's invalid field."}}
+
+
+@router.post("/tokenize", response_model=TokenizeResponse | list[SimpleToken],
+             responses=_TOKENIZE_ERRORS,
+             dependencies=[Depends(_tgi_bodies_answered_in_tgi_shape)],
+             summary="Tokenize a prompt or a chat (vLLM), or TGI's `inputs` (answered as TGI does)")
+async def tokenize(body: TokenizeBody, ctx: Context) -> TokenizeResponse | list[SimpleToken]:
     card, tokenizer = await _tokenizer(ctx, body.model)
+    if isinstance(body, TGITokenizeRequest):
+        return _tgi_tokens(tokenizer, body)
     if body.messages is not None:
         # Tool calls and results in the history render as a chat request renders them.
         messages = plain_messages([{**m.model_dump(), "role": "system" if m.role == "developer" else m.role}
@@ -103,6 +161,15 @@ async def detokenize(body: DetokenizeRequest, ctx: Context) -> DetokenizeRespons
             f"'tokens' holds token id {outside[0]}, outside the vocabulary of model "
             f"'{card.name}' (ids 0 to {vocab_size - 1})", param="tokens")
     return DetokenizeResponse(prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))
+
+
+def _tgi_tokens(tokenizer: Tokenizer, body: TGITokenizeRequest) -> list[SimpleToken]:
+    """TGI's answer: its encoding of `inputs`, the last `truncate` tokens where that is set
+    (TGI truncates from the left), each with the characters its offsets span."""
+    encoding = tokenizer.encode(body.inputs, add_special_tokens=body.add_special_tokens)
+    keep = body.parameters.truncate or len(encoding.ids)
+    return [SimpleToken(id=token_id, text=body.inputs[start:stop], start=start, stop=stop)
+            for token_id, (start, stop) in zip(encoding.ids[-keep:], encoding.offsets[-keep:], strict=True)]
 
 
 async def _tokenizer(ctx: AppContext, model: str | None) -> tuple[ModelCard, Tokenizer]:

@@ -221,6 +221,31 @@ async def test_tokenize_and_detokenize_as_vllm(harness: Harness, client: httpx.A
     assert "exactly one of 'prompt' and 'messages'" in both.json()["error"]["message"]
 
 
+async def test_tokenize_answers_tgis_body_as_tgi_does(harness: Harness, client: httpx.AsyncClient) -> None:
+    response = await client.post("/tokenize", json={"inputs": "hello  world the"})
+    assert response.status_code == 200
+    assert response.json() == [{"id": 3, "text": "hello", "start": 0, "stop": 5},
+                               {"id": 4, "text": "world", "start": 7, "stop": 12},
+                               {"id": 8, "text": "the", "start": 13, "stop": 16}]
+    # TGI truncates from the left: the last `truncate` tokens, their spans in the whole input.
+    truncated = await client.post("/tokenize", json={"inputs": "hello  world the", "model": MODEL,
+                                                     "parameters": {"truncate": 2}})
+    assert truncated.json() == response.json()[1:]
+    # Errors in TGI's shape: 422, `error` naming the field, `error_type`.
+    for body, field in (({"inputs": ""}, "inputs"), ({"inputs": "a", "parameters": {"truncate": 0}},
+                                                      "parameters.truncate"),
+                        ({"inputs": "a", "prompt": "a"}, "prompt"), ({"inputs": "a", "add_special_tokens": 1},
+                                                                      "add_special_tokens")):
+        bad = await client.post("/tokenize", json=body)
+        assert bad.status_code == 422, body
+        assert bad.json()["error_type"] == "validation" and field in bad.json()["error"], bad.json()
+    # vLLM's body keeps vLLM's (OpenAI's) error shape, the field named without the union's tag.
+    vllm_bad = await client.post("/tokenize", json={"prompt": 5})
+    assert vllm_bad.status_code == 400 and vllm_bad.json()["error"]["param"] == "prompt"
+    unknown = await client.post("/tokenize", json={"inputs": "a", "model": "no-such-model"})
+    assert unknown.status_code == 404 and unknown.json()["error_type"] == "not_found"
+
+
 async def test_the_models_generation_config_fills_what_a_request_leaves_out(
         harness: Harness, client: httpx.AsyncClient) -> None:
     card = ModelCard(name=MODEL, max_model_len=32, eos_token="<|im_end|>",

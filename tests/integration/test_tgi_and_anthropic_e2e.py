@@ -56,6 +56,21 @@ def test_a_stream_is_the_plain_answer_token_by_token(api: ApiServer) -> None:  #
     assert all(event.generated_text is None for event in events[:-1])
 
 
+def test_tgis_tokenize_body_lists_the_prompts_tokens_with_their_spans(api: ApiServer) -> None:  # noqa: F811
+    text = "Héllo wörld, 2+2=4"  # characters past ASCII: the spans count characters, not bytes
+    with api.client() as http:
+        tokens = http.post("/tokenize", json={"inputs": text}).json()
+        ids = http.post("/tokenize", json={"prompt": text}).json()["tokens"]
+        last_two = http.post("/tokenize", json={"inputs": text, "parameters": {"truncate": 2}}).json()
+        refused = http.post("/tokenize", json={"inputs": text, "parameters": {"truncate": -1}})
+    assert [token["id"] for token in tokens] == ids
+    assert "".join(token["text"] for token in tokens) == text
+    assert all(text[token["start"]:token["stop"]] == token["text"] for token in tokens)
+    assert [token["stop"] for token in tokens[:-1]] == [token["start"] for token in tokens[1:]]
+    assert last_two == tokens[-2:]
+    assert refused.status_code == 422 and refused.json()["error_type"] == "validation"
+
+
 def test_seeded_sampling_with_typical_p_repeats(api: ApiServer) -> None:  # noqa: F811
     client = _client(api)
 

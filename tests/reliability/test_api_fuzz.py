@@ -62,8 +62,20 @@ TGI_PATHS = ("/generate", "/generate_stream", "/info")
 ANTHROPIC_PATHS = ("/v1/messages",)
 
 
-def is_tgi(path: str) -> bool:
-    return path == "/" or path.startswith(TGI_PATHS)  # POST / is TGI's (GET / answers HTML)
+def is_tgi(path: str, response: httpx.Response | requests.Response | None = None) -> bool:
+    """A TGI route, or /tokenize sent TGI's body (`inputs`), which it answers as TGI does."""
+    if path == "/" or path.startswith(TGI_PATHS):  # POST / is TGI's (GET / answers HTML)
+        return True
+    return path == "/tokenize" and response is not None and "inputs" in _sent_json_object(response)
+
+
+def _sent_json_object(response: httpx.Response | requests.Response) -> dict[str, Any]:
+    sent = response.request.content if isinstance(response, httpx.Response) else response.request.body
+    try:
+        payload = json.loads(sent or b"")
+    except (ValueError, TypeError):
+        return {}
+    return payload if isinstance(payload, dict) else {}
 
 
 @dataclass(slots=True)
@@ -307,7 +319,7 @@ def explanation_problems(path: str, response: httpx.Response | requests.Response
         if status == 422:
             problems.append("422 on an Anthropic route (Anthropic answers invalid input with 400)")
         return problems
-    if is_tgi(path):
+    if is_tgi(path, response):
         if not (isinstance(body, dict) and isinstance(body.get("error"), str) and body["error"]
                 and isinstance(body.get("error_type"), str)):
             problems.append(f"{status} not in TGI's error shape: {body!r:.200}")
@@ -335,7 +347,7 @@ def explanation_problems(path: str, response: httpx.Response | requests.Response
 
 def _message(path: str, response: httpx.Response) -> str:
     body = response.json()
-    if is_tgi(path):
+    if is_tgi(path, response):
         return str(body["error"])
     if path.startswith(ANTHROPIC_PATHS):
         return str(body["error"]["message"])
