@@ -160,6 +160,13 @@ def is_openai_route(request: Request) -> bool:
     return _has_tag(request, OPENAI_TAG)
 
 
+# A request answered in TGI's shape on a route of another API's (/tokenize, sent TGI's body).
+TGI_SHAPE_STATE = "carpool_tgi_shape"
+# A route taking several APIs' bodies tells them apart with these union tags (pydantic puts the
+# tag in an error's location: not a field).
+BODY_FORM_TAGS = frozenset({"vllm_body", "tgi_body"})
+
+
 def is_tgi_route(request: Request) -> bool:
     return _has_tag(request, TGI_TAG) or getattr(request.state, TGI_SHAPE_STATE, False)
 
@@ -167,12 +174,6 @@ def is_tgi_route(request: Request) -> bool:
 def answer_in_tgi_shape(request: Request) -> None:
     """This request's errors in TGI's shape, on a route shared with another API's body (/tokenize)."""
     setattr(request.state, TGI_SHAPE_STATE, True)
-
-
-TGI_SHAPE_STATE = "carpool_tgi_shape"
-# A route taking several APIs' bodies tells them apart with these union tags (pydantic puts the
-# tag in an error's location: not a field).
-BODY_FORM_TAGS = frozenset({"vllm_body", "tgi_body"})
 
 
 def is_anthropic_route(request: Request) -> bool:

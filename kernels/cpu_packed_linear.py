@@ -8,7 +8,9 @@ bit-identical results (`python scripts/bench_cpu_linear.py --bf16 --packed --thr
 
 The packed copy is an opaque oneDNN tensor beside the original weight (the weight stays for
 everything else that reads it, such as a tied embedding): it costs one more copy of the linear
-weights, and it goes stale if the weight is changed in place afterwards.
+weights, and it goes stale if the weight is changed in place afterwards. Where every product reads
+the packed copy (bf16 here), the engine releases the plain weights it stands in for
+(worker/model/plain_weights.py).
 
 oneDNN builds a primitive per input row count (the first call at a new count cost 0.7 ms more
 than the next, on a 960 x 576 weight) and caches 1,024 of them. A step's row count is anything up
