@@ -244,7 +244,8 @@ def make_engine(loaded: Any, **overrides: Any) -> Any:
     from worker.engine.config import EngineConfig
     from worker.engine.engine import Engine
 
-    # fp32 whatever the CPU: the references are fp32 (auto picks bf16 on AVX512-BF16/AMX CPUs).
-    settings = {"model": str(loaded.path), "dtype": "float32", "block_size": 4, "num_kv_blocks": 512,
+    # fp32 on the CPU whatever the machine: the references are fp32 on the CPU (auto picks bf16 on
+    # AVX512-BF16/AMX CPUs, and a CUDA GPU where there is one); GPU tests ask for device="cuda".
+    settings = {"model": str(loaded.path), "dtype": "float32", "device": "cpu", "block_size": 4, "num_kv_blocks": 512,
                 "max_num_seqs": 32, "max_num_batched_tokens": 256, **overrides}
     return Engine(EngineConfig(**settings), loaded=loaded)
