@@ -169,6 +169,11 @@ def _is_plain_rotary_attention(module: nn.Module) -> bool:
             and isinstance(getattr(module, "head_dim", None), int))
 
 
+# The projections whose rows a fused module's concatenated weight holds, in its order.
+QKV_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+GATE_UP_PROJECTIONS = ("gate_proj", "up_proj")
+
+
 def _concatenate(module: nn.Module, names: tuple[str, ...], attribute: str) -> torch.Tensor:
     """One tensor holding the named parameters' rows in order; each parameter becomes a view of it.
     Stored under `attribute` on module; made again only where the parameters are no longer its
@@ -178,29 +183,35 @@ def _concatenate(module: nn.Module, names: tuple[str, ...], attribute: str) -> t
     if cached is not None and parameters[0].dtype == cached.dtype and parameters[0].data_ptr() == cached.data_ptr():
         return cached
     fused = torch.cat([p.detach() for p in parameters])
+    share_rows(module, names, attribute, fused)
+    return fused
+
+
+def share_rows(module: nn.Module, names: tuple[str, ...], attribute: str, fused: torch.Tensor) -> None:
+    """Store `fused` under `attribute` on module and make each named parameter a view of its rows,
+    in order (each keeps its row count and requires_grad)."""
     start = 0
-    for name, parameter in zip(names, parameters):
+    for name in names:
         owner_name, _, leaf = name.rpartition(".")
         owner = module.get_submodule(owner_name)
-        view = fused[start:start + parameter.shape[0]]
-        setattr(owner, leaf, nn.Parameter(view, requires_grad=parameter.requires_grad))
-        start += parameter.shape[0]
+        parameter = owner.get_parameter(leaf)
+        rows = parameter.shape[0]
+        setattr(owner, leaf, nn.Parameter(fused[start:start + rows], requires_grad=parameter.requires_grad))
+        start += rows
     setattr(module, attribute, fused)
-    return fused
 
 
 def _share_gate_up_weight(module: nn.Module) -> None:
     """One [2I, H] tensor holding gate's rows then up's."""
-    _concatenate(module, ("gate_proj.weight", "up_proj.weight"), "carpool_gate_up_weight")
+    _concatenate(module, tuple(f"{n}.weight" for n in GATE_UP_PROJECTIONS), "carpool_gate_up_weight")
 
 
 def _share_qkv_weight(module: nn.Module) -> None:
     """One [(H + 2 * KV) * head_dim, hidden] tensor holding q's rows, then k's, then v's (and their
     biases likewise, where they have them)."""
-    names = ("q_proj", "k_proj", "v_proj")
-    _concatenate(module, tuple(f"{n}.weight" for n in names), "carpool_qkv_weight")
+    _concatenate(module, tuple(f"{n}.weight" for n in QKV_PROJECTIONS), "carpool_qkv_weight")
     if module.q_proj.bias is not None:
-        _concatenate(module, tuple(f"{n}.bias" for n in names), "carpool_qkv_bias")
+        _concatenate(module, tuple(f"{n}.bias" for n in QKV_PROJECTIONS), "carpool_qkv_bias")
     else:
         module.carpool_qkv_bias = None
     module.carpool_num_heads = module.q_proj.out_features // module.head_dim

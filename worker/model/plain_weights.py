@@ -17,12 +17,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from worker.model.fused_layers import GATE_UP_PROJECTIONS, QKV_PROJECTIONS, share_rows
+
 # The modules' attributes (linear_layers, fused_layers): the packed copy of each weight a module
 # multiplies by, and that weight's name, with the projections whose parameters are views of it.
 _PACKED_WEIGHTS = {
     "carpool_packed_weight": ("weight", ()),
-    "carpool_packed_qkv_weight": ("carpool_qkv_weight", ("q_proj", "k_proj", "v_proj")),
-    "carpool_packed_gate_up_weight": ("carpool_gate_up_weight", ("gate_proj", "up_proj")),
+    "carpool_packed_qkv_weight": ("carpool_qkv_weight", QKV_PROJECTIONS),
+    "carpool_packed_gate_up_weight": ("carpool_gate_up_weight", GATE_UP_PROJECTIONS),
 }
 RELEASED_ATTRIBUTE = "carpool_released_weights"  # on a module: the packed attributes it was released for
 
@@ -69,14 +71,8 @@ def restore_plain_weights(model: nn.Module) -> int:
 def _set_weight(module: nn.Module, weight_name: str, projections: tuple[str, ...], weight: torch.Tensor) -> None:
     """module's weight_name becomes `weight`; with projections, each projection's weight becomes a
     view of its rows, in order (fused_layers' concatenated layout)."""
-    if not projections:
-        parameter = module.get_parameter(weight_name)
-        setattr(module, weight_name, nn.Parameter(weight, requires_grad=parameter.requires_grad))
+    if projections:
+        share_rows(module, tuple(f"{name}.weight" for name in projections), weight_name, weight)
         return
-    setattr(module, weight_name, weight)
-    start = 0
-    for name in projections:
-        projection = module.get_submodule(name)
-        rows = projection.weight.shape[0]
-        projection.weight = nn.Parameter(weight[start:start + rows], requires_grad=projection.weight.requires_grad)
-        start += rows
+    parameter = module.get_parameter(weight_name)
+    setattr(module, weight_name, nn.Parameter(weight, requires_grad=parameter.requires_grad))
