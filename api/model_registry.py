@@ -16,6 +16,11 @@ from protocol import Keys, ModelCard
 # resolve() reuses what was read within this long; a name it does not find makes it read the
 # cards again at once, so a model registered a moment ago is never refused for it.
 RESOLVE_MAX_AGE_S = 1.0
+# What huggingface_hub's InferenceClient, Text Generation Inference's own client, sends as the
+# chat route's `model` when it reaches a server by URL ("dummy"; "tgi" in its older releases):
+# TGI serves one model and ignores the field. Unless a model has that name, it means the model
+# left out, so that client works here as it does against TGI.
+TGI_CLIENT_PLACEHOLDER_MODELS = frozenset({"dummy", "tgi"})
 
 
 class ModelRegistry:
@@ -61,9 +66,10 @@ class ModelRegistry:
 
     async def resolve(self, name: str | None, param: str = "model",
                       recent: bool = False) -> ModelCard:
-        """The card `name` means (None: the default model). `recent`: what was read within
-        RESOLVE_MAX_AGE_S will do (a submission, which needs Redis right after anyway); else
-        read now (routes that answer from the card alone say 503 while Redis is down)."""
+        """The card `name` means (None, or a TGI client's placeholder: the default model).
+        `recent`: what was read within RESOLVE_MAX_AGE_S will do (a submission, which needs Redis
+        right after anyway); else read now (routes that answer from the card alone say 503 while
+        Redis is down)."""
         cards, fresh = await self._cards_for_resolve(fresh=not recent)
         if not fresh and (not cards or (name is not None
                                         and all(card.name != name for card in cards))):
@@ -72,6 +78,8 @@ class ModelRegistry:
             raise ServiceUnavailableError(
                 "No model is registered yet: no worker has started (start one with "
                 "`python -m worker --model ...`)", self._retry_after_s)
+        if name in TGI_CLIENT_PLACEHOLDER_MODELS and all(card.name != name for card in cards):
+            name = None
         if name is None:
             # The first registered model that a live worker serves; else the first: it queues.
             live = await (self._live_names_for_resolve() if recent else self.live_names())

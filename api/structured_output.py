@@ -20,6 +20,10 @@ from protocol import StructuredOutput, StructuredOutputKind
 from protocol.generation import MAX_STRUCTURED_OUTPUT_CHARS, grammar_of
 
 ANY_JSON_OBJECT = '{"type":"object"}'
+# Text Generation Inference's `response_format` is its grammar (`{"type": ..., "value": ...}`,
+# grammar_constraint), not OpenAI's; huggingface_hub's InferenceClient, TGI's own client, sends
+# OpenAI's json_schema as {"type": "json_object", "value": schema}. Told apart by `value`.
+_TGI_RESPONSE_FORMAT_TYPES = ("json", "json_object", "json_schema", "regex")
 _STRUCTURED_OUTPUTS_KEYS = {"json": StructuredOutputKind.JSON_SCHEMA, "regex": StructuredOutputKind.REGEX,
                             "choice": StructuredOutputKind.CHOICE, "grammar": StructuredOutputKind.GRAMMAR}
 
@@ -29,7 +33,11 @@ class StructuredOutputParams(BaseModel):
 
     response_format: dict[str, Any] | None = Field(
         None, description="{'type': 'text'}, {'type': 'json_object'}, or {'type': 'json_schema', "
-                          "'json_schema': {'name': ..., 'schema': {...}, 'strict': true}}.")
+                          "'json_schema': {'name': ..., 'schema': {...}, 'strict': true}}; or "
+                          "Text Generation Inference's, with the constraint in 'value': "
+                          "{'type': 'json' (or 'json_object'), 'value': {schema}}, {'type': "
+                          "'json_schema', 'value': {'name': ..., 'schema': {...}}}, {'type': "
+                          "'regex', 'value': pattern}.")
     structured_outputs: dict[str, Any] | None = Field(
         None, description="vLLM's: exactly one of json (a schema), regex, choice (a list of "
                           "strings), grammar (Lark or GBNF), or json_object: true.")
@@ -63,12 +71,19 @@ class StructuredOutputParams(BaseModel):
 
 
 def grammar_constraint(kind: str, value: Any, param: str) -> StructuredOutput:
-    """Text Generation Inference's `grammar`: a JSON schema (`json`, `json_schema`: an object or
-    its JSON text) or a regular expression (`regex`)."""
+    """Text Generation Inference's grammar (its `GrammarType`), `value` at `param`: `json` (or
+    `json_object`) a JSON schema, an object or its JSON text; `json_schema` TGI's
+    `{"name": optional, "schema": ...}` around one; `regex` a regular expression."""
     if kind == "regex":
         if not isinstance(value, str):
             raise InvalidRequestError(f"'{param}' must be a string (a regular expression)", param=param)
         return _regex(value, param)
+    if kind == "json_schema":
+        if not isinstance(value, dict) or "schema" not in value:
+            raise InvalidRequestError(
+                f"'{param}' must be an object with 'schema' (and optionally 'name'), as TGI's "
+                "json_schema grammar takes it; a bare JSON schema goes with type 'json'", param=param)
+        return _json_schema(value["schema"], f"{param}.schema")
     return _json_schema(value, param)
 
 
@@ -91,6 +106,14 @@ def _compile_error(constraint: StructuredOutput) -> str:
 
 def _from_response_format(value: dict[str, Any]) -> StructuredOutput | None:
     kind = value.get("type")
+    if kind in _TGI_RESPONSE_FORMAT_TYPES and "value" in value:
+        if "json_schema" in value:
+            raise InvalidRequestError("'response_format' has both 'json_schema' (OpenAI's form) and "
+                                      "'value' (TGI's); give one", param="response_format.value")
+        return grammar_constraint(str(kind), value["value"], "response_format.value")
+    if kind in ("json", "regex"):
+        raise InvalidRequestError(f"'response_format' of type {kind!r} (TGI's form) needs its "
+                                  "constraint in 'value'", param="response_format.value")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -104,8 +127,8 @@ def _from_response_format(value: dict[str, Any]) -> StructuredOutput | None:
         if schema is None:  # OpenAI makes the schema optional: any JSON object then
             return StructuredOutput(StructuredOutputKind.JSON_SCHEMA, ANY_JSON_OBJECT)
         return _json_schema(schema, "response_format.json_schema.schema")
-    raise InvalidRequestError(f"'response_format.type' must be text, json_object or json_schema; got {kind!r}",
-                              param="response_format.type")
+    raise InvalidRequestError(f"'response_format.type' must be text, json_object or json_schema (or TGI's "
+                              f"json and regex, with 'value'); got {kind!r}", param="response_format.type")
 
 
 def _from_structured_outputs(value: dict[str, Any]) -> StructuredOutput:

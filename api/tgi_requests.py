@@ -35,7 +35,8 @@ def generation_requests(body: GenerateRequest, settings: ApiSettings, *, streami
                                   param="parameters.top_n_tokens")
     # The tokens' logprobs are worked out only where the answer shows them (or picks by them).
     wants_logprobs = streaming or bool(params.details) or best_of > 1 or top_n > 0
-    constraint = (grammar_constraint(params.grammar.type, params.grammar.value, "parameters.grammar")
+    constraint = (grammar_constraint(params.grammar.type, params.grammar.value,
+                                     "parameters.grammar.value")
                   if params.grammar is not None else None)
     sampling = SamplingParams(
         temperature=(params.temperature or 1.0) if _samples(params) else 0.0,

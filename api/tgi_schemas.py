@@ -24,9 +24,11 @@ class Grammar(BaseModel):
     """TGI's grammar: a JSON schema, or a regular expression, the text must match."""
 
     model_config = ConfigDict(extra="forbid")
-    type: Literal["json", "regex", "json_schema"] = Field(
-        description="json (or json_schema): `value` is a JSON schema; regex: `value` is a pattern.")
-    value: Any = Field(description="The JSON schema (an object or its JSON text), or the regex.")
+    type: Literal["json", "json_object", "regex", "json_schema"] = Field(
+        description="json (or json_object): `value` is a JSON schema; json_schema: `value` is "
+                    "{'name': optional, 'schema': a JSON schema}; regex: `value` is a pattern.")
+    value: Any = Field(description="The JSON schema (an object or its JSON text), TGI's "
+                                   "{'name', 'schema'} around one, or the regex.")
 
 
 class GenerateParameters(BaseModel):

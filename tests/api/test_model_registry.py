@@ -95,3 +95,22 @@ async def test_resolve_with_no_card_yet_reads_again_before_answering_503(monkeyp
     # Without `recent` (a route that answers from the card alone) it reads now.
     assert (await registry.resolve("small")).name == "small"
     assert CountingRedis.card_reads == 3
+
+
+@pytest.mark.parametrize("placeholder", sorted(model_registry.TGI_CLIENT_PLACEHOLDER_MODELS))
+async def test_a_tgi_clients_placeholder_means_the_default_model_unless_one_has_its_name(
+        monkeypatch, placeholder: str) -> None:
+    monkeypatch.setattr(model_registry.time, "monotonic", lambda: 5.0)
+    redis = CountingRedis()
+    registry = CountingRegistry(redis, KEYS, retry_after_s=1)
+    CountingRegistry.live = {"large"}
+    await _register(redis, "small", created_at=1.0)
+    await _register(redis, "large", created_at=2.0)
+    # The default: the first registered model a live worker serves.
+    assert (await registry.resolve(placeholder)).name == "large"
+    assert (await registry.resolve(placeholder, recent=True)).name == "large"
+    with pytest.raises(NotFoundError, match="'Dummy' does not exist"):  # the exact names only
+        await registry.resolve("Dummy")
+    # A model registered under that name is that model.
+    await _register(redis, placeholder, created_at=3.0)
+    assert (await registry.resolve(placeholder)).name == placeholder

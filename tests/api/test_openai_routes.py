@@ -100,6 +100,17 @@ async def test_chat_completion_waits_for_the_job(harness: Harness,
     }
 
 
+async def test_a_tgi_clients_placeholder_model_is_the_served_model(harness: Harness,
+                                                                     client: httpx.AsyncClient) -> None:
+    # huggingface_hub's InferenceClient sends "dummy" where it reaches a server by URL.
+    worker = asyncio.create_task(harness.serve_next_job(["Hi"], FinishReason.STOP, 7))
+    response = await client.post("/v1/chat/completions", json={"model": "dummy", "messages": CHAT})
+    job_id = await worker
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == MODEL
+    assert harness.job_spec(job_id)["model"] == MODEL
+
+
 async def test_chat_without_max_tokens_may_fill_the_context(harness: Harness,
                                                             client: httpx.AsyncClient) -> None:
     worker = asyncio.create_task(harness.serve_next_job(["x"]))

@@ -112,7 +112,7 @@ async def test_completions_rejects(client: httpx.AsyncClient, body: dict[str, An
     ({"messages": [{"role": "tool", "content": "1"}]}, "messages.0", "a tool message needs tool_call_id"),
     ({"messages": [{"role": "user", "content": None}]}, "messages.0", "content may be null only"),
     ({"messages": CHAT, "response_format": {"type": "xml"}}, "response_format.type",
-     "must be text, json_object or json_schema; got 'xml'"),
+     "must be text, json_object or json_schema (or TGI's json and regex, with 'value'); got 'xml'"),
     ({"messages": CHAT, "frequency_penalty": -3}, "frequency_penalty", "greater than or equal to -2"),
     ({"messages": CHAT, "max_completion_tokens": 2, "min_tokens": 3}, "min_tokens",
      "must be at most max_completion_tokens (2)"),

@@ -50,6 +50,13 @@ def _spec(harness: Harness, job_id: str) -> dict[str, Any]:
     ({"guided_regex": "a|b"}, {"kind": "regex", "spec": "a|b"}),
     ({"guided_choice": ["x"]}, {"kind": "choice", "spec": '["x"]'}),
     ({"guided_grammar": 'start: "a"'}, {"kind": "grammar", "spec": 'start: "a"'}),
+    # Text Generation Inference's forms, the constraint in `value` (huggingface_hub's
+    # InferenceClient sends OpenAI's json_schema as json_object with the schema in `value`).
+    ({"response_format": {"type": "json_object", "value": SCHEMA}}, {"kind": "json_schema", "spec": SCHEMA_TEXT}),
+    ({"response_format": {"type": "json", "value": SCHEMA_TEXT}}, {"kind": "json_schema", "spec": SCHEMA_TEXT}),
+    ({"response_format": {"type": "json_schema", "value": {"name": "a", "schema": SCHEMA}}},
+     {"kind": "json_schema", "spec": SCHEMA_TEXT}),
+    ({"response_format": {"type": "regex", "value": "[0-9]+"}}, {"kind": "regex", "spec": "[0-9]+"}),
 ])
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions", "/v1/jobs"])
 async def test_constraints_reach_the_job_spec(harness: Harness, client: httpx.AsyncClient, route: str,
@@ -99,6 +106,16 @@ def _queued(harness: Harness) -> int:
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "at most one output constraint"),
     ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex",
      "'response_format', 'guided_regex'"),
+    ({"response_format": {"type": "json"}}, "response_format.value", "needs its constraint in 'value'"),
+    ({"response_format": {"type": "regex", "value": 5}}, "response_format.value", "must be a string"),
+    ({"response_format": {"type": "regex", "value": "a(b"}}, "response_format.value", "unclosed group"),
+    ({"response_format": {"type": "json_schema", "value": SCHEMA}}, "response_format.value",
+     "must be an object with 'schema'"),
+    ({"response_format": {"type": "json_schema", "value": {"schema": {"type": "frob"}}}},
+     "response_format.value.schema", "does not compile to a grammar"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA},
+                          "value": {"schema": SCHEMA}}}, "response_format.value", "give one"),
+    ({"response_format": {"type": "xml", "value": "a"}}, "response_format.type", "got 'xml'"),
 ])
 async def test_openai_routes_refuse_bad_constraints_before_queueing(
         harness: Harness, client: httpx.AsyncClient, fields: dict[str, Any], param: str, words: str) -> None:

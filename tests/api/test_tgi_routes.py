@@ -209,6 +209,11 @@ async def test_best_of_answers_the_sequence_of_highest_logprob(harness: Harness)
      {"structured_output": {"kind": "regex", "spec": "[0-9]+"}}),
     ({"grammar": {"type": "json", "value": {"type": "object"}}},
      {"structured_output": {"kind": "json_schema", "spec": '{"type":"object"}'}}),
+    ({"grammar": {"type": "json_object", "value": '{"type": "object"}'}},  # json's alias, JSON text
+     {"structured_output": {"kind": "json_schema", "spec": '{"type":"object"}'}}),
+    # TGI's json_schema wraps the schema: {"name": optional, "schema": ...}.
+    ({"grammar": {"type": "json_schema", "value": {"name": "n", "schema": {"enum": ["yes", "no"]}}}},
+     {"structured_output": {"kind": "json_schema", "spec": '{"enum":["yes","no"]}'}}),
 ])
 async def test_parameters_reach_the_job_as_tgi_means_them(harness: Harness, parameters: dict[str, Any],
                                                           expected: dict[str, Any]) -> None:
@@ -237,7 +242,12 @@ async def test_parameters_reach_the_job_as_tgi_means_them(harness: Harness, para
      "parameters.decoder_input_details"),
     ("/generate", {"inputs": "hello", "parameters": {"top_n_tokens": 500}}, "parameters.top_n_tokens"),
     ("/generate", {"inputs": "hello", "parameters": {"grammar": {"type": "regex", "value": "("}}},
-     "parameters.grammar"),
+     "parameters.grammar.value"),
+    ("/generate", {"inputs": "hello", "parameters": {"grammar": {"type": "json_schema",
+                                                                 "value": {"type": "object"}}}},
+     "parameters.grammar.value"),
+    ("/generate", {"inputs": "hello", "parameters": {"grammar": {"type": "xml", "value": "a"}}},
+     "parameters.grammar.type"),
     ("/", {"inputs": "hello", "model": "nope"}, "model"),
 ])
 async def test_bad_requests_are_422s_naming_the_field(harness: Harness, path: str, body: dict[str, Any],

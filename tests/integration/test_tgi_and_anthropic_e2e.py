@@ -4,6 +4,9 @@ API as at a TGI endpoint), and Anthropic's Messages API through the official `an
 
 from __future__ import annotations
 
+import json
+import re
+
 import anthropic
 import pytest
 from huggingface_hub import InferenceClient
@@ -79,6 +82,25 @@ def test_seeded_sampling_with_typical_p_repeats(api: ApiServer) -> None:  # noqa
                                       top_k=20, seed=17, stop=["\n\n"])
 
     assert sample() == sample()
+
+
+def test_the_clients_chat_keeps_to_its_json_schema_and_regex(api: ApiServer) -> None:  # noqa: F811
+    # Pointed at a URL, the client sends the model "dummy" and OpenAI's json_schema as TGI's
+    # {"type": "json_object", "value": schema}; a regex goes as TGI's {"type": "regex", ...}.
+    client = _client(api)
+    messages = [{"role": "user", "content": "Yes or no?"}]
+    schema = {"enum": ["yes", "no"]}
+    answer = client.chat_completion(messages, max_tokens=10, temperature=0.0, response_format={
+        "type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert answer.model == api.model
+    assert json.loads(answer.choices[0].message.content) in ("yes", "no")
+    same = api.openai().chat.completions.create(
+        model=api.model, messages=messages, max_tokens=10, temperature=0.0,  # type: ignore[arg-type]
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert answer.choices[0].message.content == same.choices[0].message.content
+    digits = client.chat_completion(messages, max_tokens=10, temperature=0.0,
+                                    response_format={"type": "regex", "value": "[0-9]{3}"})
+    assert re.fullmatch("[0-9]{3}", digits.choices[0].message.content)
 
 
 def test_bad_parameters_raise_the_clients_validation_error(api: ApiServer) -> None:  # noqa: F811
