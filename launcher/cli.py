@@ -140,7 +140,7 @@ def _up(args: argparse.Namespace) -> int:
                 sys.executable, "-m", "worker", "--model", args.model, "--redis-url",
                 args.redis_url, "--mode", args.mode, "--name", f"local-{os.getpid()}-{index}",
                 "--log-level", args.log_level,
-            ]))
+            ], env=_worker_env(args.log_level)))
         if os.environ.get("CARPOOL_WEBHOOK_SECRET"):
             # Webhooks are on (a signing secret is set): their dispatcher runs beside the API.
             children.append(subprocess.Popen(
@@ -167,6 +167,16 @@ def _up(args: argparse.Namespace) -> int:
                 child.kill()
         redis.stop()
         _say("stopped")
+
+
+def _worker_env(log_level: str) -> dict[str, str]:
+    """A worker's environment under `up`: at the default level without transformers' "Loading
+    weights" progress bar, which `up`'s own start-up line stands for (a level below warning, or
+    the variable set by the user, keeps it)."""
+    env = dict(os.environ)
+    if log_level in ("warning", "error"):
+        env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    return env
 
 
 def _wait_until_ready(api_url: str, children: list[subprocess.Popen], is_stopping) -> bool:

@@ -103,8 +103,24 @@ def test_up_starts_the_webhook_dispatcher_only_when_a_secret_is_set(
     monkeypatch.setattr(cli.subprocess, "Popen", spawn)
     monkeypatch.setattr(cli.signal, "signal", lambda signum, handler: None)  # pytest keeps its own
     monkeypatch.setenv("CARPOOL_WEBHOOK_SECRET", secret)
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
     assert cli.main(["up", "--redis-url", "redis://127.0.0.1:6399/0"]) == 0
     modules = [child.command[2] for child in started]
     assert modules == (["api", "worker", "webhooks"] if secret else ["api", "worker"])
+    # The worker starts without transformers' loading progress bar at the default log level.
+    assert started[1].env["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
     if secret:
         assert started[-1].env["CARPOOL_REDIS_URL"] == "redis://127.0.0.1:6399/0"
+
+
+@pytest.mark.parametrize(("level", "preset", "expected"), [
+    ("warning", None, "1"), ("error", None, "1"), ("info", None, None), ("debug", None, None),
+    ("warning", "0", "0"),  # the user's own setting stands
+])
+def test_the_workers_loading_progress_bar_shows_only_below_warning(
+        monkeypatch: pytest.MonkeyPatch, level: str, preset: str | None, expected: str | None) -> None:
+    if preset is None:
+        monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    else:
+        monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", preset)
+    assert cli._worker_env(level).get("HF_HUB_DISABLE_PROGRESS_BARS") == expected
