@@ -203,6 +203,13 @@ class _CommonParams(StructuredOutputParams):
         True, strict=True,
         description="vLLM's: accepted; no effect here: the served tokenizers are fast (Rust) "
                     "ones, which write special tokens as their text without added spaces.")
+    # vLLM's beam-search fields, which clients written for vLLM send at their defaults.
+    use_beam_search: bool = Field(False, strict=True,
+                                  description="vLLM's: only false; beam search is not served.")
+    length_penalty: float = Field(
+        1.0, strict=True, allow_inf_nan=False,
+        description="vLLM's: accepted; it weighs beam search's candidates only, so it changes "
+                    "nothing here (as in vLLM without use_beam_search).")
     priority: Annotated[Priority, BeforeValidator(
         vllm_priority, json_schema_input_type=Priority | int)] = Field(
         Priority.NORMAL,
@@ -212,6 +219,13 @@ class _CommonParams(StructuredOutputParams):
     if TYPE_CHECKING:  # each route has its own default (vLLM's: completions true, chat false)
         add_special_tokens: bool
     cache_salt: CacheSalt = None
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _no_beam_search(cls, value: bool) -> bool:
+        if value:
+            raise _unsupported("beam search is not served; leave it out or send false")
+        return value
 
     @field_validator("prompt_logprobs")
     @classmethod

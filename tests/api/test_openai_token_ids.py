@@ -225,7 +225,7 @@ async def test_accepted_fields_change_nothing(bos_harness: Harness) -> None:
         "messages": CHAT, "max_tokens": 3, "include_reasoning": False,
         "spaces_between_special_tokens": False, "add_special_tokens": False,
         "truncation_side": "right", "return_token_ids": False,
-        "return_tokens_as_token_ids": False})
+        "return_tokens_as_token_ids": False, "use_beam_search": False, "length_penalty": 0.5})
     assert {k: v for k, v in extra_spec.items() if k not in {"job_id", "created_at"}} \
         == {k: v for k, v in plain_spec.items() if k not in {"job_id", "created_at"}}
     assert extra.json()["choices"] == plain.json()["choices"]
@@ -250,6 +250,10 @@ def _error(response: httpx.Response, status: int = 400) -> dict[str, Any]:
      "valid boolean"),
     ("completions", {"prompt": "x", "spaces_between_special_tokens": 0},
      "spaces_between_special_tokens", "valid boolean"),
+    ("chat/completions", {"messages": CHAT, "use_beam_search": True}, "use_beam_search",
+     "beam search is not served"),
+    ("completions", {"prompt": "x", "length_penalty": "long"}, "length_penalty",
+     "valid number"),
     # Nothing left to run once tokenized without the BOS.
     ("completions", {"prompt": "  ", "add_special_tokens": False}, "prompt",
      "'prompt' holds no tokens once tokenized"),
