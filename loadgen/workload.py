@@ -94,6 +94,21 @@ def long_prompt_workload(num_requests: int = 32, words: int = 1100, max_tokens: 
 
 
 
+def shared_prefix_workload(num_requests: int = 128, words: int = 800, seed: int = 3,
+                           max_output: int = 256) -> list[WorkloadItem]:
+    """Chat requests as an assistant with a long fixed system prompt sends them: the same system
+    prompt of `words` words (about 1.2 tokens each with SmolLM2's tokenizer) before each of the
+    chat workload's questions, with its answer lengths: the prefix cache's case, where every
+    request after the first need only compute its own question."""
+    vocabulary = " ".join(BASE_PROMPTS).split()
+    rng = np.random.default_rng(seed)
+    system = ("You are the assistant of a help desk. Keep to these notes:\n"
+              + " ".join(vocabulary[j] for j in rng.integers(0, len(vocabulary), words)))
+    return [WorkloadItem(messages=[{"role": "system", "content": system}, *item.messages],
+                         max_tokens=item.max_tokens)
+            for item in build_workload(num_requests, seed=0, max_output=max_output)]
+
+
 def long_answer_workload(num_requests: int = 128, max_tokens: int = 512) -> list[WorkloadItem]:
     """Decode-heavy requests: the chat workload's questions, each answered at `max_tokens` tokens
     (EOS ignored), so late in the run every sequence's attention reads hundreds of cached

@@ -14,6 +14,10 @@ questions, long-tailed output lengths, greedy, EOS ignored so both generate the 
     answers512 128 decode-heavy requests at once (the chat questions, 512-token answers:
                loadgen.workload.long_answer_workload; not in the default --loads)
     answers1024  the same with 1,024-token answers
+    shared128  128 requests at once, each the chat workload's question after one long system
+               prompt shared by all (about 1,000 tokens: loadgen.workload.shared_prefix_workload;
+               the prefix cache's case; not in the default --loads)
+    sharedrate the same 128 at Poisson arrivals of 6 per second
 
 Reported per load: generated tok/s (tokens / first submit to last token), TTFT p50/p99, mean
 inter-token latency, e2e p99. Before any ratio, the peer's greedy text is compared with Carpool's
@@ -54,7 +58,13 @@ import openai  # noqa: E402
 from bench_fleet import command_stats, redis_cpu_seconds  # noqa: E402
 from redis import Redis  # noqa: E402
 
-from loadgen.workload import WorkloadItem, build_workload, long_answer_workload, long_prompt_workload  # noqa: E402
+from loadgen.workload import (  # noqa: E402
+    WorkloadItem,
+    build_workload,
+    long_answer_workload,
+    long_prompt_workload,
+    shared_prefix_workload,
+)
 
 # name: (requests, arrivals per second (None: all at once), workload). The first three are the
 # fleet issue's (the chat workload); the long ones are prefill-heavy (long_prompt_workload).
@@ -65,6 +75,9 @@ LOADS: dict[str, tuple[int, float | None, Callable[[int], list[WorkloadItem]]]] 
     "long32": (32, None, lambda n: long_prompt_workload(n, seed=1)),
     "longrate": (24, 1.0, lambda n: long_prompt_workload(n, seed=2)),
     "answers512": (128, None, lambda n: long_answer_workload(n, max_tokens=512)),
+    # One long system prompt before every question (the prefix cache's case), at once and at a rate.
+    "shared128": (128, None, shared_prefix_workload),
+    "sharedrate": (128, 6.0, shared_prefix_workload),
     "answers1024": (128, None, lambda n: long_answer_workload(n, max_tokens=1024))}
 CHECK_PROMPTS = 16  # greedy agreement check: this many prompts, CHECK_TOKENS tokens each
 CHECK_TOKENS = 16
