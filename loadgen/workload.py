@@ -93,7 +93,6 @@ def long_prompt_workload(num_requests: int = 32, words: int = 1100, max_tokens: 
     return items
 
 
-
 def shared_prefix_workload(num_requests: int = 128, words: int = 800, seed: int = 3,
                            max_output: int = 256) -> list[WorkloadItem]:
     """Chat requests as an assistant with a long fixed system prompt sends them: the same system
