@@ -162,9 +162,10 @@ def is_openai_route(request: Request) -> bool:
 
 # A request answered in TGI's shape on a route of another API's (/tokenize, sent TGI's body).
 TGI_SHAPE_STATE = "carpool_tgi_shape"
-# A route taking several APIs' bodies tells them apart with these union tags (pydantic puts the
-# tag in an error's location: not a field).
-BODY_FORM_TAGS = frozenset({"vllm_body", "tgi_body"})
+# A route taking several APIs' bodies (/tokenize) tells them apart with these union tags (pydantic
+# puts the tag in an error's location: not a field).
+VLLM_BODY, TGI_BODY = "vllm_body", "tgi_body"
+BODY_FORM_TAGS = frozenset({VLLM_BODY, TGI_BODY})
 
 
 def is_tgi_route(request: Request) -> bool:

@@ -16,7 +16,14 @@ from tokenizers import Tokenizer
 from api.auth import caller_owner
 from api.chat_template import ChatTemplateError, render_chat, template_kwargs_for
 from api.context import AppContext, get_context
-from api.errors import OPENAI_TAG, InvalidRequestError, ServiceUnavailableError, answer_in_tgi_shape
+from api.errors import (
+    OPENAI_TAG,
+    TGI_BODY,
+    VLLM_BODY,
+    InvalidRequestError,
+    ServiceUnavailableError,
+    answer_in_tgi_shape,
+)
 from api.fields import NonEmptyText, Text
 from api.openai_schemas import ChatMessage, ChatRenderingParams, OpenAIError
 from api.tgi_schemas import GenerateParameters, TGIError
@@ -68,9 +75,6 @@ class SimpleToken(BaseModel):
     text: str = Field(description="The input's characters it covers (\"\" for an added special token).")
     start: int = Field(description="Where those characters start in `inputs`.")
     stop: int = Field(description="Where they end (exclusive).")
-
-
-VLLM_BODY, TGI_BODY = "vllm_body", "tgi_body"  # api.errors.BODY_FORM_TAGS
 
 
 def _body_form(payload: Any) -> str:

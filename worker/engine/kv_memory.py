@@ -66,10 +66,10 @@ def return_free_memory() -> None:
     pool's reckoning. tcmalloc's MallocExtension_ReleaseFreeMemory where it is loaded, else glibc's
     malloc_trim; neither frees anything in use."""
     process = ctypes.CDLL(None)
-    for name in ("MallocExtension_ReleaseFreeMemory", "malloc_trim"):
+    for name, args in (("MallocExtension_ReleaseFreeMemory", ()), ("malloc_trim", (0,))):
         function = getattr(process, name, None)
         if function is not None:
-            function(*(() if name.startswith("Malloc") else (0,)))
+            function(*args)
             return
 
 
