@@ -56,6 +56,10 @@ async def caller_owner(
 ) -> str:
     """Dependency: the caller's owner id ("" when the API runs open); 401 otherwise."""
     auth: ApiKeyAuth = request.app.state.context.auth
+    if auth.is_open:
+        # Open, as vLLM without --api-key: any Authorization header is ignored. OpenAI-style
+        # clients send one whatever the server (lm-eval's `Bearer ` with no key at all).
+        return ""
     if credentials is None and request.headers.get("authorization"):
         raise AuthenticationError("Malformed Authorization header: expected 'Bearer <key>'")
     # The anthropic client sends its key as x-api-key.

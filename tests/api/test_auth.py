@@ -55,6 +55,17 @@ async def test_malformed_authorization_header(keyed_harness: Harness) -> None:
         "Malformed Authorization header: expected 'Bearer <key>'")
 
 
+@pytest.mark.parametrize("header", ["Bearer ", "Bearer", "Basic Zm9vOmJhcg==", "Bearer EMPTY"])
+async def test_an_open_api_ignores_the_authorization_header(harness: Harness, header: str) -> None:
+    # lm-eval's API models send "Bearer " with no key configured; vLLM without --api-key and
+    # Carpool without keys read no header at all.
+    async with harness.client() as client:
+        response = await client.post("/v1/jobs", json={"prompt": "hello"},
+                                     headers={"Authorization": header})
+    assert response.status_code == 202
+    assert harness.state(response.json()["job_id"]).owner == ""
+
+
 async def test_healthz_and_docs_stay_open(keyed_harness: Harness) -> None:
     async with keyed_harness.client() as client:
         assert (await client.get("/healthz")).status_code == 200
