@@ -355,6 +355,15 @@ class ChatMessage(BaseModel):
         return self
 
 
+def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """chat_template_kwargs may add variables, not set those the request itself sets."""
+    for name in value or {}:
+        if name in RESERVED_TEMPLATE_VARIABLES:
+            raise _unsupported(f"'{name}' is set by the request itself (messages, tools, "
+                               "add_generation_prompt...), not by chat_template_kwargs")
+    return value
+
+
 class ChatRenderingParams(BaseModel):
     """vLLM's fields for how a chat becomes the prompt (chat completions and /tokenize)."""
 
@@ -372,11 +381,7 @@ class ChatRenderingParams(BaseModel):
     @field_validator("chat_template_kwargs")
     @classmethod
     def _not_the_requests_own(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        for name in value or {}:
-            if name in RESERVED_TEMPLATE_VARIABLES:
-                raise _unsupported(f"'{name}' is set by the request itself (messages, tools, "
-                                   "add_generation_prompt...), not by chat_template_kwargs")
-        return value
+        return check_template_kwargs(value)
 
     def rendering(self) -> tuple[bool, bool]:
         """(add_generation_prompt, continue_final_message). Continuing the last message leaves

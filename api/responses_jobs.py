@@ -26,7 +26,7 @@ from api.openai_requests import chat_requests, common_fields
 from api.openai_schemas import ChatCompletionRequest
 from api.responses_conversation import chat_messages, output_messages, with_ids
 from api.responses_events import response_of
-from api.responses_schemas import ResponsesRequest
+from api.responses_schemas import VLLM_RESPONSES_EXTRAS, ResponsesRequest
 from api.responses_store import StoredResponse
 from api.tool_parsers import ToolParser, get_parser
 from protocol import JobState, SamplingParams
@@ -191,9 +191,13 @@ def chat_body_of(body: ResponsesRequest, given: list[dict[str, Any]],
     if body.wants_logprobs:
         fields["logprobs"] = True
         fields["top_logprobs"] = body.top_logprobs or 0
+    for name in VLLM_RESPONSES_EXTRAS:
+        if name in body.model_fields_set:
+            fields[name] = getattr(body, name)
     effort = (body.reasoning or {}).get("effort")
     if effort is not None:
-        fields["chat_template_kwargs"] = {"reasoning_effort": effort}
+        fields["chat_template_kwargs"] = {**(body.chat_template_kwargs or {}),
+                                          "reasoning_effort": effort}
     try:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:

