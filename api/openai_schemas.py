@@ -50,6 +50,7 @@ from api.fields import (
     TypicalP,
     WebhookUrl,
 )
+from api.nullable_fields import NullMeansLeftOut
 from api.serving_fields import ServingFields
 from api.structured_output import StructuredOutputParams
 from protocol import Priority
@@ -141,7 +142,7 @@ class StreamOptions(BaseModel):
 MAX_STREAM_INTERVAL = 1024
 
 
-class _CommonParams(StructuredOutputParams):
+class _CommonParams(NullMeansLeftOut, StructuredOutputParams):
     """Parameters shared by /v1/completions and /v1/chat/completions.
 
     Every number and flag is strict, as in api/fields.py: lax pydantic would take `"store": 0.0`
@@ -405,7 +406,7 @@ class PredictedContent(BaseModel):
                                                               "to resemble, or its text parts.")
 
 
-def _not_served(what: str) -> Any:
+def not_served(what: str) -> Any:
     """A validator refusing any value but null, with `what` saying why and what to send."""
     def refuse(value: Any) -> Any:
         if value is not None:
@@ -471,16 +472,16 @@ class ChatCompletionRequest(_CommonParams, ChatRenderingParams, ServingFields):
                           "either way (a prediction only lets a server answer sooner).")
     modalities: list[Literal["text", "audio"]] | None = Field(
         None, description="Only ['text']: the served models write text.")
-    audio: Annotated[dict[str, Any] | None, _not_served(
+    audio: Annotated[dict[str, Any] | None, not_served(
         "audio output is not available: the served models write text")] = Field(
         None, description="Not available (only null): the served models write text.")
-    web_search_options: Annotated[dict[str, Any] | None, _not_served(
+    web_search_options: Annotated[dict[str, Any] | None, not_served(
         "web search is a hosted tool this server does not have")] = Field(
         None, description="Not available (only null): web search is not hosted here.")
-    functions: Annotated[list[dict[str, Any]] | None, _not_served(
+    functions: Annotated[list[dict[str, Any]] | None, not_served(
         "OpenAI's deprecated form of tools, not served: send tools=[{'type': 'function', "
         "'function': {...}}]")] = Field(None, description="Not served (only null): send tools.")
-    function_call: Annotated[str | dict[str, Any] | None, _not_served(
+    function_call: Annotated[str | dict[str, Any] | None, not_served(
         "OpenAI's deprecated form of tool_choice, not served: send tools and tool_choice")] = Field(
         None, description="Not served (only null): send tool_choice.")
 

@@ -34,7 +34,8 @@ from api.fields import (
     TopK,
     TopP,
 )
-from api.openai_schemas import check_template_kwargs, vllm_priority
+from api.nullable_fields import NullMeansLeftOut
+from api.openai_schemas import check_template_kwargs, not_served, vllm_priority
 from api.serving_fields import ServingFields
 from protocol import Priority
 
@@ -164,7 +165,7 @@ class VllmResponsesExtras(BaseModel):
 VLLM_RESPONSES_EXTRAS = tuple(VllmResponsesExtras.model_fields)
 
 
-class ResponsesRequest(VllmResponsesExtras, ServingFields):
+class ResponsesRequest(NullMeansLeftOut, VllmResponsesExtras, ServingFields):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
         {"model": "smollm2", "input": "What is 2+2?", "max_output_tokens": 64},
     ]})
@@ -231,6 +232,9 @@ class ResponsesRequest(VllmResponsesExtras, ServingFields):
                                        "(starting_after); leaving does not cancel it, POST "
                                        ".../cancel does. Needs store.")
     metadata: dict[str, str] | None = Field(None, description="Kept with the response.")
+    prompt: Annotated[dict[str, Any] | None, not_served(
+        "prompt templates stored with OpenAI (prompt.id) are not available on this server: send "
+        "the text as input and instructions")] = Field(None, description="Not available.")
     user: str | None = Field(None, description="Accepted and ignored.")
     max_tool_calls: int | None = Field(
         None, strict=True, ge=0, description="Accepted and ignored: it counts calls to hosted "

@@ -272,6 +272,56 @@ async def test_the_models_generation_config_fills_what_a_request_leaves_out(
     assert (sampling["temperature"], sampling["top_k"], sampling["max_tokens"]) == (0.9, 20, 7)
 
 
+# OpenAI's nullable fields, and vLLM's extras whose defaults are null, each sent as null.
+NULLS = {"temperature": None, "top_p": None, "n": None, "stream": None, "presence_penalty": None,
+         "frequency_penalty": None, "seed": None, "stop": None, "logit_bias": None, "user": None,
+         "stream_options": None, "top_k": None, "min_p": None, "repetition_penalty": None,
+         "logprobs": None}
+
+
+@pytest.mark.parametrize(("path", "body", "nulls"), [
+    ("/v1/chat/completions", {"messages": CHAT},
+     {**NULLS, "max_tokens": None, "max_completion_tokens": None, "top_logprobs": None,
+      "tools": None, "tool_choice": None, "response_format": None, "parallel_tool_calls": None}),
+    ("/v1/completions", {"prompt": "hello"},
+     {**NULLS, "max_tokens": None, "echo": None, "best_of": None, "suffix": None}),
+    ("/v1/responses", {"input": "hello"},
+     {"temperature": None, "top_p": None, "max_output_tokens": None, "stream": None,
+      "store": None, "tools": None, "tool_choice": None, "text": None, "top_k": None,
+      "min_p": None, "presence_penalty": None, "prompt": None, "background": None}),
+])
+async def test_null_is_a_field_left_out(harness: Harness, client: httpx.AsyncClient, path: str,
+                                        body: dict[str, Any], nulls: dict[str, Any]) -> None:
+    # OpenAI's reference types them "number or null"; clients that serialize a whole config
+    # send the nulls, and they mean the model's own defaults, as in vLLM.
+    card = ModelCard(name=MODEL, max_model_len=32, eos_token="<|im_end|>",
+                     bos_token="<|im_start|>", created_at=1.0,
+                     generation_defaults={"temperature": 0.3, "top_p": 0.8, "top_k": 20,
+                                          "max_tokens": 5})
+    harness.sync.hset(harness.keys.models(), MODEL, card.to_json())
+    samplings = []
+    for sent in (body, {**body, **nulls}):
+        worker = asyncio.create_task(_serve(harness, [["x"]]))
+        response = await client.post(path, json=sent)
+        (job_id,) = await worker
+        assert response.status_code == 200, response.text
+        samplings.append(_spec(harness, job_id)["sampling"])
+    assert samplings[1] == samplings[0]
+    assert (samplings[1]["temperature"], samplings[1]["top_p"], samplings[1]["top_k"],
+            samplings[1]["max_tokens"]) == (0.3, 0.8, 20, 5)
+
+
+async def test_the_published_schema_says_which_fields_take_null(client: httpx.AsyncClient) -> None:
+    schemas = (await client.get("/openapi.json")).json()["components"]["schemas"]
+    for name, nullable, required in (("ChatCompletionRequest", "temperature", "messages"),
+                                     ("CompletionRequest", "echo", "prompt"),
+                                     ("ResponsesRequest", "store", "input")):
+        properties = schemas[name]["properties"]
+        assert {"type": "null"} in properties[nullable]["anyOf"], name
+        assert "anyOf" not in properties[required] or {"type": "null"} not in properties[
+            required]["anyOf"], name
+
+
 async def test_a_client_leaving_cancels_every_choice(harness: Harness) -> None:
     from test_openai_routes import _drive_asgi
 

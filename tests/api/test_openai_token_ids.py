@@ -246,7 +246,7 @@ def _error(response: httpx.Response, status: int = 400) -> dict[str, Any]:
      "'left' or 'right'"),
     ("chat/completions", {"messages": CHAT, "add_special_tokens": "false"},
      "add_special_tokens", "valid boolean"),
-    ("chat/completions", {"messages": CHAT, "include_reasoning": None}, "include_reasoning",
+    ("chat/completions", {"messages": CHAT, "include_reasoning": 1}, "include_reasoning",
      "valid boolean"),
     ("completions", {"prompt": "x", "spaces_between_special_tokens": 0},
      "spaces_between_special_tokens", "valid boolean"),

@@ -382,6 +382,8 @@ async def test_a_client_leaving_cancels_its_job(harness: Harness, stream: bool) 
     ({"input": "hi", "include": ["message.output_text.everything"]}, "include", "unknown value"),
     ({"input": "hi", "temperature": 3}, "temperature", "2"),
     ({"input": "hi", "top_k": -1}, "top_k", "0"),
+    ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt", "not available on this server"),
+    ({"input": None}, "input", "give a text or a non-empty list"),
     ({"input": "hi", "stop": [""]}, "stop.0", "at least 1 character"),
     ({"input": "hi", "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs",
      "set by the request itself"),
