@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     add("--dtype")
     add("--device")
     add("--num-threads", type=int)
+    add("--logprobs-mode", choices=["raw_logprobs", "processed_logprobs"],
+        help="what generated tokens' logprobs are of: the model's own distribution (default, as "
+             "vLLM's) or the processed one at the request's temperature")
     add("--lease-seconds", type=float)
     add("--drain-seconds", type=float)
     add("--idle-block-seconds", type=float)

@@ -7,6 +7,13 @@ from dataclasses import dataclass
 from enum import Enum
 
 
+class LogprobsMode(str, Enum):
+    """What a generated token's logprobs are of, by vLLM's names (its --logprobs-mode)."""
+
+    RAW = "raw_logprobs"  # the model's own distribution: no processing, no temperature (vLLM's default)
+    PROCESSED = "processed_logprobs"  # after bias, penalties and the request's temperature
+
+
 class BatchingMode(str, Enum):
     CONTINUOUS = "continuous"  # sequences join and leave at every step
     STATIC = "static"  # a batch is formed once and runs until its last member finishes
@@ -45,6 +52,7 @@ class EngineConfig:
     # CPUs with AVX2: decode attention, RMSNorm and SiLU-and-multiply (fp32 or bf16) and few-row
     # fp32 matmuls through kernels/csrc (C++), not torch.
     enable_cpu_kernels: bool = True
+    logprobs_mode: LogprobsMode = LogprobsMode.RAW
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -81,6 +89,11 @@ class EngineConfig:
                              f"got {self.kv_cache_memory_gib!r}")
         if self.num_threads is not None:
             _check_int("num_threads", self.num_threads, 1, 1024)
+        try:
+            object.__setattr__(self, "logprobs_mode", LogprobsMode(self.logprobs_mode))
+        except ValueError:
+            modes = [mode.value for mode in LogprobsMode]
+            raise ValueError(f"logprobs_mode must be one of {modes}, got {self.logprobs_mode!r}") from None
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> None:

@@ -68,7 +68,8 @@ class Engine:
             loaded = load_model(config.model, dtype=dtype, device=str(device))
         self.loaded = loaded
         self.tokenizer: Any = loaded.tokenizer
-        self.runner = ModelRunner(loaded, device, dtype, config.enable_cpu_kernels)
+        self.runner = ModelRunner(loaded, device, dtype, config.enable_cpu_kernels,
+                                  config.logprobs_mode)
         self.max_model_len, num_blocks = self._size_kv_pool(config.max_num_seqs or seat_cap(device.type))
         self.limits = resolve_batch_limits(device.type, num_blocks * config.block_size,
                                            config.max_num_seqs, config.max_num_batched_tokens)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from protocol.generation import TokenLogprobs
+from worker.engine.config import LogprobsMode
 from worker.engine.outputs import SchedulerOutput
 from worker.engine.sampler import Sampler, SamplerOutput, SamplingMetadata
 from worker.engine.structured_output import GrammarBitmask
@@ -65,6 +66,7 @@ class SampledTokens:
 class ModelRunner:
     def __init__(
         self, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, cpu_kernels: bool = True,
+        logprobs_mode: LogprobsMode = LogprobsMode.RAW,
     ) -> None:
         model = loaded.model
         # Another runner may have released its plain weights (plain_weights): back before any use.
@@ -104,7 +106,7 @@ class ModelRunner:
         self.sliding_window = _sliding_window(config)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
-        self.sampler = Sampler()
+        self.sampler = Sampler(logprobs_mode)
         self.eos_token_ids: frozenset[int] = frozenset()  # for min_tokens; set by the engine
         self._pin = device.type == "cuda"
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from protocol.generation import SamplingParams
+from worker.engine.config import LogprobsMode
 from worker.engine.logits_processing import LogitsProcessing
 
 _MASK64 = (1 << 64) - 1
@@ -142,7 +143,15 @@ class Sampler:
 
     The token drawn depends only on the row's own filtered distribution and that uniform, so a
     seeded request gets the same tokens whatever shares its batch and across preemptions.
+
+    Logprobs, by `logprobs_mode`: of the model's own distribution (raw, vLLM's default: what a
+    client comparing with vLLM or scoring text expects, whatever the temperature), or of the
+    processed logits at the row's temperature (processed). Either is taken before the min-p,
+    top-k and top-p truncation, so every alternative keeps a finite value.
     """
+
+    def __init__(self, logprobs_mode: LogprobsMode = LogprobsMode.RAW) -> None:
+        self.logprobs_mode = LogprobsMode(logprobs_mode)
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """The tokens only (see `forward`)."""
@@ -151,20 +160,27 @@ class Sampler:
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """Sample one token per row, and the logprobs of the rows that asked. May edit `logits`."""
         # logits: [num_rows, vocab_size] float32
+        request = metadata.logprobs
+        rows_logprobs = None  # [num_rows asking, vocab_size]
+        if request is not None and self.logprobs_mode is LogprobsMode.RAW:
+            # index_select copies: the processing below edits `logits` in place.
+            rows_logprobs = torch.log_softmax(logits.index_select(0, request.rows), dim=-1)
         if metadata.processing is not None:
             logits = metadata.processing.apply(logits)
         tokens = self._draw(logits, metadata)
         logprobs = None
-        if metadata.logprobs is not None:
-            logprobs = self._logprobs(logits, tokens, metadata.logprobs)
+        if request is not None:
+            if rows_logprobs is None:  # processed: the processed logits at the row's temperature
+                scaled = logits.index_select(0, request.rows) / request.temperatures.unsqueeze(1)
+                rows_logprobs = torch.log_softmax(scaled, dim=-1)
+            logprobs = self._logprobs(rows_logprobs, tokens, request)
         return SamplerOutput(tokens, logprobs)
 
-    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor,
+    def _logprobs(self, logprobs: torch.Tensor, tokens: torch.Tensor,
                   request: LogprobsRequest) -> SampledLogprobs:
-        # Of the processed logits at the row's temperature, before truncation (TokenLogprobs).
-        scaled = logits.index_select(0, request.rows) / request.temperatures.unsqueeze(1)
+        # logprobs: [num_rows, vocab_size], the asking rows' (TokenLogprobs).
         # A masked token's -inf would not survive JSON: floor at vLLM's -9999.0.
-        logprobs = torch.log_softmax(scaled, dim=-1).clamp_(min=MIN_LOGPROB)  # [num_rows, vocab_size]
+        logprobs = logprobs.clamp_(min=MIN_LOGPROB)
         sampled = logprobs.gather(1, tokens.index_select(0, request.rows).unsqueeze(1)).squeeze(1)
         top = logprobs.topk(request.max_num_top, dim=-1)  # sorted, most likely first
         return SampledLogprobs(sampled, top.indices, top.values)

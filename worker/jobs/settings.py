@@ -17,7 +17,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from protocol.stream_shards import parse_shard_urls
 from protocol.stream_steps import LIVE_WINDOW_MS
-from worker.engine.config import BatchingMode, EngineConfig
+from worker.engine.config import BatchingMode, EngineConfig, LogprobsMode
 
 
 class EngineKwargs(TypedDict):
@@ -34,6 +34,7 @@ class EngineKwargs(TypedDict):
     max_model_len: int | None
     mode: BatchingMode
     num_threads: int | None
+    logprobs_mode: LogprobsMode
 
 
 class WorkerSettings(BaseSettings):
@@ -74,6 +75,12 @@ class WorkerSettings(BaseSettings):
     dtype: str = "auto"
     device: str = "auto"
     num_threads: int | None = Field(None, ge=1)
+    logprobs_mode: LogprobsMode = Field(
+        LogprobsMode.RAW, description="What generated tokens' logprobs are of (vLLM's "
+        "--logprobs-mode): raw_logprobs, the model's own distribution whatever the request's "
+        "temperature, penalties or bias (vLLM's default); processed_logprobs, the distribution "
+        "after them at the request's temperature, the one the token was drawn from (before "
+        "min-p, top-k and top-p).")
     lease_seconds: float = Field(
         30.0, gt=0, description="A job's lease: renewed at the first iteration after an eighth of it "
         "passed; once it lapses (worker dead or stuck) recovery requeues the job and the old owner "
@@ -156,7 +163,7 @@ class WorkerSettings(BaseSettings):
                             max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             max_model_len=self.max_model_len, mode=self.mode,
-                            num_threads=self.num_threads)
+                            num_threads=self.num_threads, logprobs_mode=self.logprobs_mode)
 
     def engine_config(self) -> EngineConfig:
         # The worker requeues preempted jobs on Redis, so another worker can take them.

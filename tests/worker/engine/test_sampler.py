@@ -204,3 +204,20 @@ def test_typical_p_leaves_greedy_and_other_rows_alone() -> None:
     mixed = SamplingMetadata.build(params, [4, 4, 4], [0, 0, 0], VOCAB)
     assert Sampler().probabilities(logits[:2], plain).tolist() == Sampler().probabilities(logits, mixed)[:2].tolist()
     assert sample(logits, params, [4, 4, 4], [0, 0, 0])[0] == logits[0].argmax().item()
+
+
+def test_the_logprobs_mode_is_a_worker_setting() -> None:
+    from pydantic import ValidationError
+
+    from worker.__main__ import _parser
+    from worker.engine.config import EngineConfig, LogprobsMode
+    from worker.jobs.settings import WorkerSettings
+
+    assert WorkerSettings(model="synthetic").engine_config().logprobs_mode is LogprobsMode.RAW
+    args = vars(_parser().parse_args(["--logprobs-mode", "processed_logprobs"]))
+    chosen = WorkerSettings(model="synthetic", logprobs_mode=args["logprobs_mode"])
+    assert chosen.engine_config().logprobs_mode is LogprobsMode.PROCESSED
+    with pytest.raises(ValidationError, match="raw_logprobs"):
+        WorkerSettings(model="synthetic", logprobs_mode="raw_logits")
+    with pytest.raises(ValueError, match="logprobs_mode must be one of"):
+        EngineConfig(logprobs_mode="raw_logits")

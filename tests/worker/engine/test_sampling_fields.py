@@ -190,14 +190,18 @@ def collect_logprobs(engine: Any, requests: list[tuple[str, list[int], Any]]) ->
     return run, logprobs
 
 
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
 @pytest.mark.parametrize("overrides", [{}, HANDED_BACK], ids=["undisturbed", "preempted"])
 def test_logprobs_equal_transformers_log_softmax(tiny_llama: Any, hf_model: Any,
-                                                 overrides: dict[str, Any]) -> None:
+                                                 overrides: dict[str, Any], mode: str) -> None:
+    """Raw (the default, vLLM's): the model's distribution whatever the temperature; processed:
+    at the request's temperature, the distribution the token was drawn from."""
     greedy = SamplingParams(max_tokens=10, temperature=0.0, logprobs=5)
     sampled = SamplingParams(max_tokens=10, temperature=0.7, seed=3, logprobs=3)
     none = SamplingParams(max_tokens=10, temperature=0.0)
     requests = [(f"r{i}", prompt, (greedy, sampled, none)[i % 3]) for i, prompt in enumerate(PROMPTS)]
-    run, logprobs = collect_logprobs(make_engine(tiny_llama, **overrides), requests)
+    run, logprobs = collect_logprobs(make_engine(tiny_llama, logprobs_mode=mode, **overrides),
+                                     requests)
     if overrides:
         assert run.num_preemptions > 0
     for request_id, prompt, params in requests:
@@ -206,7 +210,8 @@ def test_logprobs_equal_transformers_log_softmax(tiny_llama: Any, hf_model: Any,
             assert logprobs[request_id] == [None] * len(output)
             continue
         assert len(logprobs[request_id]) == len(output)
-        references = logprob_reference(hf_model, prompt, output, params.temperature or 1.0)
+        temperature = (params.temperature or 1.0) if mode == "processed_logprobs" else 1.0
+        references = logprob_reference(hf_model, prompt, output, temperature)
         for token_id, entry, reference in zip(output, logprobs[request_id], references):
             assert entry.logprob == pytest.approx(reference[token_id].item(), abs=1e-4)
             top = reference.topk(params.logprobs)
@@ -225,20 +230,25 @@ def test_logprobs_zero_gives_only_the_sampled_token(tiny_llama: Any, hf_model: A
         assert entry.logprob == pytest.approx(reference[token_id].item(), abs=1e-4)
 
 
-def test_logprobs_are_of_the_processed_distribution(tiny_llama: Any, hf_model: Any) -> None:
-    """With a bias and a penalty, logprobs are log_softmax of the processed logits (vLLM's
-    processed_logprobs), so the biased token's value moves with its bias."""
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_logprobs_of_a_biased_and_penalized_request(tiny_llama: Any, hf_model: Any,
+                                                    mode: str) -> None:
+    """Processed (vLLM's processed_logprobs): log_softmax of the processed logits, so the biased
+    token's value moves with its bias; raw: the model's own, as if neither were asked."""
     params = SamplingParams(max_tokens=3, temperature=0.0, logprobs=1, logit_bias=((4242, 5.0),),
                             presence_penalty=1.0)
-    run, logprobs = collect_logprobs(make_engine(tiny_llama), [("r0", PROMPTS[0], params)])
+    run, logprobs = collect_logprobs(make_engine(tiny_llama, logprobs_mode=mode),
+                                     [("r0", PROMPTS[0], params)])
     output = run.token_ids["r0"]
     for index, entry in enumerate(logprobs["r0"]):
         logits = hf_logits(hf_model, PROMPTS[0] + output[:index])
-        logits[4242] += 5.0
-        for token_id in set(output[:index]):
-            logits[token_id] -= 1.0
+        if mode == "processed_logprobs":
+            logits[4242] += 5.0
+            for token_id in set(output[:index]):
+                logits[token_id] -= 1.0
         expected = torch.log_softmax(logits, dim=-1)
         assert entry.logprob == pytest.approx(expected[output[index]].item(), abs=1e-4)
+        assert entry.top[0] == (expected.argmax().item(), pytest.approx(expected.max().item(), abs=1e-4))
 
 
 SEEDED = {
