@@ -392,6 +392,28 @@ def test_openai_completion_echo_with_logprobs_gives_the_prompt_tokens_theirs(
     assert scored_chunks[0].choices[0].logprobs.token_logprobs == logprobs.token_logprobs[:n]
 
 
+def test_sampled_tokens_logprobs_are_the_models_own_as_vllms(api: ApiServer,
+                                                             reference_engine: Any) -> None:
+    """vLLM's default raw_logprobs, end to end: tokens drawn at temperature 0.8 with a penalty
+    carry the logprobs that scoring the same tokens as a prompt (echo) gives them, the model's
+    own distribution (as vLLM and OpenAI give them), not the sampler's processed one."""
+    prompt_ids = reference_engine.tokenizer.encode("The quick brown fox")
+    client = api.openai()
+    sampled = client.completions.create(
+        model=api.model, prompt=prompt_ids, max_tokens=6, temperature=0.8, seed=11, logprobs=1,
+        presence_penalty=1.5, extra_body={"ignore_eos": True, "return_token_ids": True})
+    choice = sampled.choices[0]
+    token_ids = choice.model_extra["token_ids"]  # type: ignore[index]
+    assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+    assert len(token_ids) == len(choice.logprobs.token_logprobs) == 6
+    scored = client.completions.create(model=api.model, prompt=prompt_ids + token_ids,
+                                       max_tokens=0, logprobs=1, echo=True)
+    scored_logprobs = scored.choices[0].logprobs
+    assert scored_logprobs is not None and scored_logprobs.token_logprobs is not None
+    assert choice.logprobs.token_logprobs == pytest.approx(
+        scored_logprobs.token_logprobs[len(prompt_ids):], abs=1e-3)
+
+
 def test_vllm_prompt_logprobs_field_on_completions_and_chat(api: ApiServer, reference_engine: Any) -> None:
     """vLLM's `prompt_logprobs` (#16): null first, then {token id: {logprob, rank, decoded_token}}
     for the prompt token and the k most likely; on the choice (completions) or the response (chat)."""
