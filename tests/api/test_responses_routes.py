@@ -110,7 +110,8 @@ async def test_vllms_sampling_extras_reach_the_job(harness: Harness,
     response = await client.post("/v1/responses", json={
         "input": "hello", "top_k": 5, "min_p": 0.1, "seed": 7, "repetition_penalty": 1.2,
         "presence_penalty": 0.5, "frequency_penalty": 0.25, "stop": "END", "stop_token_ids": [3],
-        "logit_bias": {"5": 1.5}, "skip_special_tokens": False, "include_stop_str_in_output": True})
+        "logit_bias": {"5": 1.5}, "skip_special_tokens": False, "include_stop_str_in_output": True,
+        "include_reasoning": False})
     sampling = _spec(harness, await worker)["sampling"]
     assert response.status_code == 200, response.text
     assert {name: sampling[name] for name in (
