@@ -42,6 +42,28 @@ def test_a_response_is_the_chat_completion_of_the_same_chat(api: ApiServer) -> N
     assert "".join(deltas) == text
 
 
+def test_vllms_sampling_extras_answer_as_on_chat(api: ApiServer) -> None:  # noqa: F811
+    """A response with vLLM's extras (as guidellm and `vllm bench serve` send them) is the chat
+    completion with the same fields: a seeded draw under top_k and a penalty, cut by a stop."""
+    client = api.openai()
+    extras = {"top_k": 5, "seed": 3, "repetition_penalty": 1.3, "ignore_eos": True}
+    chat = client.chat.completions.create(model=api.model, messages=[{"role": "user", "content": QUESTION}],
+                                          max_tokens=12, temperature=0.9, extra_body=extras)
+    full = chat.choices[0].message.content or ""
+    stop = full[len(full) // 2:][:3]  # a stop string from the middle of the answer
+    assert stop.strip() and stop in full
+    answers = []
+    for extra in (extras, {**extras, "stop": [stop]}):
+        response = client.responses.create(model=api.model, input=QUESTION, max_output_tokens=12,
+                                           temperature=0.9, extra_body=extra)
+        chat = client.chat.completions.create(
+            model=api.model, messages=[{"role": "user", "content": QUESTION}], max_tokens=12,
+            temperature=0.9, extra_body=extra)
+        assert response.output_text == chat.choices[0].message.content
+        answers.append(response.output_text)
+    assert answers[0] == full and answers[1] == full[:full.index(stop)]
+
+
 def test_continuing_with_previous_response_id_equals_the_whole_chat(api: ApiServer) -> None:  # noqa: F811
     client = api.openai()
     first = client.responses.create(model=api.model, input=QUESTION, max_output_tokens=6,
