@@ -97,6 +97,9 @@ SkipSpecialTokens = Annotated[bool, Field(
     strict=True, description="vLLM's: leave special tokens' text out of the output (the default); "
                              "false writes it (the end-of-sequence token that ends the text "
                              "aside).")]
+IncludeReasoning = Annotated[bool, Field(
+    strict=True, description="vLLM's: accepted; no effect here, as no reasoning parser is served "
+                             "(the reasoning, if the model writes one, stays in the content).")]
 IncludeStopStr = Annotated[bool, Field(
     strict=True, description="vLLM's: keep the stop string that ended the text at its end.")]
 MaxTokens = Annotated[int, Field(

@@ -28,6 +28,7 @@ from api.fields import (
     CompletionMaxTokens,
     FrequencyPenalty,
     IgnoreEos,
+    IncludeReasoning,
     IncludeStopStr,
     LogitBias,
     MaxTokens,
@@ -442,10 +443,7 @@ class ChatCompletionRequest(_CommonParams, ChatRenderingParams, ServingFields):
         False, strict=True,
         description="vLLM's: also add the tokenizer's special tokens (BOS...) to the rendered "
                     "chat; default false, as the chat template writes them itself.")
-    include_reasoning: bool = Field(
-        True, strict=True,
-        description="vLLM's: accepted; no effect here, as no reasoning parser is served (the "
-                    "reasoning, if the model writes one, stays in the content).")
+    include_reasoning: IncludeReasoning = True
     tools: list[dict[str, Any]] | None = Field(
         None, description="Functions the model may call: {'type': 'function', 'function': {'name', "
                           "'description', 'parameters' (a JSON schema)}}.")

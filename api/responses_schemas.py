@@ -18,6 +18,7 @@ from api.fields import (
     CacheSalt,
     FrequencyPenalty,
     IgnoreEos,
+    IncludeReasoning,
     IncludeStopStr,
     LogitBias,
     MaxTokens,
@@ -151,9 +152,7 @@ class VllmResponsesExtras(BaseModel):
     skip_special_tokens: SkipSpecialTokens = True
     include_stop_str_in_output: IncludeStopStr = False
     cache_salt: CacheSalt = None
-    include_reasoning: bool = Field(
-        True, strict=True, description="vLLM's: accepted; no effect here, as no reasoning parser "
-                                       "is served (as on chat completions).")
+    include_reasoning: IncludeReasoning = True
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="vLLM's: more variables for the model's chat template; reasoning.effort "
                           "is given to it as reasoning_effort.")
