@@ -97,6 +97,12 @@ SkipSpecialTokens = Annotated[bool, Field(
     strict=True, description="vLLM's: leave special tokens' text out of the output (the default); "
                              "false writes it (the end-of-sequence token that ends the text "
                              "aside).")]
+# What the logprobs of generated tokens are of, for the fields that ask for them.
+LOGPROBS_DISTRIBUTION = (
+    "Of the model's own distribution, whatever the temperature, penalties or bias (vLLM's "
+    "raw_logprobs); a worker started with --logprobs-mode processed_logprobs gives those of the "
+    "distribution sampled from, after them and the temperature, before top-k/top-p/min-p "
+    "truncation.")
 IncludeReasoning = Annotated[bool, Field(
     strict=True, description="vLLM's: accepted; no effect here, as no reasoning parser is served "
                              "(the reasoning, if the model writes one, stays in the content).")]

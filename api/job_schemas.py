@@ -7,6 +7,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from api.fields import (
+    LOGPROBS_DISTRIBUTION,
     AllowedTokenIds,
     BadWords,
     CacheSalt,
@@ -85,8 +86,7 @@ class JobCreate(StructuredOutputParams):
         None, strict=True, ge=0,
         description="Return each token's log-probability and those of the `logprobs` most likely "
                     "tokens at its position (0: the token's only), in the stream and the status; "
-                    "capped by the server's max_logprobs. Of the distribution sampled from after "
-                    "the penalties, bias and temperature, before top-k/top-p/min-p truncation.")
+                    "capped by the server's max_logprobs. " + LOGPROBS_DISTRIBUTION)
     prompt_logprobs: int | None = Field(
         None, strict=True, ge=0,
         description="vLLM's: each prompt token's log-probability given the ones before it and the "

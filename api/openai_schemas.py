@@ -22,6 +22,7 @@ from pydantic import (
 from api.chat_template import RESERVED_TEMPLATE_VARIABLES
 from api.errors import InvalidRequestError
 from api.fields import (
+    LOGPROBS_DISTRIBUTION,
     AllowedTokenIds,
     BadWords,
     CacheSalt,
@@ -280,9 +281,8 @@ class CompletionRequest(_CommonParams):
     logprobs: int | None = Field(
         None, strict=True, ge=0,
         description="Log-probabilities of each generated token and of the `logprobs` most likely "
-                    "tokens at its position (capped by the server's max_logprobs). Of the "
-                    "distribution sampled from after penalties, logit_bias and temperature, before "
-                    "top-k/top-p/min-p truncation.")
+                    "tokens at its position (capped by the server's max_logprobs). "
+                    + LOGPROBS_DISTRIBUTION)
     best_of: int | None = Field(None, strict=True, description="Only 1 is supported.")
 
     @field_validator("suffix")
@@ -428,9 +428,7 @@ class ChatCompletionRequest(_CommonParams, ChatRenderingParams, ServingFields):
     max_completion_tokens: MaxTokens | None = Field(None, description="Newer name of max_tokens.")
     logprobs: bool | None = Field(
         None, strict=True,
-        description="Return the log-probability of each generated token (of the distribution "
-                    "sampled from after penalties, logit_bias and temperature, before "
-                    "top-k/top-p/min-p truncation).")
+        description="Return the log-probability of each generated token. " + LOGPROBS_DISTRIBUTION)
     top_logprobs: int | None = Field(
         None, strict=True, ge=0,
         description="With logprobs: also the this many most likely tokens at each position "
