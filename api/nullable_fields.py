@@ -7,6 +7,7 @@ read it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from pydantic import BaseModel, GetJsonSchemaHandler, model_validator
@@ -14,6 +15,7 @@ from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema
 
 
+@functools.cache  # per request body class, not per request
 def _optional_names(model: type[BaseModel]) -> frozenset[str]:
     return frozenset(name for name, field in model.model_fields.items() if not field.is_required())
 
