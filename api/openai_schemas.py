@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -332,13 +333,17 @@ class ChatMessage(BaseModel):
         return self
 
 
-def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+def _check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
     """chat_template_kwargs may add variables, not set those the request itself sets."""
     for name in value or {}:
         if name in RESERVED_TEMPLATE_VARIABLES:
             raise _unsupported(f"'{name}' is set by the request itself (messages, tools, "
                                "add_generation_prompt...), not by chat_template_kwargs")
     return value
+
+
+# vLLM's chat_template_kwargs, on chat, /tokenize and Responses.
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_check_template_kwargs)]
 
 
 class ChatRenderingParams(BaseModel):
@@ -351,14 +356,9 @@ class ChatRenderingParams(BaseModel):
         description="vLLM's: end the prompt inside the last message, which the model continues "
                     "(an assistant's answer begun: prefill); no new turn is opened.")
 
-    chat_template_kwargs: dict[str, Any] | None = Field(
+    chat_template_kwargs: TemplateKwargs = Field(
         None, description="vLLM's: more variables for the model's chat template (e.g. Qwen3's "
                           "enable_thinking); those the template does not read are ignored.")
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _not_the_requests_own(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        return check_template_kwargs(value)
 
     def rendering(self) -> tuple[bool, bool]:
         """(add_generation_prompt, continue_final_message). Continuing the last message leaves

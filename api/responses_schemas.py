@@ -23,7 +23,7 @@ from api.fields import (
     TopP,
 )
 from api.nullable_fields import NullMeansLeftOut
-from api.openai_schemas import check_template_kwargs, not_served, vllm_priority
+from api.openai_schemas import TemplateKwargs, not_served, vllm_priority
 from api.sampling_fields import SharedSamplingFields
 from api.serving_fields import ServingFields
 from protocol import Priority
@@ -128,14 +128,9 @@ class VllmResponsesExtras(SharedSamplingFields):
     sets reach its chat, so the model's generation defaults fill in the others."""
 
     include_reasoning: IncludeReasoning = True
-    chat_template_kwargs: dict[str, Any] | None = Field(
+    chat_template_kwargs: TemplateKwargs = Field(
         None, description="vLLM's: more variables for the model's chat template; reasoning.effort "
                           "is given to it as reasoning_effort.")
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _not_the_requests_own(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        return check_template_kwargs(value)
 
 
 # What of a Responses request goes to its chat as it is.
