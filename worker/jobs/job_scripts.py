@@ -402,9 +402,11 @@ drop_execution(KEYS[8], KEYS[10], KEYS[9], KEYS[14], ARGV[12], ARGV[13])
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[3], job_id)
 if cancel_asked then redis.call('SREM', KEYS[5], job_id) end
+-- rq's worker hash counts successes and failures only: a canceled job is neither, so `rq info`'s
+-- per-worker counts add up to the queue's finished and failed registries.
 if outcome == 'failed' then
   redis.call('HINCRBY', KEYS[15], 'failed_job_count', 1)
-else
+elseif outcome == 'finished' then
   redis.call('HINCRBY', KEYS[15], 'successful_job_count', 1)
 end
 redis.call('HINCRBYFLOAT', KEYS[15], 'total_working_time', ARGV[16])

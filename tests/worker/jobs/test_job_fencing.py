@@ -182,6 +182,9 @@ def test_the_finish_guard_turns_a_late_finish_of_a_canceled_job_into_canceled() 
     assert Job.fetch("job-1", redis).get_status() == RQJobStatus.CANCELED
     assert "job-1" in CanceledJobRegistry("carpool-tiny-normal", connection=redis)
     assert not redis.sismember(KEYS.canceled(), "job-1")
+    # Neither a success nor a failure in rq's worker counts (`rq info`).
+    assert redis.hmget(RQKeys.worker("w1"), "successful_job_count", "failed_job_count") == [
+        None, None]
     # And nothing can finish it again.
     pub.finish(job, JobEnd(JobStatus.FINISHED, FinishReason.STOP))
     assert pub.flush().refused == {"job-1"}
