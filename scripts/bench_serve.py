@@ -18,6 +18,8 @@ questions, long-tailed output lengths, greedy, EOS ignored so both generate the 
                prompt shared by all (about 1,000 tokens: loadgen.workload.shared_prefix_workload;
                the prefix cache's case; not in the default --loads)
     sharedrate the same 128 at Poisson arrivals of 6 per second
+    single16   16 of the chat workload's requests one after another (one user alone: the
+               latency a first try sees; not in the default --loads)
 
 Reported per load: generated tok/s (tokens / first submit to last token), TTFT p50/p99, mean
 inter-token latency, e2e p99. Before any ratio, the peer's greedy text is compared with Carpool's
@@ -49,6 +51,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -66,19 +69,28 @@ from loadgen.workload import (  # noqa: E402
     shared_prefix_workload,
 )
 
-# name: (requests, arrivals per second (None: all at once), workload). The first three are the
-# fleet issue's (the chat workload); the long ones are prefill-heavy (long_prompt_workload).
-LOADS: dict[str, tuple[int, float | None, Callable[[int], list[WorkloadItem]]]] = {
-    "burst128": (128, None, build_workload), "burst256": (256, None, build_workload),
-    "rate6": (128, 6.0, build_workload),
+
+class Load(NamedTuple):
+    requests: int
+    rate: float | None  # arrivals per second; None: all at once
+    workload: Callable[[int], list[WorkloadItem]]
+    one_at_a_time: bool = False  # each request sent when the one before has ended
+
+
+# The first three are the fleet issue's (the chat workload); the long ones are prefill-heavy
+# (long_prompt_workload).
+LOADS: dict[str, Load] = {
+    "burst128": Load(128, None, build_workload), "burst256": Load(256, None, build_workload),
+    "rate6": Load(128, 6.0, build_workload),
     # Their own documents each (seeds): a load that resent the other's would hit the prefix cache.
-    "long32": (32, None, lambda n: long_prompt_workload(n, seed=1)),
-    "longrate": (24, 1.0, lambda n: long_prompt_workload(n, seed=2)),
-    "answers512": (128, None, lambda n: long_answer_workload(n, max_tokens=512)),
+    "long32": Load(32, None, lambda n: long_prompt_workload(n, seed=1)),
+    "longrate": Load(24, 1.0, lambda n: long_prompt_workload(n, seed=2)),
+    "answers512": Load(128, None, lambda n: long_answer_workload(n, max_tokens=512)),
     # One long system prompt before every question (the prefix cache's case), at once and at a rate.
-    "shared128": (128, None, shared_prefix_workload),
-    "sharedrate": (128, 6.0, shared_prefix_workload),
-    "answers1024": (128, None, lambda n: long_answer_workload(n, max_tokens=1024))}
+    "shared128": Load(128, None, shared_prefix_workload),
+    "sharedrate": Load(128, 6.0, shared_prefix_workload),
+    "answers1024": Load(128, None, lambda n: long_answer_workload(n, max_tokens=1024)),
+    "single16": Load(16, None, build_workload, one_at_a_time=True)}
 CHECK_PROMPTS = 16  # greedy agreement check: this many prompts, CHECK_TOKENS tokens each
 CHECK_TOKENS = 16
 READY_TIMEOUT_S = 600.0
@@ -232,7 +244,7 @@ async def _one(client: openai.AsyncOpenAI, model: str, item: WorkloadItem, recor
 
 
 async def run_load(server: Server, items: list[WorkloadItem], rate: float | None,
-                   seed: int = 0) -> list[Record]:
+                   one_at_a_time: bool = False, seed: int = 0) -> list[Record]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(1800.0))
     client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="bench", max_retries=0,
@@ -242,6 +254,9 @@ async def run_load(server: Server, items: list[WorkloadItem], rate: float | None
     tasks = []
     try:
         for index, item in enumerate(items):
+            if one_at_a_time:
+                await _one(client, server.model, item, records[index])
+                continue
             tasks.append(asyncio.create_task(_one(client, server.model, item, records[index])))
             if gaps is not None:
                 await asyncio.sleep(float(gaps[index]))
@@ -352,12 +367,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 texts[system] = greedy_texts(server)  # also warms both servers up
                 for load in loads:
-                    num, rate, workload = LOADS[load]
-                    items = workload(num)
+                    spec = LOADS[load]
+                    items = spec.workload(spec.requests)
                     cpu_before = redis_cpu_s(server)
                     if args.command_stats and server.redis_url:
                         reset_command_stats(server)
-                    summary = summarize(asyncio.run(run_load(server, items, rate)), items)
+                    summary = summarize(asyncio.run(run_load(server, items, spec.rate, spec.one_at_a_time)),
+                                        items)
                     cpu_after = redis_cpu_s(server)
                     if cpu_before is not None and cpu_after is not None:
                         # The issue's measure: Redis' CPU per token a subscriber received.
