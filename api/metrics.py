@@ -40,6 +40,7 @@ _WORKER_GAUGES = (
     ("max_num_seqs", "max_num_seqs", "Batch slots of a worker."),
     ("num_kv_blocks_used", "kv_blocks_used", "KV cache blocks a worker has allocated."),
     ("num_kv_blocks_total", "kv_blocks_total", "KV cache blocks a worker has in all."),
+    ("suspended", "worker_suspended", "1 while `rq suspend` holds a worker: it starts no new job."),
 )
 _NAME_UNSAFE = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -85,7 +86,8 @@ def render(snapshot: FleetSnapshot, served_models: list[str] | None = None) -> s
     for field, metric, help_text in _WORKER_GAUGES:
         out.family(PREFIX + metric, "gauge", help_text)
         for worker in snapshot.workers:
-            out.sample(PREFIX + metric, getattr(worker, field),
+            value = getattr(worker, field)
+            out.sample(PREFIX + metric, int(value) if isinstance(value, bool) else value,
                        {"worker": worker.name, "model": worker.model})
 
     for field in sorted(snapshot.counters):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
@@ -416,15 +417,18 @@ class WorkerStats:
     # Jobs the worker holds a lease on (in its batch or about to end). Idle, this and
     # num_kv_blocks_used must both be 0: anything else is a leak.
     num_jobs: int = 0
+    # `rq suspend` holds it: it finishes what it runs and starts nothing new.
+    suspended: bool = False
 
     def to_fields(self) -> dict[str, str]:
-        return {k: str(v) for k, v in asdict(self).items()}
+        return {k: str(int(v) if isinstance(v, bool) else v) for k, v in asdict(self).items()}
 
     @classmethod
     def from_fields(cls, fields: dict[Any, Any]) -> WorkerStats:
         f = {_text(k): _text(v) for k, v in fields.items()}
-        types = {"name": str, "model": str, "mode": str, "slot_utilisation": float,
-                 "updated_at": float}
+        types: dict[str, Callable[[str], Any]] = {
+            "name": str, "model": str, "mode": str, "slot_utilisation": float,
+            "updated_at": float, "suspended": lambda value: value == "1"}
         return cls(**{k: types.get(k, int)(v) for k, v in f.items() if k in cls.__dataclass_fields__})
 
 

@@ -21,6 +21,7 @@ from rq.registry import (
     StartedJobRegistry,
 )
 from rq.results import Result
+from rq.suspension import WORKERS_SUSPENDED
 from rq.worker import Worker
 
 # Stand-ins for ids when a key shape is turned into a template (ids never contain them: rq job
@@ -86,6 +87,12 @@ class RQKeys:
     @staticmethod
     def worker(worker_name: str) -> str:
         return Worker.redis_worker_namespace_prefix + worker_name
+
+    @staticmethod
+    def workers_suspended() -> str:
+        """Set while `rq suspend` holds (`rq resume` deletes it, `--duration` gives it a TTL): no
+        worker starts a new job."""
+        return WORKERS_SUSPENDED
 
     @staticmethod
     def workers_set() -> str:

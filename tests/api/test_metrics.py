@@ -44,7 +44,8 @@ async def test_metrics_text_format(harness: Harness, client: httpx.AsyncClient) 
     await client.post("/v1/jobs", json={"prompt": "hello", "priority": "low"})
     harness.add_worker("w1", num_running=3, num_waiting=1, num_kv_blocks_used=40,
                        num_kv_blocks_total=100, slot_utilisation=0.75, max_num_seqs=4)
-    harness.add_worker("w2", num_running=1, max_num_seqs=4, slot_utilisation=0.25)
+    harness.add_worker("w2", num_running=1, max_num_seqs=4, slot_utilisation=0.25,
+                       suspended=True)
     harness.sync.hset(harness.keys.counters(), mapping={
         "generated_tokens_total": 1234, "jobs_preempted_total": 5})
     _write_cumulative(harness, "time_to_first_token_seconds", [0.02, 0.3, 0.3, 200.0])
@@ -67,6 +68,8 @@ async def test_metrics_text_format(harness: Harness, client: httpx.AsyncClient) 
     assert samples['carpool_slot_utilisation{worker="w2",model="tiny"}'] == 0.25
     assert samples['carpool_kv_blocks_used{worker="w1",model="tiny"}'] == 40
     assert samples['carpool_kv_blocks_total{worker="w1",model="tiny"}'] == 100
+    assert samples['carpool_worker_suspended{worker="w1",model="tiny"}'] == 0
+    assert samples['carpool_worker_suspended{worker="w2",model="tiny"}'] == 1
     assert samples["carpool_generated_tokens_total"] == 1234
     assert samples["carpool_jobs_preempted_total"] == 5
     assert samples["carpool_prompt_tokens_total"] == 0  # present before any worker counted

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from rq import Queue, Worker
@@ -195,3 +196,39 @@ def test_sigkill_mid_stream_loses_no_job(pair: Fleet, reference_engine: object) 
         assert states[job_id].num_recoveries == 1
     assert FailedJobRegistry(_normal(pair), connection=pair.redis).count == 4  # bad jobs only
     assert pair.redis.zcard(KEYS.leases()) == 0
+
+
+def _rq_cli(fleet: Fleet, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "rq.cli", *args, "--url", fleet.redis_url],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_rq_suspend_and_resume_hold_and_release_the_workers(
+        pair: Fleet, reference_engine: object) -> None:
+    """rq's own CLI: `rq suspend` and no worker starts a job (`rq info` shows them suspended),
+    `rq resume` and the jobs run, token for token. (Last in the module: its jobs would add to
+    the counts the tests above check.)"""
+    live = {w.name for w in pair.workers if w.is_alive}
+    specs = make_specs(pair.model_dir.name, 2, max_tokens=8)
+    expected = expected_tokens(reference_engine, specs)
+    _rq_cli(pair, "suspend")
+    try:
+        wait_until(lambda: {w.name: w.state for w in Worker.all(connection=pair.redis)
+                            if w.name in live} == dict.fromkeys(live, "suspended"), 10,
+                   "the live workers suspended", pair.logs)
+        assert _rq_cli(pair, "info").count("suspended") >= len(live)
+        submit_jobs(pair.redis, specs)
+        time.sleep(2.0)  # four of the workers' waits
+        reader = JobReader(pair.redis)
+        assert [reader.state(s.job_id).status for s in specs] == [JobStatus.QUEUED] * 2
+        assert Queue(_normal(pair), connection=pair.redis).count == 2
+    finally:
+        _rq_cli(pair, "resume")
+    states = wait_final(pair, [s.job_id for s in specs])
+    for spec in specs:
+        assert states[spec.job_id].status is JobStatus.FINISHED
+        assert_stream_exact(pair.redis, spec.job_id, expected[spec.job_id])
+    wait_until(lambda: {w.state for w in Worker.all(connection=pair.redis) if w.name in live}
+               == {"idle"}, 10, "the live workers idle again", pair.logs)

@@ -10,6 +10,8 @@ Each iteration:
 Idle, it blocks on its queues' wake-up lists (BLPOP with a timeout, so heartbeats and recovery
 keep running), then claims. A worker serves one model and takes jobs only off that model's queues.
 SIGTERM drains: no new jobs, running ones get `drain_seconds` to finish, the rest are requeued.
+`rq suspend` holds new jobs back (the claim refuses while it holds): the running ones go on to
+their ends, and the worker looks for `rq resume` once a second, as rq's own worker does.
 Redis unreachable (restart, failover, network): every Redis step retries with capped exponential
 backoff and jitter, logging each retry; jobs are dropped only once their leases must have lapsed.
 """
@@ -42,7 +44,7 @@ from protocol.stream_shards import shard_urls
 from worker.engine.config import BatchingMode
 from worker.engine.outputs import StepOutput, StepStats
 from worker.jobs.backoff import Backoff
-from worker.jobs.job_queue import ClaimedJob, JobQueue
+from worker.jobs.job_queue import ClaimedJob, JobQueue, WorkersSuspended
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.rq_presence import RQPresence
 from worker.jobs.running_job import RunningJob
@@ -56,6 +58,8 @@ if TYPE_CHECKING:  # the engine (torch) is handed in by worker.__main__, never i
 log = logging.getLogger(__name__)
 
 _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+# How often a suspended worker looks for `rq resume` (rq's own worker: every second).
+SUSPENSION_POLL_S = 1.0
 
 
 @dataclass(slots=True)
@@ -107,6 +111,9 @@ class BatchingWorker:
             key for key, priority in zip(self.queue.queue_keys, Priority.ordered())
             if not priority.is_background]
         self._stop_requested = False
+        # `rq suspend` held at the last claim or wait: no claim is sent until it is gone.
+        self._is_suspended = False
+        self._suspension_read_at = 0.0  # monotonic
         self._last_heartbeat = 0.0
         self._last_publish = -math.inf  # monotonic time of the last flush
         self._last_stats: StepStats | None = None
@@ -227,6 +234,8 @@ class BatchingWorker:
 
     def _claim_now(self) -> list[ClaimedJob]:
         queues_seen_empty, self._queues_seen_empty = self._queues_seen_empty, False
+        if self._is_suspended and not self._has_resumed():
+            return []  # nor are batch jobs preempted for waiting ones it would not take
         waiting = self._make_seats_for_foreground()
         free_slots = self._free_slots()
         # Jobs still waiting inside the engine mean it is full already: leave the rest queued
@@ -237,6 +246,9 @@ class BatchingWorker:
         budget = self.engine.num_free_kv_blocks() if self.engine.has_unfinished() else None
         try:
             claims = self.queue.claim(free_slots, budget)
+        except WorkersSuspended:
+            self._suspend()
+            return []
         except _REDIS_DOWN as exc:
             self._redis_unreachable("claiming jobs", exc)
             return []
@@ -280,8 +292,15 @@ class BatchingWorker:
 
     def _wait_for_jobs(self) -> list[ClaimedJob]:
         self._queues_seen_empty = False  # the last publish's reading is older than the wait
+        if self._is_suspended:
+            # No wait on the wake-ups: each new job would end it early, for a refused claim.
+            time.sleep(min(SUSPENSION_POLL_S, self.settings.idle_block_seconds))
+            return self._claim_now()
         try:
             woken = self.queue.wait(self.settings.idle_block_seconds)
+        except WorkersSuspended:
+            self._suspend()
+            return []
         except _REDIS_DOWN as exc:
             self._redis_unreachable("waiting for jobs", exc)
             return []
@@ -294,6 +313,31 @@ class BatchingWorker:
         # The job is still on its queue: a claim lost to Redis dropping is retried at the next
         # iteration boundary (or taken by another worker meanwhile).
         return self._claim_now()
+
+    def _suspend(self) -> None:
+        if not self._is_suspended:
+            log.info("worker %s: suspended (rq suspend): its %d running jobs go on, no new job "
+                     "starts until `rq resume`", self.name, len(self.jobs))
+        self._is_suspended = True
+        self._suspension_read_at = time.monotonic()
+
+    def _has_resumed(self) -> bool:
+        """Suspended: whether `rq resume` (or the suspension's --duration) ended it, read from
+        Redis at most once a second."""
+        now = time.monotonic()
+        if now - self._suspension_read_at < SUSPENSION_POLL_S:
+            return False
+        self._suspension_read_at = now
+        try:
+            if self.queue.is_suspended():
+                return False
+        except _REDIS_DOWN as exc:
+            self._redis_unreachable("reading rq's suspension", exc)
+            return False
+        self._redis_reachable()
+        self._is_suspended = False
+        log.info("worker %s: resumed, taking jobs again", self.name)
+        return True
 
     def _redis_unreachable(self, doing: str, exc: Exception) -> None:
         delay = self._backoff.next_delay()
@@ -440,7 +484,8 @@ class BatchingWorker:
         for item in pending:
             pub.finish(item.job, item.end, now)
         pub.stats(self._stats(now), self.settings.stats_ttl_seconds)
-        pub.worker_state(WorkerStatus.BUSY if self.jobs else WorkerStatus.IDLE)
+        pub.worker_state(WorkerStatus.SUSPENDED if self._is_suspended
+                         else WorkerStatus.BUSY if self.jobs else WorkerStatus.IDLE)
         if not self.jobs or self._stop_requested:
             pub.write_metrics_now()  # idle or draining: no later step to carry them
         if now - self._last_heartbeat >= self.settings.heartbeat_seconds:
@@ -543,7 +588,8 @@ class BatchingWorker:
             num_kv_blocks_used=total - free, num_kv_blocks_total=total,
             slot_utilisation=stats.slot_utilisation if stats else 0.0,
             max_num_seqs=self.engine.limits.max_num_seqs, updated_at=now,
-            num_jobs=0 if drained else len(self.jobs) + len(self._pending))
+            num_jobs=0 if drained else len(self.jobs) + len(self._pending),
+            suspended=self._is_suspended)
 
 
 def _has_started(claim: ClaimedJob) -> bool:

@@ -40,7 +40,7 @@ from protocol.keys import Keys
 from protocol.messages import JobSpec, JobState, JobStatus, StreamEntry
 from protocol.rq_keys import KeyTemplate, RQKeys
 from worker.jobs.fair_share import DEFAULT_CHARGE_TOKENS
-from worker.jobs.job_scripts import JobScripts
+from worker.jobs.job_scripts import CLAIM_SUSPENDED, JobScripts
 from worker.jobs.lease import Lease
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,10 @@ class ClaimedJob:
     failure_ttl: int
     error: str = ""
     claimed_at: float = field(default_factory=time.time)
+
+
+class WorkersSuspended(Exception):
+    """`rq suspend` holds: no worker starts a new job until `rq resume` (or its --duration)."""
 
 
 def _text(value: Any) -> str:
@@ -113,14 +117,16 @@ class JobQueue:
                              *(RQKeys.started(name) for name in self.queue_names),
                              *self.wakeup_keys, keys.fair_weights(), keys.fair_vtimes(model),
                              keys.fair_clock(model),
-                             *(keys.queue_owners(name) for name in self.queue_names)]
+                             *(keys.queue_owners(name) for name in self.queue_names),
+                             RQKeys.workers_suspended()]
 
     def claim(self, max_jobs: int, free_kv_blocks: int | None = None,
               adopt: tuple[str, int] | None = None) -> list[ClaimedJob]:
         """Take up to `max_jobs` jobs without blocking (by priority, then fair share between
         owners), stopping at the first one that needs more than `free_kv_blocks` (None: no
         limit). `adopt` = (job_id, queue index) of a job already taken off its queue (by an rq
-        worker: worker.rq_entry), claimed first."""
+        worker: worker.rq_entry), claimed first. Raises WorkersSuspended, taking nothing, while
+        `rq suspend` holds (an adopted job is claimed regardless)."""
         if max_jobs <= 0 and adopt is None:
             return []
         now = time.time()
@@ -139,12 +145,27 @@ class JobQueue:
             # Redis restarted or its script cache was flushed: load again and retry once.
             self.scripts.load(self.redis)
             reply = self.scripts.call(self.redis, "claim", self._script_keys, args)
+        if not isinstance(reply, list) and _text(reply) == CLAIM_SUSPENDED:
+            raise WorkersSuspended
         return [self._claimed(row, now) for row in reply]
 
     def wait(self, timeout_s: float) -> bool:
         """Block until a job is queued (a wake-up popped: True) or `timeout_s` passed (False).
-        Nothing is taken off a queue: `claim` takes the jobs, highest priority first."""
-        return self.redis.blpop(self.wakeup_keys, timeout=timeout_s) is not None
+        Nothing is taken off a queue: `claim` takes the jobs, highest priority first. Raises
+        WorkersSuspended after the wait while `rq suspend` held when it began."""
+        # [redis-cost] One request, the flag read just before the wait. A wake-up it pops while
+        # suspended is lost, never its job: claims take jobs off the queues, wake-ups or not.
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.exists(RQKeys.workers_suspended())
+            pipe.blpop(self.wakeup_keys, timeout=timeout_s)
+            suspended, woken = pipe.execute()
+        if suspended:
+            raise WorkersSuspended
+        return woken is not None
+
+    def is_suspended(self) -> bool:
+        """Whether `rq suspend` holds now."""
+        return bool(self.redis.exists(RQKeys.workers_suspended()))
 
     def _claimed(self, row: list[Any], now: float) -> ClaimedJob:
         job_id, queue_index, fence, execution_id, data, result_ttl, failure_ttl, state_flat, \

@@ -68,7 +68,8 @@ end
 # KEYS: leases, canceled, this worker's RQ executions set, RQ worker hash,
 #       then P queue keys, then P StartedJobRegistry keys, then P wake-up lists (priority order;
 #       the queues of the one model this worker serves), then the fair-share weights, vtimes and
-#       clock, then P owners sets (Keys.queue_owners) (worker/jobs/fair_share.py).
+#       clock, then P owners sets (Keys.queue_owners) (worker/jobs/fair_share.py), then rq's
+#       suspension flag (`rq suspend`).
 # ARGV: worker_name, lease_ms, max_jobs, free_kv_blocks (-1: no limit), block_size,
 #       adopt_job_id (already popped; '' for none), adopt_queue_index (1-based),
 #       execution_ttl_s, rq_now (rq's UTC format), now_s (epoch float), execution_id_prefix, P,
@@ -77,7 +78,9 @@ end
 #       fair-share default charge 28; this worker's stream shard 29 ('': the streams are not
 #       sharded), recorded in the state of a job starting for the first time.
 # Returns, per claimed job: {job_id, queue_index, fence, execution_id, rq data, result_ttl,
-#       failure_ttl, JobState fields (flat), stream entries, is_canceled}.
+#       failure_ttl, JobState fields (flat), stream entries, is_canceled}; or CLAIM_SUSPENDED,
+#       taking nothing, while `rq suspend` holds.
+CLAIM_SUSPENDED = "suspended"
 CLAIM = _COMMON + """
 local P = tonumber(ARGV[12])
 local function key(i, id) return ARGV[i] .. id .. ARGV[i + 1] end
@@ -99,9 +102,13 @@ local function trim_wakeups(lengths)
 end
 -- Every queue empty and nothing to adopt: what a worker with a free seat hears at most steps (it
 -- asks at every step). Answer before the fair-share pass over every tier's owners: with four
--- tiers an empty claim runs 8 commands, not 18 (SMEMBERS, LINDEX per tier, the clock's GET,
--- TIME). On a 2-vCPU EPYC VM the request's own wake-up is most of its cost (README, "Fleet scale").
+-- tiers an empty claim runs 9 commands (the suspension's EXISTS among them), not 19 (SMEMBERS,
+-- LINDEX per tier, the clock's GET, TIME). On a 2-vCPU EPYC VM the request's own wake-up is most
+-- of its cost (README, "Fleet scale").
 if ARGV[6] == '' then
+  -- rq's contract for `rq suspend`: no new job starts; the running ones go on. (An adopted job
+  -- was taken by an rq worker, which checked before it dequeued.)
+  if redis.call('EXISTS', KEYS[#KEYS]) == 1 then return '""" + CLAIM_SUSPENDED + """' end
   local lengths = queue_lengths()
   local num_queued = 0
   for i = 1, P do num_queued = num_queued + lengths[i] end

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import fakeredis
 import pytest
+from rq.suspension import resume, suspend
 
 from protocol import (
     FinishReason,
@@ -303,3 +304,55 @@ def test_a_woken_worker_whose_claim_emptied_the_queues_does_not_claim_again_at_o
     assert [entry for entry in claims_made if entry[0]] == []  # no claim while it ran
     expected = reference.generate([spec.prompt], spec.sampling)
     assert list(state.token_ids) == list(expected[0].token_ids)
+
+
+def _rq_state(running: Running) -> str:
+    return running.redis.hget(RQKeys.worker(running.worker.name), "state").decode()
+
+
+def _stats(running: Running) -> WorkerStats:
+    return WorkerStats.from_fields(running.redis.hgetall(KEYS.worker_stats(running.worker.name)))
+
+
+@pytest.mark.parametrize("running", ["continuous"], indirect=True)
+def test_rq_suspend_lets_running_jobs_finish_and_starts_none_until_rq_resume(
+        running: Running, reference) -> None:
+    """rq's contract for `rq suspend`: "No new jobs will be started. But current jobs will be
+    completed." A busy worker learns it from its next claim, an idle one from its next wait;
+    `rq resume` starts the waiting jobs within about a second."""
+    model = running.worker.settings.served_model_name
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    running_job, held_back, held_while_idle = [
+        dataclasses.replace(spec, sampling=long) for spec in _specs(model, 3)]
+    submit_jobs(running.redis, [running_job])
+    wait_for(lambda: (job := running.worker.jobs.get(running_job.job_id)) is not None
+             and job.num_tokens >= 2)
+    suspend(running.redis)
+    submit_jobs(running.redis, [held_back])
+    reader = JobReader(running.redis)
+    # The running job goes on to its end; the worker, suspended, shows it to rq and /v1/stats.
+    finished = wait_for(lambda: (s := reader.state(running_job.job_id)).status.is_final and s)
+    assert finished.status is JobStatus.FINISHED and len(finished.token_ids) == 40
+    wait_for(lambda: _rq_state(running) == "suspended" and _stats(running).suspended)
+    time.sleep(1.5)  # idle and suspended: over a second of waits
+    assert reader.state(held_back.job_id).status is JobStatus.QUEUED
+    assert running.redis.llen(RQKeys.queue(running.worker.queue.queue_names[1])) == 1
+    assert running.worker.jobs == {}
+
+    resume(running.redis)
+    started = wait_for(lambda: (s := reader.state(held_back.job_id)).status.is_final and s)
+    assert started.status is JobStatus.FINISHED
+    wait_for(lambda: _rq_state(running) == "idle" and not _stats(running).suspended)
+
+    # Suspended while idle: its next wait reads it, and a job submitted then waits too.
+    suspend(running.redis)
+    wait_for(lambda: _rq_state(running) == "suspended")
+    submit_jobs(running.redis, [held_while_idle])
+    time.sleep(1.5)
+    assert reader.state(held_while_idle.job_id).status is JobStatus.QUEUED
+    resume(running.redis)
+    last = wait_for(lambda: (s := reader.state(held_while_idle.job_id)).status.is_final and s)
+    expected = reference.generate([running_job.prompt, held_back.prompt, held_while_idle.prompt],
+                                  long)
+    assert [list(s.token_ids) for s in (finished, started, last)] == [
+        list(c.token_ids) for c in expected]

@@ -6,11 +6,13 @@ import threading
 import time
 import zlib
 
+import pytest
 from rq import Queue, Worker
 from rq.job import Job
 from rq.job import JobStatus as RQJobStatus
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
+from rq.suspension import resume, suspend
 
 from protocol import (
     JobReader,
@@ -23,7 +25,7 @@ from protocol import (
 )
 from protocol.rq_keys import RQKeys
 from tests.worker.jobs.job_support import BLOCK_SIZE, KEYS, fake_redis, make_queue, make_spec, submit
-from worker.jobs.job_queue import JobQueue, decode_spec
+from worker.jobs.job_queue import JobQueue, WorkersSuspended, decode_spec
 from worker.jobs.job_scripts import JobScripts
 
 
@@ -201,3 +203,26 @@ def test_claim_carries_each_jobs_own_retention() -> None:
     short, default = make_queue(redis).claim(2)
     assert (short.result_ttl, short.failure_ttl) == (50, 70)
     assert (default.result_ttl, default.failure_ttl) == (24 * 3600, 7 * 24 * 3600)
+
+
+def test_claims_and_waits_take_nothing_while_rq_suspend_holds() -> None:
+    """`rq suspend` (rq.suspension): a claim refuses, its queues, wake-ups and registries as
+    they were; an idle wait says so; `rq resume` lets the next claim take the jobs."""
+    redis = fake_redis()
+    submit(redis, "job-1", "job-2")
+    queue = make_queue(redis)
+    suspend(redis)
+    before = {key: redis.dump(key) for key in redis.keys("*")}
+    with pytest.raises(WorkersSuspended):
+        queue.claim(4)
+    assert {key: redis.dump(key) for key in redis.keys("*")} == before
+    with pytest.raises(WorkersSuspended):
+        queue.wait(0.05)
+    assert queue.is_suspended()
+    # A job an rq worker already dequeued (it checks the suspension itself) is adopted anyway.
+    redis.lpop(RQKeys.queue("carpool-tiny-normal"))
+    assert [c.lease.job_id for c in queue.claim(0, adopt=("job-1", 1))] == ["job-1"]
+    resume(redis)
+    assert not queue.is_suspended()
+    assert [c.lease.job_id for c in queue.claim(4)] == ["job-2"]
+    assert JobReader(redis).state("job-2").status is JobStatus.RUNNING
