@@ -14,8 +14,18 @@ from rq.job import JobStatus as RQJobStatus
 from rq.registry import FailedJobRegistry, FinishedJobRegistry
 from rq.serializers import JSONSerializer
 
-from protocol import FinishReason, JobReader, JobSpec, JobStatus, ModelCard, Priority, submit_jobs
+from protocol import (
+    FinishReason,
+    JobReader,
+    JobSpec,
+    JobStatus,
+    ModelCard,
+    Priority,
+    TokenEntry,
+    submit_jobs,
+)
 from protocol.keys import RQ_JOB_FUNCTION
+from protocol.rq_keys import RQKeys
 from tests.conftest import enqueue_raw
 from tests.integration.conftest import (
     KEYS,
@@ -27,6 +37,10 @@ from tests.integration.conftest import (
     wait_final,
     wait_until,
 )
+from worker.jobs.job_queue import JobQueue
+from worker.jobs.job_scripts import JobScripts
+from worker.jobs.running_job import RunningJob
+from worker.jobs.stream_publisher import JobEnd, StreamPublisher
 
 pytestmark = pytest.mark.slow
 
@@ -232,3 +246,46 @@ def test_rq_suspend_and_resume_hold_and_release_the_workers(
         assert_stream_exact(pair.redis, spec.job_id, expected[spec.job_id])
     wait_until(lambda: {w.state for w in Worker.all(connection=pair.redis) if w.name in live}
                == {"idle"}, 10, "the live workers idle again", pair.logs)
+
+
+def test_rq_requeue_runs_a_failed_job_again_token_for_token(
+        pair: Fleet, reference_engine: object) -> None:
+    """`rq requeue` (rq's own CLI) of a job that failed on its worker (here a worker of the
+    test's, its generation failing after two tokens): a live worker runs it again from its
+    start, and its stream, result and rq records are this run's. (After the suspend test.)"""
+    (spec,) = make_specs(pair.model_dir.name, 1, max_tokens=8)  # greedy
+    expected = expected_tokens(reference_engine, [spec])[spec.job_id]
+    queue_name = _normal(pair)
+    scripts = JobScripts()
+    scripts.load(pair.redis)
+    crashed = JobQueue(pair.redis, scripts, KEYS, "crashed", pair.model_dir.name, 10_000,
+                       execution_ttl_s=120, block_size=16)
+    failed_before = FailedJobRegistry(queue_name, connection=pair.redis).count
+    _rq_cli(pair, "suspend")  # the fleet's workers leave it to the test's
+    try:
+        submit_jobs(pair.redis, [spec])
+        assert pair.redis.lpop(RQKeys.queue(queue_name)) == spec.job_id.encode()
+        (claim,) = crashed.claim(0, adopt=(spec.job_id, crashed.queue_names.index(queue_name)))
+        job = RunningJob(lease=claim.lease, spec=claim.spec, state=claim.state,
+                         result_ttl=claim.result_ttl, failure_ttl=claim.failure_ttl,
+                         num_prompt_tokens=3)
+        job.add_tokens([TokenEntry(0, 7, "a"), TokenEntry(1, 8, "b")], now=time.time())
+        publisher = StreamPublisher(pair.redis, scripts, KEYS, "crashed", 10_000)
+        publisher.append(job)
+        publisher.finish(job, JobEnd(JobStatus.FAILED, FinishReason.ERROR, "out of memory"))
+        assert publisher.flush().ended == {spec.job_id: JobStatus.FAILED}
+    finally:
+        _rq_cli(pair, "resume")
+    assert FailedJobRegistry(queue_name, connection=pair.redis).count == failed_before + 1
+    _rq_cli(pair, "requeue", "--queue", queue_name, spec.job_id)
+    reader = JobReader(pair.redis)
+    state = wait_until(lambda: (s := reader.state(spec.job_id)).status is JobStatus.FINISHED and s,
+                       30, "the requeued job finished", pair.logs)
+    assert (state.status, state.error, list(state.token_ids)) == (JobStatus.FINISHED, "",
+                                                                   expected)
+    assert state.worker in {"alpha", "beta"}
+    assert_stream_exact(pair.redis, spec.job_id, expected)
+    rq_job = Job.fetch(spec.job_id, pair.redis, serializer=JSONSerializer)
+    assert rq_job.get_status() == RQJobStatus.FINISHED
+    assert rq_job.return_value()["token_ids"] == expected
+    assert FailedJobRegistry(queue_name, connection=pair.redis).count == failed_before

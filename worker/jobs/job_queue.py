@@ -59,6 +59,9 @@ class ClaimedJob:
     failure_ttl: int
     error: str = ""
     claimed_at: float = field(default_factory=time.time)
+    # An ended job that rq's requeue put back runs again from its start: the stream_shard its
+    # old stream was placed by (-1: none recorded), which goes before it starts; None otherwise.
+    restarted_from_shard: int | None = None
 
 
 class WorkersSuspended(Exception):
@@ -169,7 +172,7 @@ class JobQueue:
 
     def _claimed(self, row: list[Any], now: float) -> ClaimedJob:
         job_id, queue_index, fence, execution_id, data, result_ttl, failure_ttl, state_flat, \
-            entries, canceled = row
+            entries, canceled, restarted = row
         job_id = _text(job_id)
         state_fields = dict(zip(state_flat[::2], state_flat[1::2]))
         try:
@@ -193,7 +196,8 @@ class JobQueue:
                           is_canceled=bool(canceled),
                           result_ttl=_ttl(result_ttl, DEFAULT_RESULT_TTL),
                           failure_ttl=_ttl(failure_ttl, DEFAULT_FAILURE_TTL), error=error,
-                          claimed_at=now)
+                          claimed_at=now,
+                          restarted_from_shard=int(_text(restarted)) if restarted else None)
 
 
 def _ttl(raw: Any, default: int) -> int:

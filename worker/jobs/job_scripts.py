@@ -78,7 +78,9 @@ end
 #       fair-share default charge 28; this worker's stream shard 29 ('': the streams are not
 #       sharded), recorded in the state of a job starting for the first time.
 # Returns, per claimed job: {job_id, queue_index, fence, execution_id, rq data, result_ttl,
-#       failure_ttl, JobState fields (flat), stream entries, is_canceled}; or CLAIM_SUSPENDED,
+#       failure_ttl, JobState fields (flat), stream entries, is_canceled, restarted: '' or, for
+#       an ended job that rq's requeue put back (run again from its start), the stream_shard its
+#       old stream was placed by ('-1': none recorded)}; or CLAIM_SUSPENDED,
 #       taking nothing, while `rq suspend` holds.
 CLAIM_SUSPENDED = "suspended"
 CLAIM = _COMMON + """
@@ -151,12 +153,30 @@ local function claim(job_id, qi)
   local rq_job = key(21, job_id)
   -- An RQ job hash always holds its data (rq's Job.to_dict): none means deleted meanwhile, and
   -- the stale id is dropped.
-  local rq_fields = redis.call('HMGET', rq_job, 'data', 'result_ttl', 'failure_ttl')
+  local rq_fields = redis.call('HMGET', rq_job, 'data', 'result_ttl', 'failure_ttl', 'status')
   if not rq_fields[1] then return end
   local flat = redis.call('HGETALL', state)
   local fields = {}
   for i = 1, #flat, 2 do fields[flat[i]] = flat[i + 1] end
-  if is_final(fields.status) then return end
+  local restarted = ''
+  if is_final(fields.status) then
+    -- rq's requeue (`rq requeue`, rq-dashboard's Requeue, Job.requeue) puts an ended job back
+    -- as queued: it runs again from its start, as rq reruns a requeued job. Any other ended
+    -- job's id on a queue is stale (canceled while queued) and is dropped.
+    if rq_fields[4] ~= 'queued' then return end
+    restarted = fields.stream_shard or '-1'
+    local ended = {'finish_reason', 'error', 'completion_tokens', 'text', 'token_ids',
+                   'finished_at', 'first_token_at', 'cached_tokens', 'execution', 'fair_charge',
+                   'fair_weight', 'prompt_logprobs', 'stream_shard'}
+    redis.call('HDEL', state, unpack(ended))
+    for _, name in ipairs(ended) do fields[name] = nil end
+    fields.started_at = nil
+    -- The ended job's keys expire with its retention: this run keeps them.
+    redis.call('PERSIST', state)
+    redis.call('PERSIST', key(19, job_id))
+    -- Its old stream, where it is on this Redis (on a stream shard the worker deletes it).
+    redis.call('DEL', key(15, job_id))
+  end
   local fence = redis.call('INCR', key(19, job_id))
   redis.call('SET', key(17, job_id), fence, 'PX', lease_ms)
   redis.call('ZADD', KEYS[1], deadline, job_id)
@@ -201,7 +221,7 @@ local function claim(job_id, qi)
   claimed[#claimed + 1] = {job_id, qi, fence, execution_id, rq_fields[1],
                            rq_fields[2] or '', rq_fields[3] or '', flat,
                            redis.call('XRANGE', key(15, job_id), '-', '+'),
-                           is_canceled(job_id)}
+                           is_canceled(job_id), restarted}
 end
 
 if ARGV[6] ~= '' then

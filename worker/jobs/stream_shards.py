@@ -79,6 +79,23 @@ class StreamShards:
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 log.warning("could not delete the live journal: %s", exc)
 
+    def _drop_old_stream(self, claim: ClaimedJob) -> bool:
+        """An ended job that rq's requeue put back starts over: its old stream goes first from the
+        shard it was placed on (the claim deleted one on the main Redis). False when that shard
+        cannot be reached: the claim is left out, its lease lapses and recovery hands it on."""
+        if claim.restarted_from_shard is None:
+            return True
+        index = placed_shard(claim.lease.job_id, claim.restarted_from_shard, len(self.clients))
+        if self.clients[index] is self.main:
+            return True
+        try:
+            self.clients[index].delete(self.keys.stream(claim.lease.job_id))
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            log.warning("stream shard %d unreachable, job %s (requeued by rq) left to recovery: "
+                        "%s", index, claim.lease.job_id, exc)
+            return False
+        return True
+
     def call(self, index: int, name: str, keys: list[str], args: list[EncodableT]) -> Any:
         client = self.clients[index]
         try:
@@ -93,6 +110,7 @@ class StreamShards:
         `worker_name` (the claimer) is recorded as the stream's owner. A claim whose shard cannot
         be reached, or whose stream a newer claim adopted, is left out: its lease lapses and
         recovery hands it on."""
+        claims = [claim for claim in claims if self._drop_old_stream(claim)]
         by_shard: dict[int, list[int]] = {}
         for position, claim in enumerate(claims):
             index = self.remote(claim.lease)

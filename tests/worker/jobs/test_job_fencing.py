@@ -279,3 +279,49 @@ def test_logprobs_ride_in_the_token_entries_through_a_resent_append() -> None:
     assert JobReader(redis).tokens("job-1") == entries
     assert [e.logprobs for _, e in _stream(redis, "job-2")] == [None]
     assert "lp" not in {k.decode() for k in redis.xrange(KEYS.stream("job-2"))[0][1]}
+
+
+def test_an_ended_job_that_rq_requeues_runs_again_from_its_start() -> None:
+    """rq's requeue (`rq requeue`, rq-dashboard, Job.requeue) of a failed or canceled job puts
+    it back as queued: the next claim starts it over, its old end, result fields, stream and
+    retention gone; an ended job's id left on a queue otherwise stays dropped."""
+    redis = fake_redis()
+    job, pub = claim_one(redis)
+    generate(job, 11, 12)
+    pub.append(job)
+    pub.finish(job, JobEnd(JobStatus.FAILED, FinishReason.ERROR, "out of memory"))
+    assert pub.flush().ended == {"job-1": JobStatus.FAILED}
+    assert redis.ttl(KEYS.state("job-1")) > 0
+    FailedJobRegistry("carpool-tiny-normal", connection=redis,
+                      serializer=JSONSerializer).requeue("job-1")
+    queue = make_queue(redis, worker="w2")
+    (claim,) = queue.claim(4)
+    assert (claim.lease.job_id, claim.lease.token, claim.restarted_from_shard) == ("job-1", "2", -1)
+    assert claim.tokens == []
+    state = JobReader(redis).state("job-1")
+    assert (state.status, state.worker, state.error, state.finish_reason, state.text,
+            state.token_ids, state.finished_at, state.first_token_at) == (
+        JobStatus.RUNNING, "w2", "", None, "", (), 0.0, 0.0)
+    assert state.started_at == claim.claimed_at
+    assert redis.exists(KEYS.stream("job-1")) == 0
+    assert (redis.ttl(KEYS.state("job-1")), redis.ttl(KEYS.fence("job-1"))) == (-1, -1)
+    assert Job.fetch("job-1", redis).get_status() == RQJobStatus.STARTED
+    # Run again to its end: a stream of this run only, rq's records as for any job.
+    again = running(claim)
+    generate(again, 21)
+    pub2 = make_publisher(queue)
+    pub2.append(again)
+    pub2.finish(again, JobEnd(JobStatus.FINISHED, FinishReason.STOP))
+    assert pub2.flush().ended == {"job-1": JobStatus.FINISHED}
+    assert [entry.token_id for _, entry in _stream(redis, "job-1")[:-1]] == [21]
+    assert JobReader(redis).state("job-1").token_ids == (21,)
+    assert Job.fetch("job-1", redis).get_status() == RQJobStatus.FINISHED
+    assert FailedJobRegistry("carpool-tiny-normal", connection=redis).count == 0
+    # An ended job's id on a queue that rq did not requeue (its rq status is not queued) is a
+    # stale one: the claim drops it.
+    submit(redis, "job-2")
+    assert cancel_job(redis, "job-2") is JobStatus.CANCELED
+    assert Job.fetch("job-2", redis).get_status() == RQJobStatus.CANCELED
+    redis.rpush(RQKeys.queue("carpool-tiny-normal"), "job-2")
+    assert queue.claim(4) == []
+    assert JobReader(redis).state("job-2").status is JobStatus.CANCELED

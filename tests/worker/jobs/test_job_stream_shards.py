@@ -9,6 +9,8 @@ import time
 import fakeredis
 import pytest
 from pydantic import ValidationError
+from rq.registry import CanceledJobRegistry
+from rq.serializers import JSONSerializer
 
 from protocol import FinishReason, JobReader, JobStatus, StreamEntry, cancel_job
 from protocol.stream_shards import placed_shard, shard_urls, started_shard, stream_shard
@@ -327,3 +329,30 @@ def test_a_lapsed_sharded_lease_is_noticed_at_the_next_renewal() -> None:
     generate(job, 12)
     pub.append(job)
     assert pub.flush().refused == {"job-1"}
+
+
+def test_a_sharded_job_rq_requeued_after_its_end_starts_over_with_a_new_stream() -> None:
+    """rq's requeue of an ended job: its old stream goes from its shard before the new run's
+    first token, so the stream holds this run only."""
+    main, shard = fake_redis(), fake_redis()
+    submit(main, "job-1")
+    queue, shards, pub = _worker(main, shard)
+    (job,) = _claim(queue, shards)
+    generate(job, 11, 12)
+    pub.append(job)
+    assert pub.flush().refused == set()
+    assert cancel_job(main, "job-1") is JobStatus.RUNNING
+    pub.finish(job, JobEnd(JobStatus.CANCELED, FinishReason.CANCELED), now=3000.0)
+    assert pub.flush().ended == {"job-1": JobStatus.CANCELED}
+    assert [e.kind for _, e in _stream(shard, "job-1")] == ["token", "token", "done"]
+    CanceledJobRegistry("carpool-tiny-normal", connection=main,
+                        serializer=JSONSerializer).requeue("job-1")
+    (again,) = _claim(queue, shards)
+    assert again.token_ids == [] and shard.exists(KEYS.stream("job-1")) == 0
+    generate(again, 21)
+    pub.append(again)
+    pub.finish(again, JobEnd(JobStatus.FINISHED, FinishReason.STOP), now=4000.0)
+    assert pub.flush().ended == {"job-1": JobStatus.FINISHED}
+    assert [(i, e.kind, e.token_id) for i, e in _stream(shard, "job-1")] == [
+        ("0-1", "token", 21), ("0-2", "done", -1)]
+    assert JobReader(main).state("job-1").token_ids == (21,)
