@@ -15,10 +15,12 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
-from api.state_reads import SharedStateReads
+from api.state_reads import SharedStateReads, read_state
 from api.stream_hub import StreamHub, Subscription
 from protocol import FinishReason, JobState, JobStatus, Keys, StreamEntry
 from protocol.job_reader import XReadReply
+from protocol.job_submission import cancel_job_async
+from protocol.rq_keys import RQKeys
 from protocol.stream_ids import STREAM_START, entry_id_key, next_entry_id
 from protocol.stream_shards import started_shard
 from protocol.token_runs import RawEntry, expand_runs
@@ -151,13 +153,20 @@ class JobStream:
                         if event.is_done:
                             return
                     continue
-                state_key = self._keys.state(self.job_id)
-                state_fields = (await self._state_reads.hgetall(state_key)
-                                if self._state_reads is not None
-                                else await self._redis.hgetall(state_key))
+                state_key, rq_job_key = self._keys.state(self.job_id), RQKeys.job(self.job_id)
+                state_fields, rq_status = (
+                    await self._state_reads.read(state_key, rq_job_key)
+                    if self._state_reads is not None
+                    else await read_state(self._redis, state_key, rq_job_key))
                 if not state_fields:
                     return
                 state = JobState.from_fields(state_fields)
+                if (state.status in (JobStatus.QUEUED, JobStatus.PREEMPTED)
+                        and (rq_status is None or _text(rq_status) == "canceled")):
+                    # rq itself took it off its queue (`rq empty`, Job.delete, rq's Job.cancel):
+                    # no worker will claim it, so it ends here, canceled, and this reader with it.
+                    await cancel_job_async(self._redis, self.job_id, self._keys)
+                    continue
                 if not self._placed:
                     assert self._shards is not None
                     started = started_shard(self.job_id, state.stream_shard, state.started_at,

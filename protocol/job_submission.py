@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
 from redis.commands.core import Script
 from redis.exceptions import NoScriptError
 from redis.typing import EncodableT, FieldT
@@ -370,19 +371,25 @@ if status == 'running' then
   return status
 end
 -- queued or preempted: take it off its queue if it is still there.
-local origin = redis.call('HGET', KEYS[4], 'origin')
+local rq_job = redis.call('HMGET', KEYS[4], 'status', 'origin')
+local rq_status, origin = rq_job[1], rq_job[2]
 local removed = 0
 if origin then
   removed = redis.call('LREM', ARGV[3] .. origin .. ARGV[4], 1, job_id)
 end
-if removed == 0 then
-  -- A worker popped it and is claiming it right now: its claim sees the flag and ends it.
+if removed == 0 and rq_status and rq_status ~= 'canceled' then
+  -- A worker popped it and is claiming it right now (an rq worker, before it adopts it): its
+  -- claim sees the flag and ends it.
   redis.call('SADD', KEYS[1], job_id)
   return status
 end
--- The fair-share index (worker/jobs/fair_share.py): out of its owner's list too.
-redis.call('LREM', ARGV[7] .. origin .. ARGV[8] .. ':' .. (redis.call('HGET', KEYS[2], 'owner') or ''),
-           1, job_id)
+-- Off its queue, or rq itself took it away and nobody will claim it: `rq empty` or
+-- Job.delete (its RQ job gone), rq's Job.cancel (RQ status canceled). It ends here.
+if origin then
+  -- The fair-share index (worker/jobs/fair_share.py): out of its owner's list too.
+  redis.call('LREM', ARGV[7] .. origin .. ARGV[8] .. ':' .. (redis.call('HGET', KEYS[2], 'owner') or ''),
+             1, job_id)
+end
 local now = redis.call('TIME')
 local now_s = string.format('%d.%06d', now[1], now[2])
 -- A preempted job already has tokens: keep them as the job's partial result.
@@ -423,8 +430,10 @@ if num_tokens > 0 then token_json = cjson.encode(token_ids) end
 redis.call('HSET', KEYS[2], 'status', 'canceled', 'finish_reason', 'canceled',
            'finished_at', now_s, 'completion_tokens', num_tokens,
            'text', table.concat(text), 'token_ids', token_json)
-redis.call('HSET', KEYS[4], 'status', 'canceled')
-redis.call('ZADD', ARGV[5] .. origin .. ARGV[6], now[1], job_id)
+if rq_status then  -- a deleted RQ job stays deleted
+  redis.call('HSET', KEYS[4], 'status', 'canceled')
+  redis.call('ZADD', ARGV[5] .. origin .. ARGV[6], now[1], job_id)
+end
 redis.call('SREM', KEYS[1], job_id)
 -- Webhooks: the job.canceled event, with the status it reports (a running job's comes from FINISH).
 emit_job_event(KEYS[6], KEYS[2], job_id, 'canceled', 'canceled', prompt_tokens, num_tokens, '')
@@ -441,25 +450,46 @@ def cancel_job(redis: Redis, job_id: str, keys: Keys = Keys()) -> JobStatus | No
     - queued/preempted and still on its queue: removed from it, its stream ends with a final
       `canceled` entry (after any tokens a preempted run produced), JobState and RQ status
       become canceled (RQ's CanceledJobRegistry lists it). Returns CANCELED.
+    - queued/preempted and taken off its queue by rq itself (`rq empty`, `Job.delete`, rq's
+      `Job.cancel`), so no worker will ever claim it: ended the same way (a deleted RQ job
+      stays deleted). Returns CANCELED.
     - running (or being claimed right now): flagged in `Keys.canceled()`; the owning worker stops
       it at its next iteration boundary, publishes the final `canceled` entry and frees its KV
       blocks. Returns the current status (RUNNING, or QUEUED/PREEMPTED mid-claim); poll the
       JobState or read the stream to see it end.
     - already finished/failed/canceled: nothing changes; returns that status.
     """
-    script = redis.register_script(_CANCEL_LUA)
+    script_keys, args = _cancel_call(job_id, keys)
+    result = _cancel_result(redis.register_script(_CANCEL_LUA)(keys=script_keys, args=args))
+    if result == JobStatus.CANCELED:
+        # The final entry a queued job's cancel wrote (or an earlier cancel did: a spare
+        # notification costs a stream hub one empty read).
+        notify_steps(redis, keys, [job_id])
+    return result
+
+
+async def cancel_job_async(redis: AsyncRedis, job_id: str, keys: Keys = Keys()) -> JobStatus | None:
+    """`cancel_job` from an event loop."""
+    script_keys, args = _cancel_call(job_id, keys)
+    result = _cancel_result(await redis.register_script(_CANCEL_LUA)(keys=script_keys, args=args))
+    if result == JobStatus.CANCELED:
+        async with redis.pipeline(transaction=False) as pipe:
+            notify_steps(pipe, keys, [job_id])
+            await pipe.execute()
+    return result
+
+
+def _cancel_call(job_id: str, keys: Keys) -> tuple[list[str], list[EncodableT]]:
     script_keys = [keys.canceled(), keys.state(job_id), keys.stream(job_id), RQKeys.job(job_id),
                    keys.fence(job_id), keys.webhook_events()]
     templates = [KeyTemplate.of(RQKeys.queue("\x00")), KeyTemplate.of(RQKeys.canceled("\x00")),
                  KeyTemplate.of(keys.queue_owners("\x00")), KeyTemplate.of(keys.fair_vtimes("\x00"))]
     args: list[EncodableT] = [job_id, DEFAULT_RESULT_TTL,
                               *(part for t in templates for part in (t.prefix, t.suffix))]
-    status = script(keys=script_keys, args=args, client=redis)
+    return script_keys, args
+
+
+def _cancel_result(status: Any) -> JobStatus | None:
     if status is None:
         return None
-    result = JobStatus(status.decode() if isinstance(status, bytes) else status)
-    if result == JobStatus.CANCELED:
-        # The final entry a queued job's cancel wrote (or an earlier cancel did: a spare
-        # notification costs a stream hub one empty read).
-        notify_steps(redis, keys, [job_id])
-    return result
+    return JobStatus(status.decode() if isinstance(status, bytes) else status)

@@ -6,11 +6,15 @@ import asyncio
 import json
 from collections.abc import Iterator
 
+import fakeredis
 import httpx
 import pytest
 from api_support import Harness, make_harness, parse_sse
+from rq import Queue
+from rq.job import Job
+from rq.serializers import JSONSerializer
 
-from protocol import FinishReason
+from protocol import FinishReason, Priority
 
 pytestmark = pytest.mark.anyio
 
@@ -198,6 +202,31 @@ async def test_canceled_queued_job_stream_ends_with_canceled(harness: Harness,
     await task
     assert [e["event"] for e in events] == ["done"]
     assert json.loads(events[0]["data"])["finish_reason"] == "canceled"
+
+
+@pytest.mark.parametrize("taken_by", ["rq empty", "Job.delete", "Job.cancel"])
+async def test_a_queued_job_rq_itself_took_away_ends_its_stream_canceled(
+        harness: Harness, client: httpx.AsyncClient, taken_by: str) -> None:
+    """`rq empty`, rq-dashboard's delete or rq's own cancel take a queued job off its queue;
+    no worker will claim it, so its follower ends it instead of waiting for ever."""
+    job_id = await _job(client)
+    rq_redis = fakeredis.FakeRedis(server=harness.server)  # rq reads bytes
+    queue = Queue(harness.keys.queue_name("tiny", Priority.NORMAL), connection=rq_redis,
+                  serializer=JSONSerializer)
+
+    async def rq_takes_it_soon() -> None:
+        await asyncio.sleep(0.05)
+        rq_job = Job.fetch(job_id, rq_redis, serializer=JSONSerializer)
+        {"rq empty": lambda: queue.empty(), "Job.delete": rq_job.delete,
+         "Job.cancel": rq_job.cancel}[taken_by]()
+
+    task = asyncio.create_task(rq_takes_it_soon())
+    events = _events(await client.get(f"/v1/jobs/{job_id}/stream"))
+    await task
+    assert [(e["id"], e["event"]) for e in events] == [("0-1", "done")]
+    assert json.loads(events[0]["data"])["finish_reason"] == "canceled"
+    status = (await client.get(f"/v1/jobs/{job_id}")).json()["status"]
+    assert status == "canceled"
 
 
 async def test_job_ended_without_a_final_entry_still_ends_the_stream(

@@ -163,6 +163,40 @@ def test_cancel_a_job_being_claimed_flags_it_for_the_claimer(
     assert fake_redis.sismember(KEYS.canceled(), "job-1")
 
 
+@pytest.mark.parametrize("taken_by", ["rq empty", "Job.delete", "Job.cancel"])
+def test_cancel_ends_a_queued_job_that_rq_itself_took_off_its_queue(
+        fake_redis: fakeredis.FakeRedis, taken_by: str) -> None:
+    """rq's own tools remove a queued job no worker will then claim: Carpool's cancel ends it
+    (final entry, JobState) instead of flagging it for a claim that never comes."""
+    submit_job(fake_redis, make_spec("job-1"))
+    submit_job(fake_redis, make_spec("job-2", owner="a"))
+    queue = Queue("carpool-tiny-normal", connection=fake_redis, serializer=JSONSerializer)
+    rq_job = Job.fetch("job-1", fake_redis, serializer=JSONSerializer)
+    if taken_by == "rq empty":
+        queue.empty()
+    elif taken_by == "Job.delete":
+        rq_job.delete()
+    else:
+        rq_job.cancel()
+    assert cancel_job(fake_redis, "job-1") is JobStatus.CANCELED
+    read = JobReader(fake_redis).read("job-1")
+    assert read.entries == [StreamEntry(kind="done", finish_reason=FinishReason.CANCELED)]
+    assert JobReader(fake_redis).state("job-1").status is JobStatus.CANCELED
+    assert not fake_redis.sismember(KEYS.canceled(), "job-1")
+    assert notes_of(fake_redis) == [{"k": KEYS.stream("job-1")}]
+    if taken_by == "Job.cancel":
+        assert Job.fetch("job-1", fake_redis).get_status() == RQJobStatus.CANCELED
+        assert "job-1" in CanceledJobRegistry("carpool-tiny-normal", connection=fake_redis)
+    else:  # a deleted RQ job stays deleted
+        assert fake_redis.exists(RQKeys.job("job-1")) == 0
+    # Its place in the fair-share index goes too where its queue is known (rq's cancel keeps
+    # the RQ job); the other job, on its queue unless emptied, waits in its owner's list.
+    owner_list = fake_redis.lrange(KEYS.queue_owner_jobs("carpool-tiny-normal", "key-1"), 0, -1)
+    assert owner_list == ([] if taken_by == "Job.cancel" else [b"job-1"])
+    assert (JobReader(fake_redis).state("job-2").status, queue.job_ids) == (
+        JobStatus.QUEUED, [] if taken_by == "rq empty" else ["job-2"])
+
+
 def test_cancel_a_finished_job_changes_nothing(fake_redis: fakeredis.FakeRedis) -> None:
     submit_job(fake_redis, make_spec("job-1"))
     fake_redis.hset(KEYS.state("job-1"), "status", "finished")
