@@ -9,6 +9,7 @@ import time
 
 import pytest
 from rq import Queue, Worker
+from rq.command import send_shutdown_command, send_stop_job_command
 from rq.job import Job
 from rq.job import JobStatus as RQJobStatus
 from rq.registry import FailedJobRegistry, FinishedJobRegistry
@@ -289,3 +290,22 @@ def test_rq_requeue_runs_a_failed_job_again_token_for_token(
     assert rq_job.get_status() == RQJobStatus.FINISHED
     assert rq_job.return_value()["token_ids"] == expected
     assert FailedJobRegistry(queue_name, connection=pair.redis).count == failed_before
+
+
+def test_rqs_worker_commands_stop_a_job_and_shut_a_worker_down(pair: Fleet) -> None:
+    """rq.command against the real workers: stop-job cancels the job on whichever worker runs
+    it; shutdown drains that worker and its process exits 0. (Last: it stops a worker.)"""
+    (spec,) = make_specs(pair.model_dir.name, 1, max_tokens=1000, ignore_eos=True)
+    submit_jobs(pair.redis, [spec])
+    reader = JobReader(pair.redis)
+    state = wait_until(lambda: (s := reader.state(spec.job_id)).status is JobStatus.RUNNING
+                       and pair.redis.xlen(KEYS.stream(spec.job_id)) > 0 and s, 30,
+                       "the job running", pair.logs)
+    send_stop_job_command(pair.redis, spec.job_id, serializer=JSONSerializer)
+    ended = wait_until(lambda: (s := reader.state(spec.job_id)).status.is_final and s, 30,
+                       "the job stopped", pair.logs)
+    assert (ended.status, ended.finish_reason) == (JobStatus.CANCELED, FinishReason.CANCELED)
+    assert len(ended.token_ids) < 1000
+    (worker,) = [w for w in pair.workers if w.name == state.worker]
+    send_shutdown_command(pair.redis, worker.name)
+    assert worker.wait(timeout=30) == 0

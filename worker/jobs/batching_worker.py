@@ -11,7 +11,9 @@ Idle, it blocks on its queues' wake-up lists (BLPOP with a timeout, so heartbeat
 keep running), then claims. A worker serves one model and takes jobs only off that model's queues.
 SIGTERM drains: no new jobs, running ones get `drain_seconds` to finish, the rest are requeued.
 `rq suspend` holds new jobs back (the claim refuses while it holds): the running ones go on to
-their ends, and the worker looks for `rq resume` once a second, as rq's own worker does.
+their ends, and the worker looks for `rq resume` once a second, as rq's own worker does. rq's
+worker commands (rq.command) arrive at iteration boundaries: shutdown drains as SIGTERM does,
+stop-job cancels the job (worker/jobs/rq_commands.py).
 Redis unreachable (restart, failover, network): every Redis step retries with capped exponential
 backoff and jitter, logging each retry; jobs are dropped only once their leases must have lapsed.
 """
@@ -38,6 +40,7 @@ from rq.worker import WorkerStatus
 
 from protocol.generation import FinishReason, PromptLogprobs, SamplingParams
 from protocol.generation_defaults import generation_defaults
+from protocol.job_submission import cancel_job
 from protocol.keys import Keys
 from protocol.messages import JobSpec, JobStatus, ModelCard, Priority, WorkerStats
 from protocol.stream_shards import shard_urls
@@ -46,6 +49,7 @@ from worker.engine.outputs import StepOutput, StepStats
 from worker.jobs.backoff import Backoff
 from worker.jobs.job_queue import ClaimedJob, JobQueue, WorkersSuspended
 from worker.jobs.job_scripts import JobScripts
+from worker.jobs.rq_commands import RQCommands
 from worker.jobs.rq_presence import RQPresence
 from worker.jobs.running_job import RunningJob
 from worker.jobs.settings import WorkerSettings
@@ -88,6 +92,8 @@ class BatchingWorker:
                                    self.queue.queue_names,
                                    ttl_seconds=int(max(settings.heartbeat_seconds * 3, 30))
                                    ) if register_presence else None
+        # rq's commands to this worker, on the presence's client (its own connection).
+        self.rq_commands = RQCommands(self.presence.redis, self.name) if self.presence else None
         self.shards = StreamShards(redis, [
             redis if url == settings.redis_url else _shard_client(url, settings)
             for url in shard_urls(settings.redis_url, settings.stream_redis_urls)],
@@ -142,6 +148,8 @@ class BatchingWorker:
                      self.queue.home_shard)
         if self.presence is not None:
             self.presence.register_birth()
+        if self.rq_commands is not None:
+            self.rq_commands.subscribe()
         self._publish_model()
         log.info("worker %s serving %s on %s", self.name, self.settings.served_model_name,
                  ", ".join(self.queue.queue_names))
@@ -150,6 +158,8 @@ class BatchingWorker:
             if not self.jobs:
                 self.publisher.forget_live()
         finally:
+            if self.rq_commands is not None:
+                self.rq_commands.close()
             if self.presence is not None:
                 self.presence.register_death()
         log.info("worker %s stopped", self.name)
@@ -205,6 +215,7 @@ class BatchingWorker:
     def _loop(self) -> None:
         drain_deadline: float | None = None
         while True:
+            self._act_on_rq_commands()
             if self._stop_requested and drain_deadline is None:
                 drain_deadline = time.monotonic() + self.settings.drain_seconds
                 log.info("worker %s: draining %d jobs for up to %.0fs", self.name,
@@ -313,6 +324,29 @@ class BatchingWorker:
         # The job is still on its queue: a claim lost to Redis dropping is retried at the next
         # iteration boundary (or taken by another worker meanwhile).
         return self._claim_now()
+
+    def _act_on_rq_commands(self) -> None:
+        if self.rq_commands is None:
+            return
+        for command in self.rq_commands.received():
+            if command.name == "shutdown":
+                log.info("worker %s: rq's shutdown command, draining", self.name)
+                self._stop_requested = True
+            elif command.name in ("stop-job", "stop-execution") and command.job_id in self.jobs:
+                # Canceled as through the API: it ends at the next boundary, its stream final.
+                log.info("worker %s: rq's %s command for job %s, canceling it", self.name,
+                         command.name, command.job_id)
+                try:
+                    cancel_job(self.redis, command.job_id, self.keys)
+                except _REDIS_DOWN as exc:
+                    self._redis_unreachable("canceling a job", exc)
+            elif command.name in ("stop-job", "stop-execution"):
+                log.info("worker %s: rq's %s command for job %s, which it does not run",
+                         self.name, command.name, command.job_id)
+            else:
+                log.warning("worker %s: rq's %s command ignored (Carpool runs no work horse: "
+                            "stop-job stops one job, shutdown the worker)", self.name,
+                            command.name)
 
     def _suspend(self) -> None:
         if not self._is_suspended:

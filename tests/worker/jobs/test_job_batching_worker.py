@@ -10,6 +10,8 @@ from pathlib import Path
 
 import fakeredis
 import pytest
+from rq.command import send_kill_horse_command, send_shutdown_command, send_stop_job_command
+from rq.serializers import JSONSerializer
 from rq.suspension import resume, suspend
 
 from protocol import (
@@ -356,3 +358,31 @@ def test_rq_suspend_lets_running_jobs_finish_and_starts_none_until_rq_resume(
                                   long)
     assert [list(s.token_ids) for s in (finished, started, last)] == [
         list(c.token_ids) for c in expected]
+
+
+@pytest.mark.parametrize("running", ["continuous"], indirect=True)
+def test_rqs_stop_job_command_cancels_its_job_and_its_shutdown_command_drains_the_worker(
+        running: Running, reference) -> None:
+    """rq.command's functions, as an rq user calls them: stop-job ends that one job canceled
+    (the other runs on to its own end), shutdown stops the worker as SIGTERM does."""
+    model = running.worker.settings.served_model_name
+    stopped, other = [dataclasses.replace(spec, sampling=SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        for spec, max_tokens in zip(_specs(model, 2), (900, 30))]
+    submit_jobs(running.redis, [stopped, other])
+    wait_for(lambda: all((job := running.worker.jobs.get(spec.job_id)) is not None
+                         and job.num_tokens >= 2 for spec in (stopped, other)))
+    send_stop_job_command(running.redis, stopped.job_id, serializer=JSONSerializer)
+    reader = JobReader(running.redis)
+    states = wait_for(lambda: (s := [reader.state(x.job_id) for x in (stopped, other)]) and
+                      all(st.status.is_final for st in s) and s)
+    assert [s.status for s in states] == [JobStatus.CANCELED, JobStatus.FINISHED]
+    assert states[0].finish_reason is FinishReason.CANCELED and len(states[0].token_ids) < 900
+    expected = reference.generate([other.prompt], other.sampling)
+    assert list(states[1].token_ids) == list(expected[0].token_ids)
+    assert running.worker.engine.num_free_kv_blocks() == _stats(running).num_kv_blocks_total
+    send_kill_horse_command(running.redis, running.worker.name)  # no work horse: ignored
+    send_shutdown_command(running.redis, running.worker.name)
+    running.thread.join(10)
+    assert not running.thread.is_alive()
+    assert running.redis.hget(RQKeys.worker(running.worker.name), "death") is not None
