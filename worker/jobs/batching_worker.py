@@ -51,6 +51,8 @@ from worker.jobs.job_queue import ClaimedJob, JobQueue, WorkersSuspended
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.rq_commands import RQCommands
 from worker.jobs.rq_presence import RQPresence
+from worker.jobs.rq_suspension import POLL_S as SUSPENSION_POLL_S
+from worker.jobs.rq_suspension import Suspension
 from worker.jobs.running_job import RunningJob
 from worker.jobs.settings import WorkerSettings
 from worker.jobs.stream_publisher import JobEnd, PublishReport, StreamPublisher
@@ -62,8 +64,6 @@ if TYPE_CHECKING:  # the engine (torch) is handed in by worker.__main__, never i
 log = logging.getLogger(__name__)
 
 _REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
-# How often a suspended worker looks for `rq resume` (rq's own worker: every second).
-SUSPENSION_POLL_S = 1.0
 
 
 @dataclass(slots=True)
@@ -118,8 +118,7 @@ class BatchingWorker:
             if not priority.is_background]
         self._stop_requested = False
         # `rq suspend` held at the last claim or wait: no claim is sent until it is gone.
-        self._is_suspended = False
-        self._suspension_read_at = 0.0  # monotonic
+        self.suspension = Suspension(self.queue, self.name)
         self._last_heartbeat = 0.0
         self._last_publish = -math.inf  # monotonic time of the last flush
         self._last_stats: StepStats | None = None
@@ -245,7 +244,7 @@ class BatchingWorker:
 
     def _claim_now(self) -> list[ClaimedJob]:
         queues_seen_empty, self._queues_seen_empty = self._queues_seen_empty, False
-        if self._is_suspended and not self._has_resumed():
+        if self.suspension.is_held and not self._has_resumed():
             return []  # nor are batch jobs preempted for waiting ones it would not take
         waiting = self._make_seats_for_foreground()
         free_slots = self._free_slots()
@@ -258,7 +257,7 @@ class BatchingWorker:
         try:
             claims = self.queue.claim(free_slots, budget)
         except WorkersSuspended:
-            self._suspend()
+            self.suspension.hold(len(self.jobs))
             return []
         except _REDIS_DOWN as exc:
             self._redis_unreachable("claiming jobs", exc)
@@ -303,14 +302,14 @@ class BatchingWorker:
 
     def _wait_for_jobs(self) -> list[ClaimedJob]:
         self._queues_seen_empty = False  # the last publish's reading is older than the wait
-        if self._is_suspended:
+        if self.suspension.is_held:
             # No wait on the wake-ups: each new job would end it early, for a refused claim.
             time.sleep(min(SUSPENSION_POLL_S, self.settings.idle_block_seconds))
             return self._claim_now()
         try:
             woken = self.queue.wait(self.settings.idle_block_seconds)
         except WorkersSuspended:
-            self._suspend()
+            self.suspension.hold(len(self.jobs))
             return []
         except _REDIS_DOWN as exc:
             self._redis_unreachable("waiting for jobs", exc)
@@ -348,30 +347,16 @@ class BatchingWorker:
                             "stop-job stops one job, shutdown the worker)", self.name,
                             command.name)
 
-    def _suspend(self) -> None:
-        if not self._is_suspended:
-            log.info("worker %s: suspended (rq suspend): its %d running jobs go on, no new job "
-                     "starts until `rq resume`", self.name, len(self.jobs))
-        self._is_suspended = True
-        self._suspension_read_at = time.monotonic()
-
     def _has_resumed(self) -> bool:
-        """Suspended: whether `rq resume` (or the suspension's --duration) ended it, read from
-        Redis at most once a second."""
-        now = time.monotonic()
-        if now - self._suspension_read_at < SUSPENSION_POLL_S:
+        if not self.suspension.is_read_due:
             return False
-        self._suspension_read_at = now
         try:
-            if self.queue.is_suspended():
-                return False
+            lifted = self.suspension.has_lifted()
         except _REDIS_DOWN as exc:
             self._redis_unreachable("reading rq's suspension", exc)
             return False
         self._redis_reachable()
-        self._is_suspended = False
-        log.info("worker %s: resumed, taking jobs again", self.name)
-        return True
+        return lifted
 
     def _redis_unreachable(self, doing: str, exc: Exception) -> None:
         delay = self._backoff.next_delay()
@@ -518,7 +503,7 @@ class BatchingWorker:
         for item in pending:
             pub.finish(item.job, item.end, now)
         pub.stats(self._stats(now), self.settings.stats_ttl_seconds)
-        pub.worker_state(WorkerStatus.SUSPENDED if self._is_suspended
+        pub.worker_state(WorkerStatus.SUSPENDED if self.suspension.is_held
                          else WorkerStatus.BUSY if self.jobs else WorkerStatus.IDLE)
         if not self.jobs or self._stop_requested:
             pub.write_metrics_now()  # idle or draining: no later step to carry them
@@ -623,7 +608,7 @@ class BatchingWorker:
             slot_utilisation=stats.slot_utilisation if stats else 0.0,
             max_num_seqs=self.engine.limits.max_num_seqs, updated_at=now,
             num_jobs=0 if drained else len(self.jobs) + len(self._pending),
-            suspended=self._is_suspended)
+            suspended=self.suspension.is_held)
 
 
 def _has_started(claim: ClaimedJob) -> bool:
