@@ -22,7 +22,9 @@ questions, long-tailed output lengths, greedy, EOS ignored so both generate the 
                latency a first try sees; not in the default --loads)
 
 Reported per load: generated tok/s (tokens / first submit to last token), TTFT p50/p99, mean
-inter-token latency, e2e p99. Before any ratio, the peer's greedy text is compared with Carpool's
+inter-token latency, e2e p99, and the cores each process used over the load (`cpu_cores`: CPU
+time / the load's wall time; Carpool's redis, api and worker, vLLM's server with its engine
+process, and this benchmark's own client). Before any ratio, the peer's greedy text is compared with Carpool's
 on the same prompts: a server that answers garbage fast is no baseline.
 
     python scripts/bench_serve.py --vllm-python /work/peer/vllm-venv/bin/python
@@ -58,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import openai  # noqa: E402
+import psutil  # noqa: E402
 from bench_fleet import command_stats, redis_cpu_seconds  # noqa: E402
 from redis import Redis  # noqa: E402
 
@@ -113,6 +116,7 @@ class Server:
     processes: list[subprocess.Popen]
     workdir: Path
     redis_url: str = ""  # Carpool's private Redis: its CPU per token is reported per load
+    process_names: tuple[str, ...] = ("server",)  # one each of `processes`, for cpu_cores
 
     def stop(self) -> None:
         # One at a time, last started first: a worker shutting down still needs its Redis.
@@ -178,7 +182,8 @@ def start_carpool(model: str, workdir: Path) -> Server:
     processes.append(_spawn([sys.executable, "-m", "worker", "--model", model, "--redis-url",
                              redis_url, "--name", "bench-serve"], logs[2]))
     url = f"http://127.0.0.1:{api_port}"
-    server = Server("carpool", url, "", processes, workdir, redis_url)
+    server = Server("carpool", url, "", processes, workdir, redis_url,
+                    process_names=("redis", "api", "worker"))
     try:
         server.model = _wait_ready(url, processes, logs)
     except BaseException:
@@ -283,6 +288,25 @@ def summarize(records: list[Record], items: list[WorkloadItem]) -> dict[str, obj
             "first_error": next((r.error for r in records if r.error), "")}
 
 
+def cpu_seconds(server: Server) -> dict[str, float]:
+    """CPU time so far of each of the server's processes (with the processes they started) and
+    of this benchmark's client."""
+    seconds = {}
+    for name, process in zip(server.process_names, server.processes):
+        total = 0.0
+        try:
+            root = psutil.Process(process.pid)
+            for member in (root, *root.children(recursive=True)):
+                times = member.cpu_times()
+                total += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+        seconds[name] = total
+    times = psutil.Process().cpu_times()
+    seconds["client"] = times.user + times.system
+    return seconds
+
+
 def redis_cpu_s(server: Server) -> float | None:
     """Redis' own CPU seconds so far (INFO: used_cpu_sys + used_cpu_user), None for a peer."""
     if not server.redis_url:
@@ -372,8 +396,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     cpu_before = redis_cpu_s(server)
                     if args.command_stats and server.redis_url:
                         reset_command_stats(server)
+                    processes_before, started = cpu_seconds(server), time.perf_counter()
                     summary = summarize(asyncio.run(run_load(server, items, spec.rate, spec.one_at_a_time)),
                                         items)
+                    wall_s = time.perf_counter() - started
+                    summary["cpu_cores"] = {
+                        name: round((seconds - processes_before[name]) / wall_s, 2)
+                        for name, seconds in cpu_seconds(server).items()}
                     cpu_after = redis_cpu_s(server)
                     if cpu_before is not None and cpu_after is not None:
                         # The issue's measure: Redis' CPU per token a subscriber received.
