@@ -35,6 +35,7 @@ from api.model_registry import ModelRegistry
 from api.queue_admission import QueueAdmission
 from api.recent_submissions import RecentSubmissions
 from api.sampling_defaults import served_defaults, with_model_defaults
+from api.state_reads import is_taken_away_by_rq, read_state
 from api.structured_output import StructuredOutputParams
 from api.submission_batcher import SubmissionBatcher
 from api.tokenizer_cache import TokenizerCache
@@ -49,8 +50,10 @@ from protocol.job_submission import (
     Idempotency,
     SubmissionRefused,
     cancel_job,
+    cancel_job_async,
     prepare_submission,
 )
+from protocol.rq_keys import RQKeys
 from protocol.webhook_urls import WebhookAllowList
 
 # Tokenizing this much text on the event loop would stall other requests: use a thread.
@@ -345,14 +348,20 @@ class JobService:
         return self._recent.fresh_since(job_id, owner)
 
     async def state(self, job_id: str, owner: str) -> JobState:
-        """The job's state; 404 for unknown jobs and for jobs of another key alike."""
-        fields = await self._aio.hgetall(self._keys.state(job_id))
+        """The job's state; 404 for unknown jobs and for jobs of another key alike. A queued
+        job rq itself took off its queue (`rq empty`, Job.delete, rq's Job.cancel), which no
+        worker will claim, is ended canceled first (the RQ status comes in the same request)."""
+        state_key = self._keys.state(job_id)
+        fields, rq_status = await read_state(self._aio, state_key, RQKeys.job(job_id))
         if not fields:
             raise NotFoundError(f"No job with id '{job_id}'", param="job_id", code="job_not_found")
         state = JobState.from_fields(fields)
         if state.owner != owner:
             # The same answer as for a missing job: another key's job ids must not leak.
             raise NotFoundError(f"No job with id '{job_id}'", param="job_id", code="job_not_found")
+        if is_taken_away_by_rq(state.status, rq_status):
+            await cancel_job_async(self._aio, job_id, self._keys)
+            state = JobState.from_fields(await self._aio.hgetall(state_key))
         return state
 
     async def prompt_logprobs(self, job_id: str) -> PromptLogprobs | None:

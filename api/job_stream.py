@@ -15,7 +15,7 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
-from api.state_reads import SharedStateReads, read_state
+from api.state_reads import SharedStateReads, is_taken_away_by_rq, read_state
 from api.stream_hub import StreamHub, Subscription
 from protocol import FinishReason, JobState, JobStatus, Keys, StreamEntry
 from protocol.job_reader import XReadReply
@@ -161,10 +161,8 @@ class JobStream:
                 if not state_fields:
                     return
                 state = JobState.from_fields(state_fields)
-                if (state.status in (JobStatus.QUEUED, JobStatus.PREEMPTED)
-                        and (rq_status is None or _text(rq_status) == "canceled")):
-                    # rq itself took it off its queue (`rq empty`, Job.delete, rq's Job.cancel):
-                    # no worker will claim it, so it ends here, canceled, and this reader with it.
+                if is_taken_away_by_rq(state.status, rq_status):
+                    # No worker will claim it: it ends here, canceled, and this reader with it.
                     await cancel_job_async(self._redis, self.job_id, self._keys)
                     continue
                 if not self._placed:

@@ -15,6 +15,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from protocol import JobStatus
+
 # A job's state hash, and its RQ job's status (None: the RQ job is gone).
 StateRead = tuple[dict[Any, Any], bytes | None]
 
@@ -26,6 +28,15 @@ async def read_state(redis: aioredis.Redis, state_key: str, rq_job_key: str) -> 
         pipe.hget(rq_job_key, "status")
         fields, rq_status = await pipe.execute()
     return dict(fields), rq_status
+
+
+def is_taken_away_by_rq(status: JobStatus, rq_status: bytes | str | None) -> bool:
+    """A job waiting for a worker whose RQ job rq itself removed (`rq empty`, Job.delete: gone)
+    or canceled (rq's Job.cancel): no worker will claim it, so it is to be ended canceled."""
+    if status not in (JobStatus.QUEUED, JobStatus.PREEMPTED):
+        return False
+    return rq_status is None or (
+        rq_status.decode() if isinstance(rq_status, bytes) else rq_status) == "canceled"
 
 
 class SharedStateReads:

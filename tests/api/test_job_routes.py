@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import json
 
+import fakeredis
 import httpx
 import pytest
 from api_support import CONTEXT, MODEL, Harness
+from rq import Queue
 from rq.job import Job
 from rq.serializers import JSONSerializer
 
@@ -200,6 +202,22 @@ async def test_cancel_a_queued_job(harness: Harness, client: httpx.AsyncClient) 
                                "canceled": True}
     assert harness.state(job_id).status is JobStatus.CANCELED
     assert harness.sync.llen(RQKeys.queue(harness.keys.queue_name(MODEL, Priority.NORMAL))) == 0
+    events = (await client.get(f"/v1/jobs/{job_id}/stream")).text
+    assert '"finish_reason": "canceled"' in events
+
+
+async def test_a_queued_job_rq_emptied_off_its_queue_reads_canceled(
+        harness: Harness, client: httpx.AsyncClient) -> None:
+    """`rq empty` took it (its RQ job deleted), so no worker will ever claim it: the status read
+    ends it canceled instead of showing it queued for ever."""
+    job_id = str((await _submit(client))["job_id"])
+    rq_redis = fakeredis.FakeRedis(server=harness.server)  # rq reads bytes
+    Queue(harness.keys.queue_name(MODEL, Priority.NORMAL), connection=rq_redis,
+          serializer=JSONSerializer).empty()
+    body = (await client.get(f"/v1/jobs/{job_id}")).json()
+    assert (body["status"], body["finish_reason"]) == ("canceled", "canceled")
+    assert harness.state(job_id).status is JobStatus.CANCELED
+    assert harness.sync.exists(RQKeys.job(job_id)) == 0  # deleted by rq, it stays deleted
     events = (await client.get(f"/v1/jobs/{job_id}/stream")).text
     assert '"finish_reason": "canceled"' in events
 
