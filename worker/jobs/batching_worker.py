@@ -86,16 +86,18 @@ class BatchingWorker:
         self.queue = JobQueue(redis, self.scripts, self.keys, self.name,
                               settings.served_model_name, settings.lease_ms,
                               settings.execution_ttl_seconds, settings.block_size)
-        # rq's Worker adjusts its client's socket timeout for its own BLPOPs: give it its own.
+        # rq's Worker adjusts its client's socket timeout for its own BLPOPs: give it its own,
+        # with the main client's connect timeout (rq's commands are read through it at every
+        # iteration: a partitioned Redis must not hold the loop past it).
         # rq_entry runs inside an rq worker, which keeps its own presence: no second one.
-        self.presence = RQPresence(presence_redis or Redis.from_url(settings.redis_url), self.name,
-                                   self.queue.queue_names,
+        rq_redis = presence_redis or _redis_client(settings.redis_url, settings)
+        self.presence = RQPresence(rq_redis, self.name, self.queue.queue_names,
                                    ttl_seconds=int(max(settings.heartbeat_seconds * 3, 30))
                                    ) if register_presence else None
-        # rq's commands to this worker, on the presence's client (its own connection).
-        self.rq_commands = RQCommands(self.presence.redis, self.name) if self.presence else None
+        # rq's commands to this worker (a Pub/Sub connection of that client's).
+        self.rq_commands = RQCommands(rq_redis, self.name) if register_presence else None
         self.shards = StreamShards(redis, [
-            redis if url == settings.redis_url else _shard_client(url, settings)
+            redis if url == settings.redis_url else _redis_client(url, settings)
             for url in shard_urls(settings.redis_url, settings.stream_redis_urls)],
             self.scripts, self.keys)
         self.publisher = StreamPublisher(redis, self.scripts, self.keys, self.name,
@@ -616,9 +618,9 @@ def _has_started(claim: ClaimedJob) -> bool:
     claim's time (`claimed_at`, passed to it as repr, so equal when it was this claim) only on
     the first one."""
     return bool(claim.tokens) or claim.state.started_at != claim.claimed_at
-def _shard_client(url: str, settings: WorkerSettings) -> Redis:
-    """A stream shard's client, with the main one's timeouts and one quiet retry on a fresh
-    connection (a pooled one may predate a shard restart)."""
+def _redis_client(url: str, settings: WorkerSettings) -> Redis:
+    """A client with the main one's timeouts and one quiet retry on a fresh connection (a pooled
+    one may predate a restart): a stream shard's, and rq's presence and commands'."""
     return Redis.from_url(url, socket_timeout=settings.redis_timeout_seconds,
                           socket_connect_timeout=settings.redis_timeout_seconds,
                           health_check_interval=30, retry=Retry(NoBackoff(), 1))
