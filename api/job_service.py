@@ -35,7 +35,7 @@ from api.model_registry import ModelRegistry
 from api.queue_admission import QueueAdmission
 from api.recent_submissions import RecentSubmissions
 from api.sampling_defaults import served_defaults, with_model_defaults
-from api.state_reads import is_taken_away_by_rq, read_state
+from api.state_reads import end_if_taken_away_by_rq, read_state
 from api.structured_output import StructuredOutputParams
 from api.submission_batcher import SubmissionBatcher
 from api.tokenizer_cache import TokenizerCache
@@ -50,7 +50,6 @@ from protocol.job_submission import (
     Idempotency,
     SubmissionRefused,
     cancel_job,
-    cancel_job_async,
     prepare_submission,
 )
 from protocol.rq_keys import RQKeys
@@ -359,8 +358,7 @@ class JobService:
         if state.owner != owner:
             # The same answer as for a missing job: another key's job ids must not leak.
             raise NotFoundError(f"No job with id '{job_id}'", param="job_id", code="job_not_found")
-        if is_taken_away_by_rq(state.status, rq_status):
-            await cancel_job_async(self._aio, job_id, self._keys)
+        if await end_if_taken_away_by_rq(self._aio, self._keys, job_id, state.status, rq_status):
             state = JobState.from_fields(await self._aio.hgetall(state_key))
         return state
 

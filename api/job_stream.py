@@ -15,11 +15,10 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
-from api.state_reads import SharedStateReads, is_taken_away_by_rq, read_state
+from api.state_reads import SharedStateReads, end_if_taken_away_by_rq, read_state
 from api.stream_hub import StreamHub, Subscription
 from protocol import FinishReason, JobState, JobStatus, Keys, StreamEntry
 from protocol.job_reader import XReadReply
-from protocol.job_submission import cancel_job_async
 from protocol.rq_keys import RQKeys
 from protocol.stream_ids import STREAM_START, entry_id_key, next_entry_id
 from protocol.stream_shards import started_shard
@@ -161,10 +160,9 @@ class JobStream:
                 if not state_fields:
                     return
                 state = JobState.from_fields(state_fields)
-                if is_taken_away_by_rq(state.status, rq_status):
-                    # No worker will claim it: it ends here, canceled, and this reader with it.
-                    await cancel_job_async(self._redis, self.job_id, self._keys)
-                    continue
+                if await end_if_taken_away_by_rq(self._redis, self._keys, self.job_id,
+                                                 state.status, rq_status):
+                    continue  # to its final entry, which ends this reader
                 if not self._placed:
                     assert self._shards is not None
                     started = started_shard(self.job_id, state.stream_shard, state.started_at,

@@ -15,7 +15,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from protocol import JobStatus
+from protocol import JobStatus, Keys
+from protocol.job_submission import cancel_job_async
 
 # A job's state hash, and its RQ job's status (None: the RQ job is gone).
 StateRead = tuple[dict[Any, Any], bytes | None]
@@ -30,13 +31,17 @@ async def read_state(redis: aioredis.Redis, state_key: str, rq_job_key: str) -> 
     return dict(fields), rq_status
 
 
-def is_taken_away_by_rq(status: JobStatus, rq_status: bytes | str | None) -> bool:
+async def end_if_taken_away_by_rq(redis: aioredis.Redis, keys: Keys, job_id: str,
+                                  status: JobStatus, rq_status: bytes | str | None) -> bool:
     """A job waiting for a worker whose RQ job rq itself removed (`rq empty`, Job.delete: gone)
-    or canceled (rq's Job.cancel): no worker will claim it, so it is to be ended canceled."""
+    or canceled (rq's Job.cancel) is one no worker will claim: it is ended canceled here (True)."""
     if status not in (JobStatus.QUEUED, JobStatus.PREEMPTED):
         return False
-    return rq_status is None or (
-        rq_status.decode() if isinstance(rq_status, bytes) else rq_status) == "canceled"
+    if rq_status is not None and (
+            rq_status.decode() if isinstance(rq_status, bytes) else rq_status) != "canceled":
+        return False
+    await cancel_job_async(redis, job_id, keys)
+    return True
 
 
 class SharedStateReads:
