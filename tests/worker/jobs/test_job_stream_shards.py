@@ -49,6 +49,15 @@ def _claim(queue: JobQueue, shards: StreamShards, n: int = 1):
     return [running(claim) for claim in shards.adopt(queue.claim(n), queue.worker_name)]
 
 
+def _job_1_claimed(main, shard):
+    """job-1 submitted and claimed by a worker whose streams are on `shard`: (queue, shards,
+    publisher, the running job)."""
+    submit(main, "job-1")
+    queue, shards, pub = _worker(main, shard)
+    (job,) = _claim(queue, shards)
+    return queue, shards, pub, job
+
+
 def _lease(job_id: str, stream_shard: int = -1) -> Lease:
     return Lease(job_id, "1", "q", "e", stream_shard=stream_shard)
 
@@ -144,9 +153,7 @@ def test_the_shard_list_is_a_comma_separated_setting_for_workers_and_the_api() -
 
 def test_tokens_and_the_final_entry_go_to_the_shard_the_records_stay_on_the_main_redis() -> None:
     main, shard = fake_redis(), fake_redis()
-    submit(main, "job-1")
-    queue, shards, pub = _worker(main, shard)
-    (job,) = _claim(queue, shards)
+    queue, shards, pub, job = _job_1_claimed(main, shard)
     generate(job, 11, 12)
     pub.append(job)
     assert pub.flush().refused == set()
@@ -209,9 +216,7 @@ def test_an_old_claim_cannot_lower_the_shards_fence() -> None:
 
 def test_a_cancel_during_the_last_step_ends_the_shards_stream_canceled() -> None:
     main, shard = fake_redis(), fake_redis()
-    submit(main, "job-1")
-    queue, shards, pub = _worker(main, shard)
-    (job,) = _claim(queue, shards)
+    queue, shards, pub, job = _job_1_claimed(main, shard)
     generate(job, 11)
     pub.append(job)
     pub.flush()
@@ -226,9 +231,7 @@ def test_a_final_entry_for_a_shard_out_of_reach_is_sent_with_a_later_flush() -> 
     main = fake_redis()
     shard_server = fakeredis.FakeServer()
     shard = fakeredis.FakeRedis(server=shard_server)
-    submit(main, "job-1")
-    queue, shards, pub = _worker(main, shard)
-    (job,) = _claim(queue, shards)
+    queue, shards, pub, job = _job_1_claimed(main, shard)
     generate(job, 11)
     pub.append(job)
     pub.flush()
@@ -245,9 +248,7 @@ def test_a_final_entry_for_a_shard_out_of_reach_is_sent_with_a_later_flush() -> 
 
 def test_a_shard_restarted_without_its_data_refuses_the_appends_of_its_jobs() -> None:
     main, shard = fake_redis(), fake_redis()
-    submit(main, "job-1")
-    queue, shards, pub = _worker(main, shard)
-    (job,) = _claim(queue, shards)
+    queue, shards, pub, job = _job_1_claimed(main, shard)
     generate(job, 11)
     pub.append(job)
     pub.flush()
@@ -261,9 +262,7 @@ def test_a_shard_restarted_without_its_data_refuses_the_appends_of_its_jobs() ->
 
 def test_a_preempted_sharded_job_is_requeued_as_preempted() -> None:
     main, shard = fake_redis(), fake_redis()
-    submit(main, "job-1")
-    queue, shards, pub = _worker(main, shard)
-    (job,) = _claim(queue, shards)
+    queue, shards, pub, job = _job_1_claimed(main, shard)
     generate(job, 11)
     pub.append(job)
     pub.requeue(job, count_as_preemption=True)
@@ -335,9 +334,7 @@ def test_a_sharded_job_rq_requeued_after_its_end_starts_over_with_a_new_stream()
     """rq's requeue of an ended job: its old stream goes from its shard before the new run's
     first token, so the stream holds this run only."""
     main, shard = fake_redis(), fake_redis()
-    submit(main, "job-1")
-    queue, shards, pub = _worker(main, shard)
-    (job,) = _claim(queue, shards)
+    queue, shards, pub, job = _job_1_claimed(main, shard)
     generate(job, 11, 12)
     pub.append(job)
     assert pub.flush().refused == set()
