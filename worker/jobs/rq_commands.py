@@ -31,7 +31,9 @@ class RQCommand:
 class RQCommands:
     def __init__(self, redis: Redis, worker_name: str) -> None:
         self.channel = PUBSUB_CHANNEL_TEMPLATE % worker_name
-        self._pubsub = redis.pubsub(ignore_subscribe_messages=True)
+        # Subscription confirmations come back as messages too (an ignored one would read as
+        # "nothing more" and leave the commands behind it for the next iteration).
+        self._pubsub = redis.pubsub()
         self._subscribed = False
 
     def subscribe(self) -> None:
@@ -47,6 +49,8 @@ class RQCommands:
         commands = []
         try:
             while (message := self._pubsub.get_message(timeout=0.0)) is not None:
+                if message.get("type") != "message":
+                    continue
                 command = _parse(message.get("data"))
                 if command is not None:
                     commands.append(command)
