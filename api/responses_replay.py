@@ -27,7 +27,7 @@ from api.responses_events import ResponseEvents
 from api.responses_jobs import JobReading, job_reading, message_id_of
 from api.responses_schemas import ResponsesRequest
 from api.responses_store import StoredResponse
-from api.sse import sse_comment, typed_event
+from api.sse import SSE_KEEPALIVE, typed_event
 from protocol import JobState
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ async def response_events(ctx: AppContext, stored: StoredResponse, reading: JobR
     async for payload in chunk_payloads(ctx, reading.jobs, writer, reading.formatters, None,
                                         reading.parser):
         if payload is None:
-            yield sse_comment()
+            yield SSE_KEEPALIVE
             continue
         for line in wanted(events.chunk(payload)):
             yield line

@@ -45,7 +45,7 @@ from api.openai_schemas import (
 )
 from api.openai_stream import chunk_payloads
 from api.sampling_defaults import served_defaults
-from api.sse import EventStreamResponse, sse_comment
+from api.sse import SSE_KEEPALIVE, EventStreamResponse
 from api.tool_parsers import ToolParser, get_parser
 from api.webhook_urls import webhook_url_of
 from protocol import ModelCard
@@ -192,7 +192,7 @@ async def _stream_chunks(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
     """The chunks, then (`then`, before [DONE], so that a client that saw the stream end finds
     what it did) whatever follows a stream that ended whole."""
     async for payload in chunk_payloads(ctx, jobs, writer, formatters, prompt_logprobs, tool_parser):
-        yield sse_comment() if payload is None else _data(payload)
+        yield SSE_KEEPALIVE if payload is None else _data(payload)
     if then is not None:
         await then()
     yield b"data: [DONE]\n\n"

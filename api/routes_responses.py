@@ -51,7 +51,7 @@ from api.responses_schemas import (
     ResponseObject,
     ResponsesRequest,
 )
-from api.sse import EventStreamResponse, sse_comment, typed_event
+from api.sse import SSE_KEEPALIVE, EventStreamResponse, typed_event
 from api.tool_parsers import ToolParser, get_parser
 from api.webhook_urls import webhook_url_of
 
@@ -194,7 +194,7 @@ async def _stream(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWriter,
         yield typed_event(event)
     async for payload in chunk_payloads(ctx, jobs, writer, formatters, None, parser):
         if payload is None:
-            yield sse_comment()
+            yield SSE_KEEPALIVE
             continue
         for event in events.chunk(payload):
             yield typed_event(event)

@@ -44,6 +44,16 @@ def sse_comment(text: str = "keep-alive") -> bytes:
     return f": {text}\n\n".encode()
 
 
+# The keep-alive of the streams that OpenAI's and TGI's clients read: one empty line. It keeps a
+# quiet connection (a job waiting in a long queue) open through proxies as a comment does, and
+# every SSE parser skips it (an empty line dispatches nothing while no data is buffered). A
+# comment is not so safe there: vLLM's benchmark client (`vllm bench serve`) strips the
+# whitespace off each network read before it looks for the blank line that ends an event, so a
+# comment read alone loses its ending, swallows every event after it and the request counts as
+# failed ("Never received a valid chunk").
+SSE_KEEPALIVE = b"\n"
+
+
 class EventStreamResponse(StreamingResponse):
     """A `text/event-stream` response that knows whether its client stayed to the end.
 

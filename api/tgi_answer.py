@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from api.context import AppContext
 from api.openai_choices import ChoiceJob, ChoiceResult, merged_events
 from api.openai_logprobs import token_text_of
-from api.sse import sse_comment
+from api.sse import SSE_KEEPALIVE
 from api.tgi_schemas import GenerateParameters
 from protocol import FinishReason, StreamEntry
 
@@ -129,7 +129,7 @@ async def stream_events(ctx: AppContext, job: ChoiceJob, params: GenerateParamet
                 if stream_event is None:
                     if time.monotonic() - last_sent >= ctx.settings.sse_keepalive_s:
                         last_sent = time.monotonic()
-                        yield sse_comment()
+                        yield SSE_KEEPALIVE
                     continue
                 last_sent = time.monotonic()
                 entry = stream_event.entry

@@ -210,6 +210,8 @@ def parse_sse(text: str) -> list[dict[str, str]]:
             continue
         event: dict[str, str] = {}
         for line in block.split("\n"):
+            if not line:
+                continue  # a keep-alive's empty line (api.sse.SSE_KEEPALIVE)
             if line.startswith(":"):
                 event["comment"] = line[1:].strip()
                 continue

@@ -194,6 +194,28 @@ async def test_a_chat_stream_opens_with_its_first_token_not_at_submission(
         (True, {"role": "assistant", "content": ""}), (True, {"content": "Hi"}), (True, {})]
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+async def test_a_stream_that_waits_for_its_first_token_keeps_alive_with_empty_lines(
+        harness: Harness, route: str) -> None:
+    """While the job waits (four keep-alive intervals here), the stream sends empty lines, never
+    a comment: a client that strips each network read before it looks for an event's end (vLLM's
+    `vllm bench serve`) would glue a comment read alone onto the events after it."""
+    body = {"messages": CHAT} if route.endswith("chat/completions") else {"prompt": "hello"}
+    worker = asyncio.create_task(harness.serve_next_job(["Hi"], FinishReason.STOP, 2, delay_s=0.2))
+    # Straight through ASGI, so that each piece the app sends is seen as sent (a network read).
+    sent = await _drive_asgi(harness, route, {**body, "stream": True}, "2.4", 10_000)
+    await worker
+    reads = [m["body"] for m in sent if m["type"] == "http.response.body" and m.get("body")]
+    quiet = [piece for piece in reads if not piece.strip()]
+    assert quiet and set(quiet) == {b"\n"}
+    assert b"".join(reads).startswith(b"\n" * len(quiet) + b"data: ")
+    assert not any(line.startswith(b":") for line in b"".join(reads).split(b"\n"))
+    chunks = _data_lines(b"".join(reads).decode())
+    texts = [choice.get("text", choice.get("delta", {}).get("content"))
+             for chunk in chunks[:-1] for choice in chunk["choices"]]
+    assert chunks[-1] == "[DONE]" and "".join(t or "" for t in texts) == "Hi"
+
+
 async def test_official_client_completions(harness: Harness) -> None:
     client = _openai_client(harness)
     worker = asyncio.create_task(harness.serve_next_job(["The", " end"], FinishReason.STOP, 2))
