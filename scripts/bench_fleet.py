@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import hashlib
 import itertools
 import json
@@ -115,6 +116,7 @@ def _start_redis() -> tuple[subprocess.Popen[bytes], str]:
     if binary is None:
         sys.exit("redis-server is not installed")
     port, directory = _free_port(), tempfile.mkdtemp(prefix="bench-fleet-redis-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)  # a run used to leave it in /tmp
     process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                                 "--appendonly", "no", "--dir", directory],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

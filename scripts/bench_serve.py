@@ -50,7 +50,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -232,6 +233,24 @@ def start_vllm(vllm_python: str, model_dir: Path, workdir: Path, dtype: str) -> 
     return server
 
 
+@contextmanager
+def running_system(system: str, model: str, model_dir: Path, vllm_python: str | None,
+                   vllm_dtype: str, prefix: str) -> Iterator[Server]:
+    """`system` ("carpool" or "vllm") started in a scratch directory of its own, stopped on exit."""
+    with tempfile.TemporaryDirectory(prefix=f"{prefix}-{system}-") as tmp:
+        workdir = Path(tmp)
+        if system == "carpool":
+            server = start_carpool(model, workdir)
+        else:
+            if not vllm_python:
+                raise SystemExit("the vllm system needs --vllm-python (or CARPOOL_VLLM_PYTHON)")
+            server = start_vllm(vllm_python, model_dir, workdir, vllm_dtype)
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
 async def _one(client: openai.AsyncOpenAI, model: str, item: WorkloadItem, record: Record) -> None:
     record.submitted = time.perf_counter()
     try:
@@ -384,36 +403,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, dict[str, object]] = {}
     texts: dict[str, list[str]] = {}
     for system in systems:
-        with tempfile.TemporaryDirectory(prefix=f"bench-serve-{system}-") as tmp:
-            workdir = Path(tmp)
-            server = (start_carpool(args.model, workdir) if system == "carpool"
-                      else start_vllm(args.vllm_python, args.model_dir, workdir, peer_dtype))
-            try:
-                texts[system] = greedy_texts(server)  # also warms both servers up
-                for load in loads:
-                    spec = LOADS[load]
-                    items = spec.workload(spec.requests)
-                    cpu_before = redis_cpu_s(server)
-                    if args.command_stats and server.redis_url:
-                        reset_command_stats(server)
-                    processes_before, started = cpu_seconds(server), time.perf_counter()
-                    summary = summarize(asyncio.run(run_load(server, items, spec.rate, spec.one_at_a_time)),
-                                        items)
-                    wall_s = time.perf_counter() - started
-                    summary["cpu_cores"] = {
-                        name: round((seconds - processes_before[name]) / wall_s, 2)
-                        for name, seconds in cpu_seconds(server).items()}
-                    cpu_after = redis_cpu_s(server)
-                    if cpu_before is not None and cpu_after is not None:
-                        # The issue's measure: Redis' CPU per token a subscriber received.
-                        summary["redis_cpu_us_per_token"] = round(
-                            (cpu_after - cpu_before) * 1e6 / max(int(summary["chunks"]), 1), 2)
-                    results[f"{system}/{load}"] = summary
-                    print(f"  {system:8s} {load:9s} {json.dumps(summary)}", flush=True)
-                    if args.command_stats and server.redis_url:
-                        print_command_stats(server, len(items), int(summary["chunks"]))
-            finally:
-                server.stop()
+        with running_system(system, args.model, args.model_dir, args.vllm_python, peer_dtype,
+                            "bench-serve") as server:
+            texts[system] = greedy_texts(server)  # also warms both servers up
+            for load in loads:
+                spec = LOADS[load]
+                items = spec.workload(spec.requests)
+                cpu_before = redis_cpu_s(server)
+                if args.command_stats and server.redis_url:
+                    reset_command_stats(server)
+                processes_before, started = cpu_seconds(server), time.perf_counter()
+                summary = summarize(asyncio.run(run_load(server, items, spec.rate, spec.one_at_a_time)),
+                                    items)
+                wall_s = time.perf_counter() - started
+                summary["cpu_cores"] = {
+                    name: round((seconds - processes_before[name]) / wall_s, 2)
+                    for name, seconds in cpu_seconds(server).items()}
+                cpu_after = redis_cpu_s(server)
+                if cpu_before is not None and cpu_after is not None:
+                    # The issue's measure: Redis' CPU per token a subscriber received.
+                    summary["redis_cpu_us_per_token"] = round(
+                        (cpu_after - cpu_before) * 1e6 / max(int(summary["chunks"]), 1), 2)
+                results[f"{system}/{load}"] = summary
+                print(f"  {system:8s} {load:9s} {json.dumps(summary)}", flush=True)
+                if args.command_stats and server.redis_url:
+                    print_command_stats(server, len(items), int(summary["chunks"]))
     if "carpool" in texts:
         for system, theirs in texts.items():
             if system != "carpool":

@@ -24,7 +24,6 @@ import os
 import shlex
 import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,8 +36,7 @@ from bench_serve import (  # noqa: E402
     carpool_dtype,
     cpu_name,
     greedy_texts,
-    start_carpool,
-    start_vllm,
+    running_system,
 )
 
 DEFAULT_BENCH_ARGS = ("--backend openai-chat --endpoint /v1/chat/completions --dataset-name random "
@@ -60,9 +58,9 @@ FIGURES = ("completed", "failed", "duration", "output_throughput", "total_token_
            "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms")
 
 
-def run_client(vllm_python: str, server: Server, tokenizer_dir: Path, bench_args: str,
-               workdir: Path) -> dict[str, float]:
+def run_client(vllm_python: str, server: Server, tokenizer_dir: Path, bench_args: str) -> dict[str, float]:
     """One `vllm bench serve` run against `server`: the FIGURES of its result file."""
+    workdir = server.workdir
     result = workdir / "client-result.json"
     command = [vllm_python, "-c", _CLIENT, "bench", "serve", "--base-url", server.url,
                "--model", server.model, "--tokenizer", str(tokenizer_dir),
@@ -103,16 +101,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, dict[str, float]] = {}
     texts: dict[str, list[str]] = {}
     for system in systems:
-        with tempfile.TemporaryDirectory(prefix=f"bench-vllm-client-{system}-") as tmp:
-            workdir = Path(tmp)
-            server = (start_carpool(args.model, workdir) if system == "carpool"
-                      else start_vllm(args.vllm_python, args.model_dir, workdir, dtype))
-            try:
-                texts[system] = greedy_texts(server)  # also warms the server up
-                results[system] = run_client(args.vllm_python, server, args.model_dir,
-                                             args.bench_args, workdir)
-            finally:
-                server.stop()
+        with running_system(system, args.model, args.model_dir, args.vllm_python, dtype,
+                            "bench-vllm-client") as server:
+            texts[system] = greedy_texts(server)  # also warms the server up
+            results[system] = run_client(args.vllm_python, server, args.model_dir,
+                                         args.bench_args)
         print(f"  {system:8s} {json.dumps(results[system])}", flush=True)
     peer_ok = True
     if "carpool" in texts and "vllm" in texts:
