@@ -97,7 +97,7 @@ class ApiSettings(BaseSettings):
         description="Least time between two of the stream hub's turns that brought entries: a "
                     "few ms let one read of the step notifications gather the steps of several "
                     "workers, at that much added token latency.")
-    sse_keepalive_s: float = Field(15.0, gt=0, description="Idle time before an SSE comment keep-alive.")
+    sse_keepalive_s: float = Field(15.0, gt=0, description="Idle time before an SSE keep-alive (api/sse.py).")
     redis_timeout_s: float = Field(
         5.0, gt=0, description="Connect/command timeout to Redis, so Redis down answers 503 quickly."
     )
