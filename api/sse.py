@@ -46,7 +46,7 @@ def sse_comment(text: str = "keep-alive") -> bytes:
 
 # The keep-alive of the streams that OpenAI's and TGI's clients read: one empty line. It keeps a
 # quiet connection (a job waiting in a long queue) open through proxies as a comment does, and
-# every SSE parser skips it (an empty line dispatches nothing while no data is buffered). A
+# SSE parsers skip it (the standard's empty line dispatches nothing while no data is buffered). A
 # comment is not so safe there: vLLM's benchmark client (`vllm bench serve`) strips the
 # whitespace off each network read before it looks for the blank line that ends an event, so a
 # comment read alone loses its ending, swallows every event after it and the request counts as
