@@ -194,13 +194,17 @@ async def test_a_chat_stream_opens_with_its_first_token_not_at_submission(
         (True, {"role": "assistant", "content": ""}), (True, {"content": "Hi"}), (True, {})]
 
 
-@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize(("route", "body", "choices"), [
+    ("/v1/chat/completions", {"messages": CHAT},
+     [({"role": "assistant", "content": ""}, None), ({"content": "Hi"}, None), ({}, "stop")]),
+    ("/v1/completions", {"prompt": "hello"}, [("Hi", None), ("", "stop")]),
+])
 async def test_a_stream_that_waits_for_its_first_token_keeps_alive_with_empty_lines(
-        harness: Harness, route: str) -> None:
+        harness: Harness, route: str, body: dict[str, Any], choices: list[tuple[Any, str | None]]
+) -> None:
     """While the job waits (four keep-alive intervals here), the stream sends empty lines, never
     a comment: a client that strips each network read before it looks for an event's end (vLLM's
     `vllm bench serve`) would glue a comment read alone onto the events after it."""
-    body = {"messages": CHAT} if route.endswith("chat/completions") else {"prompt": "hello"}
     worker = asyncio.create_task(harness.serve_next_job(["Hi"], FinishReason.STOP, 2, delay_s=0.2))
     # Straight through ASGI, so that each piece the app sends is seen as sent (a network read).
     sent = await _drive_asgi(harness, route, {**body, "stream": True}, "2.4", 10_000)
@@ -211,9 +215,9 @@ async def test_a_stream_that_waits_for_its_first_token_keeps_alive_with_empty_li
     assert b"".join(reads).startswith(b"\n" * len(quiet) + b"data: ")
     assert not any(line.startswith(b":") for line in b"".join(reads).split(b"\n"))
     chunks = _data_lines(b"".join(reads).decode())
-    texts = [choice.get("text", choice.get("delta", {}).get("content"))
-             for chunk in chunks[:-1] for choice in chunk["choices"]]
-    assert chunks[-1] == "[DONE]" and "".join(t or "" for t in texts) == "Hi"
+    assert chunks[-1] == "[DONE]"
+    assert [(chunk["choices"][0].get("delta", chunk["choices"][0].get("text")),
+             chunk["choices"][0]["finish_reason"]) for chunk in chunks[:-1]] == choices
 
 
 async def test_official_client_completions(harness: Harness) -> None:
