@@ -19,6 +19,7 @@ from api.errors import JobFailedError
 from api.idempotency_key import REPLAYED_HEADER
 from api.job_service import AcceptedJob
 from api.job_stream import StreamEvent
+from api.stream_outages import follow_through_outages
 from protocol import FinishReason, StreamEntry
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,9 @@ async def merged_events(
 
     async def follow(job: ChoiceJob) -> None:
         try:
-            async for event in ctx.stream(job.job_id).follow(fresh_since=job.fresh_since):
+            async for event in follow_through_outages(ctx.stream(job.job_id),
+                                                      ctx.settings.stream_outage_s,
+                                                      fresh_since=job.fresh_since):
                 await queue.put((job, event))
             await queue.put((job, _End()))
         except Exception as exc:  # handed to the reader, which raises it in the route's task

@@ -38,6 +38,7 @@ from api.job_service import GenerationRequest, choice_sampling, sampling_of
 from api.job_stream import JobStream, StreamEvent
 from api.openai_logprobs import token_text_of, vllm_prompt_logprobs
 from api.sse import EventStreamResponse, sse_comment, sse_event
+from api.stream_outages import follow_through_outages
 from protocol import JobState, JobStatus, StreamEntry
 from protocol.stream_ids import STREAM_START, entry_id_key, is_entry_id
 
@@ -225,7 +226,7 @@ async def stream_job(
         # not read the stream first.
         fresh_since = seen_at
     return EventStreamResponse(_job_events(stream, resume_from, ctx.settings.sse_keepalive_s,
-                                           fresh_since),
+                                           ctx.settings.stream_outage_s, fresh_since),
                                headers={"X-Carpool-Job-Id": job_id})
 
 
@@ -240,11 +241,11 @@ async def cancel_job(job_id: JobId, owner: Owner, ctx: Context) -> JSONResponse:
     return JSONResponse(body.model_dump(mode="json"), status_code=202 if pending else 200)
 
 
-async def _job_events(stream: JobStream, after: str, keepalive_s: float,
+async def _job_events(stream: JobStream, after: str, keepalive_s: float, outage_s: float,
                       fresh_since: float | None) -> AsyncIterator[bytes]:
     last_sent = time.monotonic()
     try:
-        async for event in stream.follow(after, fresh_since):
+        async for event in follow_through_outages(stream, outage_s, after, fresh_since):
             if event is None:
                 if time.monotonic() - last_sent >= keepalive_s:
                     last_sent = time.monotonic()
@@ -253,7 +254,8 @@ async def _job_events(stream: JobStream, after: str, keepalive_s: float,
             last_sent = time.monotonic()
             yield _sse_for(event)
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
-        # Ending the response makes an EventSource reconnect with Last-Event-ID: nothing is lost.
+        # Redis stayed out past CARPOOL_STREAM_OUTAGE_S. Ending the response makes an
+        # EventSource reconnect with Last-Event-ID: nothing is lost.
         log.warning("Redis lost while streaming job %s: %s", stream.job_id, exc)
 
 

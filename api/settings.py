@@ -98,6 +98,12 @@ class ApiSettings(BaseSettings):
                     "few ms let one read of the step notifications gather the steps of several "
                     "workers, at that much added token latency.")
     sse_keepalive_s: float = Field(15.0, gt=0, description="Idle time before an SSE keep-alive (api/sse.py).")
+    stream_outage_s: float = Field(
+        30.0, ge=0, le=3600,
+        description="How long an open stream (or a request waiting for its answer) rides out Redis "
+                    "or its stream shard being unreachable, keeping its client's connection alive, "
+                    "before it ends with an error; it resumes after its last event when Redis "
+                    "answers again (api/stream_outages.py). 0: end at the first failure.")
     redis_timeout_s: float = Field(
         5.0, gt=0, description="Connect/command timeout to Redis, so Redis down answers 503 quickly."
     )

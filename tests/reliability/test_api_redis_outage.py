@@ -3,9 +3,9 @@ redis-server that the test kills (a crash: connections refused) and then freezes
 Redis, where only socket timeouts end a command).
 
 Every route that needs Redis must answer 503 with Retry-After and a message saying so, within a
-bounded time (no hang); /healthz reports Redis down; an open SSE stream ends so its client can
-reconnect; and once Redis is back the same API process serves again, jobs and streams included,
-without a restart.
+bounded time (no hang); /healthz reports Redis down; an open SSE stream ends once the outage
+outlasts CARPOOL_STREAM_OUTAGE_S, so its client can reconnect; and once Redis is back the same
+API process serves again, jobs and streams included, without a restart.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ DOWN_BOUND_S = 1.0
 # the XREAD block), and a reconnect may wait out one more on its handshake.
 HUNG_BOUND_S = (REDIS_RETRIES + 1) * 2 * (REDIS_TIMEOUT_S + STREAM_BLOCK_MS / 1000) + 1.0
 RECOVERY_BOUND_S = 5.0
+# An open stream rides out this much of an outage (tests/reliability/test_stream_outage.py has
+# the outage it outlasts); this one outlasts it.
+STREAM_OUTAGE_S = 1.0
 CHAT = [{"role": "user", "content": "What is 2+2?"}]
 REDIS_DOWN = "Redis is unreachable; the job queue is unavailable, try again shortly"
 
@@ -104,7 +107,8 @@ def stack(tiny_llama_dir: Path, tmp_path: Path) -> Iterator[OutageStack]:
         api = ApiProcess.start(server.url, tmp_path / "api.log",
                                redis_timeout_s=str(REDIS_TIMEOUT_S),
                                retry_after_s=str(RETRY_AFTER_S),
-                               stream_block_ms=str(STREAM_BLOCK_MS), sse_keepalive_s="1")
+                               stream_block_ms=str(STREAM_BLOCK_MS), sse_keepalive_s="1",
+                               stream_outage_s=str(STREAM_OUTAGE_S))
         api.wait_healthy()
         yield OutageStack(api=api, server=server, redis=redis, model=model)
     finally:
@@ -248,6 +252,7 @@ def test_api_answers_503_while_redis_is_down_or_hung_and_recovers_without_restar
     _assert_unavailable(down, DOWN_BOUND_S)
     wait_until(lambda: subscriber.ended_at is not None, 10, "the open SSE stream to end")
     sse_ended_s = subscriber.ended_at - killed_at
+    assert sse_ended_s >= STREAM_OUTAGE_S  # it waited for Redis that long first
     assert subscriber.error is None and subscriber.events == []  # a clean end: reconnect later
     # What needs no Redis is still served.
     assert httpx.get(f"{api.url}/", timeout=10).status_code == 200

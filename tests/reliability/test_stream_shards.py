@@ -2,9 +2,10 @@
 job records on a third: synthetic workers (the real worker loop, no model), the real API process
 and SSE subscribers; one shard is SIGKILLed and restarted while jobs stream through it.
 
-Every job must finish with every token exactly once, in order, in its subscriber's events (which
-reconnect with Last-Event-ID when the API ends their stream), and its stream must be on the shard
-of the worker that started it (its state records which) and nowhere else.
+Every job must finish with every token exactly once, in order, in its subscriber's events, and its
+stream must be on the shard of the worker that started it (its state records which) and nowhere
+else. With CARPOOL_STREAM_OUTAGE_S the API rides the restart out and no subscriber reconnects;
+with 0 it ends the streams the restart hit, and their subscribers reconnect with Last-Event-ID.
 """
 
 from __future__ import annotations
@@ -111,10 +112,11 @@ async def _run(api: ApiProcess, shards: list[RedisServer], main_url: str) -> tup
     return results, reconnects, victim
 
 
-# Publishing every step, and every 60 ms (runs of about three tokens: protocol/token_runs.py).
-@pytest.mark.parametrize("stream_interval_ms", [0, 60])
-def test_streams_on_two_shards_survive_a_shard_restart(tmp_path: Path,
-                                                       stream_interval_ms: float) -> None:
+# Publishing every step, and every 60 ms (runs of about three tokens: protocol/token_runs.py);
+# the API ending the streams a shard's outage hits, and riding it out.
+@pytest.mark.parametrize(("stream_interval_ms", "stream_outage_s"), [(0, 0.0), (60, 30.0)])
+def test_streams_on_two_shards_survive_a_shard_restart(tmp_path: Path, stream_interval_ms: float,
+                                                       stream_outage_s: float) -> None:
     main = start_redis(tmp_path / "main", appendonly=True)
     shards = [start_redis(tmp_path / f"shard-{i}", appendonly=True) for i in range(2)]
     workers: list[tuple[BatchingWorker, threading.Thread]] = []
@@ -123,7 +125,7 @@ def test_streams_on_two_shards_survive_a_shard_restart(tmp_path: Path,
         shard_urls = [shard.url for shard in shards]
         workers = _start_workers(main.url, shard_urls, stream_interval_ms)
         api = ApiProcess.start(main.url, tmp_path / "api.log", stream_redis_urls=",".join(shard_urls),
-                               max_queue_depth="1000")
+                               max_queue_depth="1000", stream_outage_s=str(stream_outage_s))
         api.wait_healthy()
         main_redis = Redis.from_url(main.url)
         deadline = time.monotonic() + 60
@@ -154,11 +156,16 @@ def test_streams_on_two_shards_survive_a_shard_restart(tmp_path: Path,
         # Each worker streams to a shard of its own (dealt in turn): both carry jobs.
         assert sorted(set(homes)) == [0, 1], homes
         victims = [job_id for job_id, home in zip(results, homes) if home == victim]
-        # The restart hit live subscribers: they were cut off and resumed.
-        assert any(reconnects.get(job_id, 0) for job_id in victims), reconnects
+        if stream_outage_s:
+            assert reconnects == {}  # the API followed each stream through the restart
+            assert "Redis lost while streaming" in api.log_path.read_text()  # which its readers did meet
+        else:
+            # The restart hit live subscribers: they were cut off and resumed.
+            assert any(reconnects.get(job_id, 0) for job_id in victims), reconnects
         print(f"RELIABILITY stream shards ({stream_interval_ms} ms stream interval): "
               f"{NUM_JOBS} jobs x {NUM_TOKENS} tokens on 2 shards, "
-              f"shard {victim} killed and restarted; {sum(reconnects.values())} reconnects, "
+              f"shard {victim} killed and restarted, the API riding it out for "
+              f"{stream_outage_s:g} s; {sum(reconnects.values())} reconnects, "
               f"every token once, 0 lost")
     finally:
         if api is not None:
