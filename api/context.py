@@ -25,6 +25,7 @@ from api.responses_store import ResponseStore
 from api.settings import ApiSettings
 from api.state_reads import SharedStateReads
 from api.stream_hub import StreamHub
+from api.stream_outages import RedisRecovery
 from api.tokenizer_cache import TokenizerCache
 from protocol import JobState, Keys
 from protocol.stream_shards import shard_urls, started_shard
@@ -52,6 +53,8 @@ class AppContext:
     shard_clients: list[aioredis.Redis] = field(default_factory=list)
     shard_hubs: list[StreamHub | None] = field(default_factory=list)
     state_reads: SharedStateReads | None = None
+    # Shared by the streams riding out an outage: one PING at a time per server.
+    recovery: RedisRecovery = field(default_factory=RedisRecovery)
     # The Batch API's files and batches (built from the settings when not handed in).
     files: FileStore = field(init=False)
     batches: BatchStore = field(init=False)

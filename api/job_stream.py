@@ -83,6 +83,13 @@ class JobStream:
         self._shards = unplaced
         self._placed = not unplaced
 
+    def redis_clients(self) -> list[aioredis.Redis]:
+        """The servers this reader reads: the main Redis (the job's state) and its stream's shard
+        (every shard while the job is not placed)."""
+        servers = [self._redis, self._streams] if self._placed or self._shards is None \
+            else [self._redis, *(shard.redis for shard in self._shards)]
+        return list({id(server): server for server in servers}.values())
+
     async def last_event(self) -> StreamEvent | None:
         if not self._placed:
             return None  # not started when its state was read: nothing generated

@@ -89,7 +89,7 @@ async def merged_events(
     async def follow(job: ChoiceJob) -> None:
         try:
             async for event in follow_through_outages(ctx.stream(job.job_id),
-                                                      ctx.settings.stream_outage_s,
+                                                      ctx.settings.stream_outage_s, ctx.recovery,
                                                       fresh_since=job.fresh_since):
                 await queue.put((job, event))
             await queue.put((job, _End()))

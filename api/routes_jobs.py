@@ -225,8 +225,7 @@ async def stream_job(
         # Nothing generated yet (the first token writes first_token_at with it): the hub need
         # not read the stream first.
         fresh_since = seen_at
-    return EventStreamResponse(_job_events(stream, resume_from, ctx.settings.sse_keepalive_s,
-                                           ctx.settings.stream_outage_s, fresh_since),
+    return EventStreamResponse(_job_events(ctx, stream, resume_from, fresh_since),
                                headers={"X-Carpool-Job-Id": job_id})
 
 
@@ -241,11 +240,13 @@ async def cancel_job(job_id: JobId, owner: Owner, ctx: Context) -> JSONResponse:
     return JSONResponse(body.model_dump(mode="json"), status_code=202 if pending else 200)
 
 
-async def _job_events(stream: JobStream, after: str, keepalive_s: float, outage_s: float,
+async def _job_events(ctx: AppContext, stream: JobStream, after: str,
                       fresh_since: float | None) -> AsyncIterator[bytes]:
+    keepalive_s = ctx.settings.sse_keepalive_s
     last_sent = time.monotonic()
     try:
-        async for event in follow_through_outages(stream, outage_s, after, fresh_since):
+        async for event in follow_through_outages(stream, ctx.settings.stream_outage_s,
+                                                  ctx.recovery, after, fresh_since):
             if event is None:
                 if time.monotonic() - last_sent >= keepalive_s:
                     last_sent = time.monotonic()

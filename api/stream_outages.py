@@ -10,6 +10,10 @@ client's connection alive meanwhile (the Nones it yields), then follows the same
 from its position. Stream entries have fixed ids (token i is `0-(i+1)`), and the worker resends
 what Redis did not acknowledge, so the resumed reader sees each token once, in order. Past the
 grace the last error is raised, as before, and the route says so in its stream.
+
+While Redis is out, the readers do not each try it: one PING at a time per server
+(RedisRecovery), shared by all of them, says when it answers. 10,000 SSE subscribers retrying on
+their own would each have started a connection every second.
 """
 
 from __future__ import annotations
@@ -18,9 +22,11 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
 
+import redis.asyncio as aioredis
 import redis.exceptions
 
 from api.job_stream import JobStream, StreamEvent
@@ -29,14 +35,57 @@ from protocol.stream_ids import STREAM_START
 log = logging.getLogger(__name__)
 
 _FIRST_RETRY_S = 0.1
-# Many readers retry at once after an outage: the cap and the jitter spread their reconnects.
 _MAX_RETRY_S = 1.0
+# A reader waiting for Redis yields at least this often (the route's keep-alives, and its check
+# for a client that left).
+_WAIT_TICK_S = 1.0
 
 REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
-async def follow_through_outages(stream: JobStream, grace_s: float, after_id: str = STREAM_START,
-                                 fresh_since: float | None = None,
+@dataclass(slots=True)
+class _Probe:
+    task: asyncio.Task[None]
+    waiters: int = 0
+
+
+class RedisRecovery:
+    """Waits for Redis servers to answer again: one PING in flight per server, with capped,
+    jittered backoff, however many readers wait for it; a probe nobody waits for stops."""
+
+    def __init__(self) -> None:
+        self._probes: dict[int, _Probe] = {}
+
+    async def answered(self, clients: Sequence[aioredis.Redis]) -> None:
+        """When each of `clients` has answered a PING sent after this call began."""
+        await asyncio.gather(*(self._answered(client) for client in clients))
+
+    async def _answered(self, client: aioredis.Redis) -> None:
+        probe = self._probes.get(id(client))
+        if probe is None or probe.task.done():
+            probe = self._probes[id(client)] = _Probe(asyncio.create_task(_ping_until_answered(client)))
+        probe.waiters += 1
+        try:
+            await asyncio.shield(probe.task)
+        finally:
+            probe.waiters -= 1
+            if probe.waiters == 0 and not probe.task.done():
+                probe.task.cancel()
+
+
+async def _ping_until_answered(client: aioredis.Redis) -> None:
+    delay_s = _FIRST_RETRY_S
+    while True:
+        try:
+            await client.ping()
+            return
+        except REDIS_ERRORS:
+            await asyncio.sleep(delay_s * random.uniform(0.5, 1.0))
+            delay_s = min(2 * delay_s, _MAX_RETRY_S)
+
+
+async def follow_through_outages(stream: JobStream, grace_s: float, recovery: RedisRecovery,
+                                 after_id: str = STREAM_START, fresh_since: float | None = None,
                                  ) -> AsyncGenerator[StreamEvent | None, None]:
     """`stream.follow(after_id, fresh_since)`, resumed after its last event whenever Redis fails
     it, until Redis has failed it for `grace_s` without a successful call between (0: the first
@@ -64,10 +113,27 @@ async def follow_through_outages(stream: JobStream, grace_s: float, after_id: st
                                 "once it answers, for %g s", stream.job_id, exc, last_id, grace_s)
             if now - failing_since >= grace_s:
                 raise
+            last_error = exc
+        deadline = failing_since + grace_s
         # What the caller saw of the job (nothing generated yet) may be stale now: the hub reads
         # the stream at once rather than waiting for notifications the outage may have taken.
         fresh_since = None
         yield None  # (keep-alives; a client that left is noticed)
+        # A pause before each try, so that a Redis that answers PING but fails the reads (its
+        # append-only file still loading) is not asked in a tight loop...
         await asyncio.sleep(min(delay_s * random.uniform(0.5, 1.0),
-                                max(0.0, failing_since + grace_s - time.monotonic())))
+                                max(0.0, deadline - time.monotonic())))
         delay_s = min(2 * delay_s, _MAX_RETRY_S)
+        # ...then until every server the stream needs answers.
+        answered = asyncio.ensure_future(recovery.answered(stream.redis_clients()))
+        try:
+            while not answered.done():
+                remaining_s = deadline - time.monotonic()
+                if remaining_s <= 0:
+                    raise last_error
+                await asyncio.wait({answered}, timeout=min(_WAIT_TICK_S, remaining_s))
+                if not answered.done():
+                    yield None
+            answered.result()
+        finally:
+            answered.cancel()

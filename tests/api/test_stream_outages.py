@@ -1,9 +1,11 @@
 """follow_through_outages: a reader failed by Redis resumes after its last event, waits with
-keep-alive Nones while Redis stays out, and gives up once the outage lasts the grace.
+keep-alive Nones while Redis stays out, and gives up once the outage lasts the grace; readers
+waiting for Redis share one PING at a time (RedisRecovery).
 
-The JobStream here is scripted (each `follow` call replays one script: events, then an error or
-the end), so the retry logic is checked exactly and fast; tests/reliability/
-test_stream_outage.py runs the same through the real API process and a restarted redis-server.
+The JobStream and its server here are scripted (each `follow` call replays one script: events,
+then an error or the end; the server answers PING or not), so the retry logic is checked exactly
+and fast; tests/reliability/test_stream_outage.py runs the same through the real API process and
+a restarted redis-server.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import redis.exceptions
 
 from api import stream_outages
 from api.job_stream import JobStream, StreamEvent
-from api.stream_outages import follow_through_outages
+from api.stream_outages import RedisRecovery, follow_through_outages
 from protocol import FinishReason, StreamEntry, stream_ids
 
 pytestmark = pytest.mark.anyio
@@ -42,6 +44,29 @@ def _done(num_tokens: int) -> StreamEvent:
 DOWN = redis.exceptions.ConnectionError("Error 111 connecting to 127.0.0.1:6379.")
 
 
+class ScriptedServer:
+    """A Redis client's PING: answered while `up`, refused (after a moment) while not; counted,
+    and the most in flight at once."""
+
+    def __init__(self, up: bool = True) -> None:
+        self.up = up
+        self.pings = 0
+        self.in_flight = 0
+        self.most_in_flight = 0
+
+    async def ping(self) -> bool:
+        self.pings += 1
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(0.001)
+            if not self.up:
+                raise DOWN
+            return True
+        finally:
+            self.in_flight -= 1
+
+
 class ScriptedStream:
     """One script per `follow` call: what it yields (a float: seconds it takes first, as a
     connection attempt may), then the error it raises (None: it ends). Records each call's
@@ -50,9 +75,13 @@ class ScriptedStream:
     job_id = "job-1"
 
     def __init__(self, scripts: list[tuple[list[StreamEvent | None | float], Exception | None]],
-                 ) -> None:
+                 server: ScriptedServer | None = None) -> None:
         self.scripts = scripts
         self.calls: list[tuple[str, float | None]] = []
+        self.server = server or ScriptedServer()
+
+    def redis_clients(self) -> list[ScriptedServer]:
+        return [self.server]
 
     async def follow(self, after_id: str, fresh_since: float | None = None,
                      ) -> AsyncGenerator[StreamEvent | None, None]:
@@ -68,9 +97,10 @@ class ScriptedStream:
 
 
 async def _collect(stream: ScriptedStream, grace_s: float, fresh_since: float | None = None,
-                   ) -> list[str | None]:
+                   recovery: RedisRecovery | None = None) -> list[str | None]:
     items = []
     async for event in follow_through_outages(cast(JobStream, stream), grace_s,
+                                              recovery or RedisRecovery(),
                                               fresh_since=fresh_since):
         items.append(event.entry_id if event is not None else None)
     return items
@@ -131,10 +161,42 @@ async def test_other_errors_are_not_retried() -> None:
 
 async def test_a_reader_closed_during_a_wait_stops_retrying() -> None:
     stream = ScriptedStream([([_token(0)], DOWN)] + [([], DOWN)] * 1000)
-    reader = follow_through_outages(cast(JobStream, stream), 5)
+    reader = follow_through_outages(cast(JobStream, stream), 5, RedisRecovery())
     assert (await anext(reader)).entry_id == "0-1"  # type: ignore[union-attr]
     assert await anext(reader) is None  # waiting for Redis
     await reader.aclose()  # the client left
     calls = len(stream.calls)
     await asyncio.sleep(0.1)
     assert len(stream.calls) == calls
+
+
+async def test_readers_waiting_for_redis_share_one_ping_at_a_time() -> None:
+    server = ScriptedServer(up=False)
+    streams = [ScriptedStream([([_token(0)], DOWN), ([_token(1), _done(2)], None)], server)
+               for _ in range(200)]
+    recovery = RedisRecovery()
+    readers = [asyncio.create_task(_collect(stream, grace_s=10, recovery=recovery))
+               for stream in streams]
+    await asyncio.sleep(0.5)  # Redis out: every reader has failed and waits
+    assert all(len(stream.calls) == 1 for stream in streams)
+    # One probe, one PING at a time (backing off: 10-20 ms apart here), not 200 readers each.
+    assert server.most_in_flight == 1
+    assert 1 <= server.pings < 60, server.pings
+    server.up = True
+    results = await asyncio.wait_for(asyncio.gather(*readers), 10)
+    assert all(items[0] == "0-1" and items[-2:] == ["0-2", "0-3"] for items in results)
+    assert all(stream.calls[1][0] == "0-1" for stream in streams)  # each resumed after its token
+
+
+async def test_a_redis_that_never_answers_ends_the_reader_at_the_grace() -> None:
+    server = ScriptedServer(up=False)
+    stream = ScriptedStream([([_token(0)], DOWN)], server)
+    started = time.monotonic()
+    with pytest.raises(redis.exceptions.ConnectionError):
+        await _collect(stream, grace_s=0.3)
+    assert 0.3 <= time.monotonic() - started < 2
+    assert len(stream.calls) == 1  # never tried again: Redis never answered
+    await asyncio.sleep(0.05)  # (the reader's cancel reaches the probe at the loop's next turn)
+    pings = server.pings
+    await asyncio.sleep(0.3)
+    assert server.pings == pings  # the probe stopped with its last waiter
