@@ -90,7 +90,8 @@ async def merged_events(
         try:
             async for event in follow_through_outages(ctx.stream(job.job_id),
                                                       ctx.settings.stream_outage_s, ctx.recovery,
-                                                      fresh_since=job.fresh_since):
+                                                      fresh_since=job.fresh_since,
+                                                      tick_s=ctx.settings.sse_keepalive_s):
                 await queue.put((job, event))
             await queue.put((job, _End()))
         except Exception as exc:  # handed to the reader, which raises it in the route's task

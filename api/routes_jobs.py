@@ -246,7 +246,7 @@ async def _job_events(ctx: AppContext, stream: JobStream, after: str,
     last_sent = time.monotonic()
     try:
         async for event in follow_through_outages(stream, ctx.settings.stream_outage_s,
-                                                  ctx.recovery, after, fresh_since):
+                                                  ctx.recovery, after, fresh_since, keepalive_s):
             if event is None:
                 if time.monotonic() - last_sent >= keepalive_s:
                     last_sent = time.monotonic()

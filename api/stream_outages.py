@@ -22,7 +22,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -36,9 +36,6 @@ log = logging.getLogger(__name__)
 
 _FIRST_RETRY_S = 0.1
 _MAX_RETRY_S = 1.0
-# A reader waiting for Redis yields at least this often (the route's keep-alives, and its check
-# for a client that left).
-_WAIT_TICK_S = 1.0
 
 REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
@@ -63,7 +60,16 @@ class RedisRecovery:
     async def _answered(self, client: aioredis.Redis) -> None:
         probe = self._probes.get(id(client))
         if probe is None or probe.task.done():
-            probe = self._probes[id(client)] = _Probe(asyncio.create_task(_ping_until_answered(client)))
+            # One line per outage and server, not one per reader (10,000 of them at once).
+            log.warning("Redis at %s unreachable under open streams: they wait for it to answer "
+                        "(CARPOOL_STREAM_OUTAGE_S)", _address(client))
+            key = id(client)
+
+            def waiters() -> int:
+                return self._probes[key].waiters
+
+            probe = self._probes[key] = _Probe(asyncio.create_task(
+                _ping_until_answered(client, waiters)))
         probe.waiters += 1
         try:
             await asyncio.shield(probe.task)
@@ -73,11 +79,18 @@ class RedisRecovery:
                 probe.task.cancel()
 
 
-async def _ping_until_answered(client: aioredis.Redis) -> None:
+def _address(client: aioredis.Redis) -> str:
+    kwargs = client.connection_pool.connection_kwargs
+    return f"{kwargs.get('host', '?')}:{kwargs.get('port', '?')}"
+
+
+async def _ping_until_answered(client: aioredis.Redis, waiting: Callable[[], int]) -> None:
     delay_s = _FIRST_RETRY_S
     while True:
         try:
             await client.ping()
+            log.warning("Redis at %s answers again: %d open streams resume", _address(client),
+                        waiting())
             return
         except REDIS_ERRORS:
             await asyncio.sleep(delay_s * random.uniform(0.5, 1.0))
@@ -86,10 +99,12 @@ async def _ping_until_answered(client: aioredis.Redis) -> None:
 
 async def follow_through_outages(stream: JobStream, grace_s: float, recovery: RedisRecovery,
                                  after_id: str = STREAM_START, fresh_since: float | None = None,
-                                 ) -> AsyncGenerator[StreamEvent | None, None]:
+                                 tick_s: float = 1.0) -> AsyncGenerator[StreamEvent | None, None]:
     """`stream.follow(after_id, fresh_since)`, resumed after its last event whenever Redis fails
     it, until Redis has failed it for `grace_s` without a successful call between (0: the first
-    failure is raised). Yields None while it waits, as `follow` does while a job is quiet."""
+    failure is raised). Yields None while it waits, as `follow` does while a job is quiet: at
+    least every `tick_s` (the route's keep-alive interval; a wake-up per reader costs the event
+    loop, with 10,000 of them)."""
     last_id = after_id
     failing_since: float | None = None
     delay_s = _FIRST_RETRY_S
@@ -109,8 +124,8 @@ async def follow_through_outages(stream: JobStream, grace_s: float, recovery: Re
             if failing_since is None:
                 failing_since = now
                 if grace_s > 0:
-                    log.warning("job %s: Redis lost while streaming (%s); resuming after %s "
-                                "once it answers, for %g s", stream.job_id, exc, last_id, grace_s)
+                    log.debug("job %s: Redis lost while streaming (%s); resuming after %s once "
+                              "it answers, for %g s", stream.job_id, exc, last_id, grace_s)
             if now - failing_since >= grace_s:
                 raise
             last_error = exc
@@ -131,7 +146,7 @@ async def follow_through_outages(stream: JobStream, grace_s: float, recovery: Re
                 remaining_s = deadline - time.monotonic()
                 if remaining_s <= 0:
                     raise last_error
-                await asyncio.wait({answered}, timeout=min(_WAIT_TICK_S, remaining_s))
+                await asyncio.wait({answered}, timeout=min(tick_s, remaining_s))
                 if not answered.done():
                     yield None
             answered.result()

@@ -111,16 +111,21 @@ class CpuCap:
                 time.sleep(0.1)
 
 
-def _start_redis() -> tuple[subprocess.Popen[bytes], str]:
+def _start_redis(appendonly: bool = False) -> tuple[subprocess.Popen[bytes], str]:
+    """A private redis-server; with `appendonly`, every write fsynced to its file, so that the
+    same command line (`process.args`) starts it again with its data."""
     binary = shutil.which("redis-server")
     if binary is None:
         sys.exit("redis-server is not installed")
     port, directory = _free_port(), tempfile.mkdtemp(prefix="bench-fleet-redis-")
     atexit.register(shutil.rmtree, directory, ignore_errors=True)  # a run used to leave it in /tmp
-    process = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                                "--appendonly", "no", "--dir", directory],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"redis://127.0.0.1:{port}/0"
+    durability = ["--appendonly", "yes", "--appendfsync", "always"] if appendonly else ["--appendonly", "no"]
+    return _redis_server([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                          *durability, "--dir", directory], f"redis://127.0.0.1:{port}/0")
+
+
+def _redis_server(command: list[str], url: str) -> tuple[subprocess.Popen[bytes], str]:
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for _ in range(200):
         try:
             if Redis.from_url(url).ping():

@@ -12,6 +12,13 @@ Prints one JSON object: the API's resident memory before the subscribers, with a
 connected and at its peak while streaming; the Redis connections the API process holds (matched
 in CLIENT LIST by its sockets' ports) at those moments; and how many subscribers got every token
 exactly once, in order, and the final event.
+
+With `--outage-s S`, once every subscriber is connected the redis-server (append-only file,
+fsynced at every write) is SIGKILLed and started again S seconds later, before any token: the
+API rides the outage out (api/stream_outages.py, CARPOOL_STREAM_OUTAGE_S); the report adds the
+API's CPU seconds over the outage and until every subscriber is reading again.
+
+    python scripts/bench_sse_subscribers.py --jobs 20 --per-job 100 --outage-s 5
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import asyncio
 import json
 import os
 import resource
+import subprocess
 import sys
 import threading
 import time
@@ -34,7 +42,7 @@ from redis import Redis  # noqa: E402
 
 from loadgen.sse_swarm import SubscriberResult, subscribe  # noqa: E402
 from protocol import JobSpec, submit_job  # noqa: E402
-from scripts.bench_fleet import _free_port, _start_api, _start_redis  # noqa: E402
+from scripts.bench_fleet import _free_port, _redis_server, _start_api, _start_redis  # noqa: E402
 from worker.engine.synthetic_engine import SyntheticEngine  # noqa: E402
 
 MODEL = "synthetic"
@@ -59,6 +67,11 @@ def _raise_fd_limit(needed: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
 
 
+def _cpu_seconds(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
 def _start_worker(url: str, args: argparse.Namespace) -> tuple[object, threading.Thread]:
     from worker.jobs.batching_worker import BatchingWorker
     from worker.jobs.settings import WorkerSettings
@@ -73,7 +86,7 @@ def _start_worker(url: str, args: argparse.Namespace) -> tuple[object, threading
 
 
 async def _run(base_url: str, job_ids: list[str], args: argparse.Namespace, api_pid: int,
-               redis: Redis, url: str) -> dict[str, object]:
+               redis: Redis, url: str, servers: list[subprocess.Popen[bytes]]) -> dict[str, object]:
     rss_before = _rss_bytes(api_pid)
     connections_before = _api_redis_connections(redis, api_pid)
     events = [asyncio.Event() for _ in range(len(job_ids) * args.per_job)]
@@ -91,6 +104,9 @@ async def _run(base_url: str, job_ids: list[str], args: argparse.Namespace, api_
     await asyncio.sleep(1.0)  # every subscriber is inside follow(), blocked on the hub
     rss_connected = _rss_bytes(api_pid)
     connections_connected = _api_redis_connections(redis, api_pid)
+    outage: dict[str, object] = {}
+    if args.outage_s > 0:
+        outage = await _redis_outage(servers, url, args.outage_s, api_pid)
     worker, thread = _start_worker(url, args)
     rss_peak, connections_peak = rss_connected, connections_connected
     pending: set[asyncio.Task[SubscriberResult]] = set(tasks)
@@ -118,7 +134,23 @@ async def _run(base_url: str, job_ids: list[str], args: argparse.Namespace, api_
         "api_redis_connections_before": connections_before,
         "api_redis_connections_connected": connections_connected,
         "api_redis_connections_peak": connections_peak,
+        **outage,
     }
+
+
+async def _redis_outage(servers: list[subprocess.Popen[bytes]], url: str, outage_s: float,
+                        api_pid: int) -> dict[str, object]:
+    """SIGKILL the redis-server, start it again (same command line, its file) after `outage_s`;
+    the API's CPU over the outage and the 2 s after (its readers back on their streams)."""
+    cpu_before = _cpu_seconds(api_pid)
+    servers[0].kill()
+    servers[0].wait(timeout=10)
+    await asyncio.sleep(outage_s)
+    cpu_down = _cpu_seconds(api_pid) - cpu_before
+    servers[0], _ = _redis_server(list(servers[0].args), url)  # type: ignore[arg-type]
+    await asyncio.sleep(2.0)
+    return {"outage_s": outage_s, "api_cpu_s_while_down": round(cpu_down, 2),
+            "api_cpu_s_back_2s": round(_cpu_seconds(api_pid) - cpu_before - cpu_down, 2)}
 
 
 def main() -> int:
@@ -132,11 +164,15 @@ def main() -> int:
                         help="new subscribers a second")
     parser.add_argument("--block-ms", type=int, default=1000,
                         help="the API's stream_block_ms: how often an idle subscriber wakes")
+    parser.add_argument("--outage-s", type=float, default=0.0,
+                        help="Redis killed for this long once all subscribers are connected "
+                             "(0: no outage)")
     args = parser.parse_args()
     # This process holds one socket per subscriber, the API as many; the API inherits the limit.
     _raise_fd_limit(args.jobs * args.per_job + 1024)
 
-    server, url = _start_redis()
+    server, url = _start_redis(appendonly=args.outage_s > 0)
+    servers = [server]  # (the outage starts it again)
     redis = Redis.from_url(url)
     port = _free_port()
     os.environ["CARPOOL_STREAM_BLOCK_MS"] = str(args.block_ms)  # the API process inherits it
@@ -149,12 +185,13 @@ def main() -> int:
                                       "created_at": time.time()})
             submit_job(redis, spec)
             job_ids.append(spec.job_id)
-        report = asyncio.run(_run(f"http://127.0.0.1:{port}", job_ids, args, api.pid, redis, url))
+        report = asyncio.run(_run(f"http://127.0.0.1:{port}", job_ids, args, api.pid, redis, url,
+                                  servers))
     finally:
         api.terminate()
         api.wait(timeout=30)
-        server.terminate()
-        server.wait(timeout=10)
+        servers[0].terminate()
+        servers[0].wait(timeout=10)
     print(json.dumps(report), flush=True)
     return 0 if report["subscribers_complete"] == report["subscribers"] else 1
 

@@ -11,8 +11,10 @@ a restarted redis-server.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator
+from types import SimpleNamespace
 from typing import cast
 
 import pytest
@@ -47,6 +49,8 @@ DOWN = redis.exceptions.ConnectionError("Error 111 connecting to 127.0.0.1:6379.
 class ScriptedServer:
     """A Redis client's PING: answered while `up`, refused (after a moment) while not; counted,
     and the most in flight at once."""
+
+    connection_pool = SimpleNamespace(connection_kwargs={"host": "scripted", "port": 6379})
 
     def __init__(self, up: bool = True) -> None:
         self.up = up
@@ -170,7 +174,9 @@ async def test_a_reader_closed_during_a_wait_stops_retrying() -> None:
     assert len(stream.calls) == calls
 
 
-async def test_readers_waiting_for_redis_share_one_ping_at_a_time() -> None:
+async def test_readers_waiting_for_redis_share_one_ping_at_a_time(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="api.stream_outages")
     server = ScriptedServer(up=False)
     streams = [ScriptedStream([([_token(0)], DOWN), ([_token(1), _done(2)], None)], server)
                for _ in range(200)]
@@ -186,6 +192,11 @@ async def test_readers_waiting_for_redis_share_one_ping_at_a_time() -> None:
     results = await asyncio.wait_for(asyncio.gather(*readers), 10)
     assert all(items[0] == "0-1" and items[-2:] == ["0-2", "0-3"] for items in results)
     assert all(stream.calls[1][0] == "0-1" for stream in streams)  # each resumed after its token
+    # One line when the outage began and one when it ended, not one per reader.
+    assert [record.getMessage() for record in caplog.records] == [
+        "Redis at scripted:6379 unreachable under open streams: they wait for it to answer "
+        "(CARPOOL_STREAM_OUTAGE_S)",
+        "Redis at scripted:6379 answers again: 200 open streams resume"]
 
 
 async def test_a_redis_that_never_answers_ends_the_reader_at_the_grace() -> None:
