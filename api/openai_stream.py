@@ -167,7 +167,15 @@ async def chunk_payloads(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
                                     reason_name=reason_name, **take_unsent(job),
                                     prompt_token_ids=prompt_ids(job))
             else:
-                if writer.include_usage:
+                ended = {result.job.index for result in results}
+                gone = next((job for job in jobs if job.index not in ended), None)
+                if gone is not None:
+                    # Its keys went before it ended (a retention shorter than the job, or a Redis
+                    # that lost its data): said as the answer without `stream` says it, not a
+                    # stream that stops short as if it were whole.
+                    yield openai_error_body(f"Job '{gone.job_id}' expired before it ended",
+                                            "invalid_request_error", None, "job_expired")
+                elif writer.include_usage:
                     yield writer.usage(*summed_usage(results))
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
         # Headers are long sent: say it in the stream, as OpenAI does for mid-stream failures.

@@ -147,6 +147,8 @@ async def stream_events(ctx: AppContext, job: ChoiceJob, params: GenerateParamet
                 else:
                     yield event(held, entry)
                 return
+        # Its keys went before it ended (see openai_stream): no final entry will come.
+        yield _error(f"Job '{job.job_id}' expired before it ended", "incomplete_generation")
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
         log.warning("Redis lost while streaming job %s: %s", job.job_id, exc)
         yield _error("Redis became unreachable while streaming; the job goes on: follow it at "

@@ -296,6 +296,27 @@ async def test_failed_job_answers_500_or_an_error_chunk(harness: Harness,
     await worker
 
 
+async def test_a_job_whose_keys_go_mid_stream_ends_it_with_an_error_chunk(
+        harness: Harness, client: httpx.AsyncClient) -> None:
+    async def lose() -> None:  # a Redis that lost its data, or a retention shorter than the job
+        job_id = await harness.take_job()
+        harness.publish_tokens(job_id, ["a"])
+        await asyncio.sleep(0.2)
+        harness.sync.delete(harness.keys.state(job_id), harness.keys.stream(job_id))
+
+    worker = asyncio.create_task(lose())
+    streamed = await client.post("/v1/chat/completions",
+                                 json={"messages": CHAT, "stream": True})
+    await worker
+    chunks = _data_lines(streamed.text)
+    job_id = streamed.headers["x-carpool-job-id"]
+    assert [chunk["choices"][0]["delta"] for chunk in chunks[:2]] == [
+        {"role": "assistant", "content": ""}, {"content": "a"}]
+    assert chunks[2:] == [{"error": {"message": f"Job '{job_id}' expired before it ended",
+                                     "type": "invalid_request_error", "param": None,
+                                     "code": "job_expired"}}, "[DONE]"]
+
+
 async def _drive_asgi(harness: Harness, path: str, body: dict[str, Any], spec_version: str,
                       leave_after_chunks: int) -> list[dict[str, Any]]:
     """Run one request straight through ASGI with a client that hangs up early: after that many

@@ -174,6 +174,27 @@ async def test_a_failed_job_is_an_error_event_in_a_stream_and_a_424_otherwise(ha
     assert response.json() == {"error": "The job failed: out of memory", "error_type": "generation"}
 
 
+async def test_a_stream_whose_job_keys_go_ends_with_an_error_event(harness: Harness) -> None:
+    async def lose() -> None:  # a Redis that lost its data, or a retention shorter than the job
+        job_id = await harness.take_job()
+        harness.publish_tokens(job_id, ["a", "b"])
+        await asyncio.sleep(0.2)
+        harness.sync.delete(harness.keys.state(job_id), harness.keys.stream(job_id))
+
+    worker = asyncio.create_task(lose())
+    async with harness.client() as client:
+        response = await client.post("/generate_stream", json={"inputs": "hello"})
+    await worker
+    events = [json.loads(line.removeprefix("data:")) for line in response.text.splitlines()
+              if line.startswith("data:")]
+    job_id = response.headers["x-carpool-job-id"]
+    # The first token went (the second, held until the next entry shows whether it is the last,
+    # never does), then the error.
+    assert [event.get("token", {}).get("text") for event in events[:1]] == ["a"]
+    assert events[1:] == [{"error": f"Job '{job_id}' expired before it ended",
+                           "error_type": "incomplete_generation"}]
+
+
 async def test_best_of_answers_the_sequence_of_highest_logprob(harness: Harness) -> None:
     likely = [(3, "hello", TokenLogprobs(-0.1)), (4, " world", TokenLogprobs(-0.2))]
     unlikely = [(8, "the", TokenLogprobs(-3.0))]

@@ -152,6 +152,7 @@ class BatchingWorker:
         if self.rq_commands is not None:
             self.rq_commands.subscribe()
         self._publish_model()
+        self.publisher.watch_registration(self.settings.served_model_name)
         log.info("worker %s serving %s on %s", self.name, self.settings.served_model_name,
                  ", ".join(self.queue.queue_names))
         try:
@@ -581,6 +582,18 @@ class BatchingWorker:
             self.publisher.count("jobs_recovered_total", len(report.recovered))
             log.info("recovered %d jobs with lapsed leases: %s", len(report.recovered),
                      ", ".join(report.recovered))
+        if report.registration_lost:
+            self._register_again()
+
+    def _register_again(self) -> None:
+        """Redis lost this worker's registration (restarted without its data, or flushed): the
+        API would refuse its model ("no model is registered") and `rq info` would not list it
+        until a restart. The model card, the tokenizer and the rq registration, as at start."""
+        log.warning("worker %s: its registration is gone from Redis (restarted without its "
+                    "data?): registering %s again", self.name, self.settings.served_model_name)
+        self._publish_model()
+        if self.presence is not None:
+            self.presence.register_again()
 
     def _requeue_all(self) -> None:
         """End of a drain: unfinished jobs go back to the front of their queues."""

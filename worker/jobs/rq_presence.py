@@ -45,6 +45,14 @@ class RQPresence:
         self.worker.register_birth()  # type: ignore[no-untyped-call]  # rq: unannotated method
         self.set_state(WorkerStatus.IDLE)
 
+    def register_again(self) -> None:
+        """Registered anew after Redis lost the registration (a restart without its data, or a
+        flush): whatever holds this name now is this worker's own heartbeat, written since."""
+        self.redis.delete(self.worker.key)
+        self.worker.register_birth()  # type: ignore[no-untyped-call]  # rq: unannotated method
+        state, self.state = self.state, ""
+        self.set_state(WorkerStatus(state) if state else WorkerStatus.IDLE)
+
     def _was_this_host_and_died(self) -> bool:
         """The worker registered under our name ran on this host and its process is gone: we are
         its restart (a supervisor restarting a crashed worker with a fixed --name must not wait

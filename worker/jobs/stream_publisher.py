@@ -83,6 +83,10 @@ class PublishReport:
     recovered: list[str] = field(default_factory=list)
     # How many jobs wait on each queue `watch_queues` named, by queue key (empty: none watched).
     queue_lengths: dict[str, int] = field(default_factory=dict)
+    # The model card of `watch_registration`, or this worker's own rq registration, was gone from
+    # Redis at this flush (a Redis restarted without its data, or flushed): the worker registers
+    # again.
+    registration_lost: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +142,7 @@ class StreamPublisher:
         self.metrics_interval_s = metrics_interval_s
         self._metrics_written_at = -math.inf  # monotonic
         self._stats: tuple[WorkerStats, float] | None = None  # not written yet
+        self._registered_model: str | None = None  # watch_registration
         self._stats_written_at = -math.inf  # monotonic
         self._metrics_now = False
         self._counters: Counter[str] = Counter()
@@ -344,6 +349,13 @@ class StreamPublisher:
         interval, or at once for an idle or draining worker): the latest of them wins."""
         self._stats = (stats, ttl_seconds)
 
+    def watch_registration(self, model: str) -> None:
+        """Check with each stats write that `model`'s card is still registered, and this worker
+        in rq's workers set (an HEXISTS and a SISMEMBER in the same transaction, once a metrics
+        interval): PublishReport.registration_lost. Each worker checks its own: another one that
+        registered the card again does not register this one with rq."""
+        self._registered_model = model
+
     def heartbeat(self, leases: list[Lease], execution_ttl_s: int) -> None:
         """RQ's worker heartbeat and its execution records' TTLs (as rq's maintain_heartbeats)."""
         self._heartbeat = self.presence is not None
@@ -490,6 +502,13 @@ class StreamPublisher:
             key = self.keys.worker_stats(stats[0].name)
             pipe.hset(key, mapping=cast(Any, stats[0].to_fields()))
             pipe.pexpire(key, int(stats[1] * 1000))
+        checks = 0  # the last replies: the registration checks
+        if write_stats and self._registered_model is not None:
+            pipe.hexists(self.keys.models(), self._registered_model)
+            checks = 1
+            if self.presence is not None:
+                pipe.sismember(RQKeys.workers_set(), RQKeys.worker(self.presence.name))
+                checks = 2
         replies = pipe.execute(raise_on_error=False)
         # Reset only once the scripts have run too: if Redis drops while they are reloaded, the
         # next flush resends the whole iteration (its appends are idempotent; its finishes and
@@ -506,6 +525,8 @@ class StreamPublisher:
         if write_stats:
             self._stats, self._stats_written_at = None, started
         self._metrics_now = False
+        # 0 only: an error reply (a Redis out again) says nothing either way.
+        report.registration_lost = checks > 0 and 0 in replies[len(replies) - checks:]
         if watched:
             first = len(calls) + (1 if flag_only else 0)
             lengths = replies[first:first + len(watched)]
