@@ -58,12 +58,12 @@ class RedisRecovery:
         await asyncio.gather(*(self._answered(client) for client in clients))
 
     async def _answered(self, client: aioredis.Redis) -> None:
-        probe = self._probes.get(id(client))
+        key = id(client)
+        probe = self._probes.get(key)
         if probe is None or probe.task.done():
             # One line per outage and server, not one per reader (10,000 of them at once).
             log.warning("Redis at %s unreachable under open streams: they wait for it to answer "
                         "(CARPOOL_STREAM_OUTAGE_S)", _address(client))
-            key = id(client)
 
             def waiters() -> int:
                 return self._probes[key].waiters
