@@ -413,6 +413,14 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         return error_response(request, ServiceUnavailableError(
             "Redis is unreachable; the job queue is unavailable, try again shortly", retry_after_s))
 
+    async def on_redis_full(request: Request, exc: Exception) -> JSONResponse:
+        # A Redis at its maxmemory with a policy that evicts nothing (as a queue's should) refuses
+        # writes; reads still work, and memory comes back as finished jobs' keys expire.
+        log.warning("Redis refused a write: %s", exc)
+        return error_response(request, ServiceUnavailableError(
+            "Redis is out of memory (its maxmemory is reached) and takes no new jobs; try again "
+            "shortly", retry_after_s))
+
     async def on_bug(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         error = ApiError("Internal server error (logged on the server)", code="internal_error")
@@ -423,6 +431,7 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(redis.exceptions.ConnectionError, on_redis_down)
     app.add_exception_handler(redis.exceptions.TimeoutError, on_redis_down)
+    app.add_exception_handler(redis.exceptions.OutOfMemoryError, on_redis_full)
     app.add_exception_handler(Exception, on_bug)
 
 

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
 import redis
 import redis.asyncio as aioredis
-from api_support import Harness
+from api_support import CHAT_TEMPLATE, CONTEXT, MODEL, Harness, word_tokenizer
 
 from api.app import create_app
 from api.context import REDIS_RETRIES, AppContext
 from api.settings import ApiSettings
+from protocol import Keys, ModelCard
 from protocol.rq_keys import RQKeys
 
 pytestmark = pytest.mark.anyio
@@ -91,6 +93,47 @@ async def test_redis_down_answers_503_with_retry_after(redis_down_app: httpx.Asy
         assert chat.json()["error"]["type"] == "server_error"
         assert (await client.get("/v1/jobs/abc")).status_code == 503
         assert (await client.get("/metrics")).status_code == 503
+
+
+@pytest.fixture
+def full_redis(redis_url: str) -> Iterator[redis.Redis]:
+    """The session's real Redis at its maxmemory, evicting nothing (as a queue's should run):
+    every write is refused with OOM, reads still work."""
+    client = redis.Redis.from_url(redis_url)
+    card = ModelCard(name=MODEL, max_model_len=CONTEXT, eos_token="<|im_end|>", created_at=1.0,
+                     chat_template=CHAT_TEMPLATE)
+    client.hset(Keys().models(), MODEL, card.to_json())
+    client.set(Keys().model_tokenizer(MODEL), word_tokenizer().to_str())
+    policy = client.config_get("maxmemory-policy")["maxmemory-policy"]
+    client.config_set("maxmemory-policy", "noeviction")
+    client.config_set("maxmemory", 1)  # 1 byte: under what any Redis holds
+    try:
+        yield client
+    finally:
+        client.config_set("maxmemory", 0)
+        client.config_set("maxmemory-policy", policy)
+        client.close()
+
+
+async def test_a_redis_at_its_maxmemory_answers_503_not_500(full_redis: redis.Redis,
+                                                            redis_url: str) -> None:
+    settings = ApiSettings(redis_url=redis_url, retry_after_s=3, batch_runner=False)
+    app = create_app(settings, AppContext.build(settings))
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    full = ("Redis is out of memory (its maxmemory is reached) and takes no new jobs; try again "
+            "shortly")
+    async with httpx.AsyncClient(transport=transport, base_url="http://carpool.test") as client:
+        submit = await client.post("/v1/jobs", json={"prompt": "hello"})
+        assert (submit.status_code, submit.headers["retry-after"], submit.json()) == (
+            503, "3", {"detail": full})
+        for stream in (False, True):
+            chat = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hello"}], "stream": stream})
+            assert (chat.status_code, chat.json()) == (503, {"error": {
+                "message": full, "type": "server_error", "param": None,
+                "code": "service_unavailable"}})
+        # Reads still work.
+        assert (await client.get("/v1/jobs/none-such")).status_code == 404
 
 
 async def test_a_bug_answers_a_clean_500(harness: Harness, client: httpx.AsyncClient,

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from redis import Redis
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 from rq.worker import WorkerStatus
@@ -63,7 +64,11 @@ if TYPE_CHECKING:  # the engine (torch) is handed in by worker.__main__, never i
 
 log = logging.getLogger(__name__)
 
-_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError)
+# Redis out of reach, or refusing writes at its maxmemory (a policy that evicts nothing, as a job
+# queue should run): either way a write waits and is sent again, for a lease at most, and the
+# memory comes back as finished jobs' keys expire. A worker that died on the first refusal took
+# its batch down with it.
+_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, RedisOutOfMemoryError)
 
 
 @dataclass(slots=True)
@@ -163,7 +168,11 @@ class BatchingWorker:
             if self.rq_commands is not None:
                 self.rq_commands.close()
             if self.presence is not None:
-                self.presence.register_death()
+                try:
+                    self.presence.register_death()
+                except _REDIS_DOWN as exc:  # its registration ages out with its heartbeat's TTL
+                    log.warning("worker %s: could not register its death with rq: %s", self.name,
+                                exc)
         log.info("worker %s stopped", self.name)
         return 0
 
@@ -363,8 +372,12 @@ class BatchingWorker:
 
     def _redis_unreachable(self, doing: str, exc: Exception) -> None:
         delay = self._backoff.next_delay()
-        log.warning("Redis unreachable while %s (%s: %s): retry %d in %.2fs", doing,
-                    type(exc).__name__, exc, self._backoff.attempts, delay)
+        if isinstance(exc, RedisOutOfMemoryError):
+            log.warning("Redis refused a write while %s: out of memory (maxmemory; %s): retry %d "
+                        "in %.2fs", doing, exc, self._backoff.attempts, delay)
+        else:
+            log.warning("Redis unreachable while %s (%s: %s): retry %d in %.2fs", doing,
+                        type(exc).__name__, exc, self._backoff.attempts, delay)
         time.sleep(delay)
 
     def _redis_reachable(self) -> None:
