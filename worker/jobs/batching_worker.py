@@ -33,9 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from redis import Redis
 from redis.backoff import NoBackoff
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 from rq.worker import WorkerStatus
 
@@ -47,7 +45,7 @@ from protocol.messages import JobSpec, JobStatus, ModelCard, Priority, WorkerSta
 from protocol.stream_shards import shard_urls
 from worker.engine.config import BatchingMode
 from worker.engine.outputs import StepOutput, StepStats
-from worker.jobs.backoff import Backoff
+from worker.jobs.backoff import REDIS_UNAVAILABLE, Backoff
 from worker.jobs.job_queue import ClaimedJob, JobQueue, WorkersSuspended
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.rq_commands import RQCommands
@@ -64,11 +62,7 @@ if TYPE_CHECKING:  # the engine (torch) is handed in by worker.__main__, never i
 
 log = logging.getLogger(__name__)
 
-# Redis out of reach, or refusing writes at its maxmemory (a policy that evicts nothing, as a job
-# queue should run): either way a write waits and is sent again, for a lease at most, and the
-# memory comes back as finished jobs' keys expire. A worker that died on the first refusal took
-# its batch down with it.
-_REDIS_DOWN = (RedisConnectionError, RedisTimeoutError, RedisOutOfMemoryError)
+_REDIS_DOWN = REDIS_UNAVAILABLE  # waited out: a write is sent again, for a lease at most
 
 
 @dataclass(slots=True)

@@ -13,13 +13,12 @@ import time
 from collections import defaultdict
 from typing import Any, cast
 
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT
 
 from protocol.keys import Keys
 from protocol.stream_steps import encode_tokens, notify_steps
+from worker.jobs.backoff import REDIS_UNAVAILABLE
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.running_job import RunningJob
 from worker.jobs.script_calls import EndMarker, ScriptCall, retry_missing_scripts, token_args
@@ -102,7 +101,7 @@ class ShardPublisher:
         with the next flush (meanwhile readers see the end in the job's state)."""
         try:
             self.flush([], [], renew=False)  # nothing else is queued: only the ends go
-        except (RedisConnectionError, RedisTimeoutError) as exc:
+        except REDIS_UNAVAILABLE as exc:
             log.warning("stream shard unreachable, %d final entries kept for the next flush: %s",
                         len(self.pending_ends), exc)
 

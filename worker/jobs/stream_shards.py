@@ -8,15 +8,14 @@ import logging
 from typing import Any, cast
 
 from redis import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT
 
 from protocol.job_reader import parse_entries
 from protocol.keys import Keys
 from protocol.rq_keys import KeyTemplate
 from protocol.stream_shards import placed_shard
+from worker.jobs.backoff import REDIS_UNAVAILABLE
 from worker.jobs.job_queue import ClaimedJob
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.lease import Lease
@@ -76,7 +75,7 @@ class StreamShards:
         for client in [self.main, *remote]:
             try:
                 client.delete(self.keys.live_journal(worker_name), self.keys.live_fence(worker_name))
-            except (RedisConnectionError, RedisTimeoutError) as exc:
+            except REDIS_UNAVAILABLE as exc:
                 log.warning("could not delete the live journal: %s", exc)
 
     def _drop_old_stream(self, claim: ClaimedJob) -> bool:
@@ -90,7 +89,7 @@ class StreamShards:
             return True
         try:
             self.clients[index].delete(self.keys.stream(claim.lease.job_id))
-        except (RedisConnectionError, RedisTimeoutError) as exc:
+        except REDIS_UNAVAILABLE as exc:
             log.warning("stream shard %d unreachable, job %s (requeued by rq) left to recovery: "
                         "%s", index, claim.lease.job_id, exc)
             return False
@@ -130,7 +129,7 @@ class StreamShards:
             keys.append(self.keys.stream_steps())
             try:
                 replies = cast("list[list[Any]]", self.call(index, "shard_adopt", keys, args))
-            except (RedisConnectionError, RedisTimeoutError) as exc:
+            except REDIS_UNAVAILABLE as exc:
                 log.warning("stream shard %d unreachable, %d claimed jobs left to recovery: %s",
                             index, len(positions), exc)
                 for position in positions:
