@@ -117,6 +117,9 @@ class BatchRunner:
                 await self.tick()
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
                 log.warning("batch runner: Redis unreachable (%s); retrying", exc)
+            except redis.exceptions.OutOfMemoryError as exc:
+                log.warning("batch runner: Redis refuses writes at its maxmemory (%s); retrying",
+                            exc)
             except Exception:  # a bug must not stop every batch of this process for good
                 log.exception("batch runner: tick failed")
             # A cancel (the API shutting down) that reached a Redis call as it failed may come

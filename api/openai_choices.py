@@ -121,7 +121,8 @@ async def cancel_jobs(ctx: AppContext, jobs: list[ChoiceJob]) -> None:
             status = await ctx.jobs.cancel_unowned(job.job_id)
             log.info("client left before job %s ended: canceled (status now %s)", job.job_id,
                      status.value if status else "gone")
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                redis.exceptions.OutOfMemoryError) as exc:  # (a Redis at its maxmemory)
             log.warning("could not cancel abandoned job %s: %s", job.job_id, exc)
 
 

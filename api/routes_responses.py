@@ -201,7 +201,8 @@ async def _stream(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWriter,
     closing, response = events.end()
     try:
         await keep(response)
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+            redis.exceptions.OutOfMemoryError) as exc:  # (a Redis at its maxmemory)
         log.warning("could not store response %s: %s", response["id"], exc)
     for event in closing:
         yield typed_event(event)
