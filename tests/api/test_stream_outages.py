@@ -130,13 +130,13 @@ async def test_a_reader_failed_mid_stream_resumes_after_its_last_event() -> None
 
 
 async def test_the_grace_restarts_once_redis_answered() -> None:
-    # Two outages of 0.3 s each, under the grace of 0.5, together past it, with a served wait
-    # (a None) between them.
+    # Two outages of about 0.3 s each, under the grace of 0.8, with a served wait (a None) between
+    # them: counted from the first failure, the last try (at about 0.9 s) would end it.
     stream = ScriptedStream([
         ([_token(0)], DOWN), ([0.3], DOWN), ([None, 0.3], DOWN), ([0.3], DOWN),
         ([_done(1)], None),
     ])
-    assert await _collect(stream, grace_s=0.5) == ["0-1", None, None, None, None, None, "0-2"]
+    assert await _collect(stream, grace_s=0.8) == ["0-1", None, None, None, None, None, "0-2"]
     assert [after for after, _ in stream.calls] == ["0-0", "0-1", "0-1", "0-1", "0-1"]
 
 
@@ -187,7 +187,7 @@ async def test_readers_waiting_for_redis_share_one_ping_at_a_time(
     assert all(len(stream.calls) == 1 for stream in streams)
     # One probe, one PING at a time (backing off: 10-20 ms apart here), not 200 readers each.
     assert server.most_in_flight == 1
-    assert 1 <= server.pings < 60, server.pings
+    assert 1 <= server.pings < len(streams), server.pings
     server.up = True
     results = await asyncio.wait_for(asyncio.gather(*readers), 10)
     assert all(items[0] == "0-1" and items[-2:] == ["0-2", "0-3"] for items in results)
