@@ -598,9 +598,12 @@ class BatchingWorker:
         until a restart. The model card, the tokenizer and the rq registration, as at start."""
         log.warning("worker %s: its registration is gone from Redis (restarted without its "
                     "data?): registering %s again", self.name, self.settings.served_model_name)
-        self._publish_model()
-        if self.presence is not None:
-            self.presence.register_again()
+        try:
+            self._publish_model()
+            if self.presence is not None:
+                self.presence.register_again()
+        except _REDIS_DOWN as exc:  # the next stats write checks again
+            log.warning("worker %s: registering again failed: %s", self.name, exc)
 
     def _requeue_all(self) -> None:
         """End of a drain: unfinished jobs go back to the front of their queues."""
