@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from protocol.redis_urls import shown_url
+
 log = logging.getLogger(__name__)
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1", ""}
@@ -58,7 +60,8 @@ class LocalRedis:
         parsed = urlparse(url)
         if parsed.hostname not in LOCAL_HOSTS:
             raise RedisUnavailableError(
-                f"no Redis answers at {url}, and it is not a local address we could start one on"
+                f"no Redis answers at {shown_url(url)}, and it is not a local address we could "
+                "start one on"
             )
         port = parsed.port or 6379
         binary = shutil.which("redis-server")
@@ -99,9 +102,10 @@ class LocalRedis:
 
     def describe(self) -> str:
         """One line for the person who ran `carpool up`."""
-        return {"existing": f"found at {self.url}",
-                "redis-server": f"started redis-server for {self.url} (stopped again on exit)",
-                "fakeredis": f"IN-MEMORY fakeredis at {self.url}: it keeps nothing"}[self.kind]
+        url = shown_url(self.url)
+        return {"existing": f"found at {url}",
+                "redis-server": f"started redis-server for {url} (stopped again on exit)",
+                "fakeredis": f"IN-MEMORY fakeredis at {url}: it keeps nothing"}[self.kind]
 
     def stop(self) -> None:
         if self._process is not None:

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from redis import Redis
 
 from protocol.keys import Keys
+from protocol.redis_urls import shown_url
 from webhooks.dispatcher import WebhookDispatcher
 from webhooks.settings import DispatcherSettings
 
@@ -36,7 +37,8 @@ def main() -> int:
     signal.signal(signal.SIGINT, request_stop)
     redis = Redis.from_url(settings.redis_url)
     dispatcher = WebhookDispatcher(redis, settings, consumer, Keys(settings.keys_prefix))
-    logging.getLogger("webhooks").info("webhook dispatcher %s on %s", consumer, settings.redis_url)
+    logging.getLogger("webhooks").info("webhook dispatcher %s on %s", consumer,
+                                       shown_url(settings.redis_url))
     try:
         dispatcher.run(stop)
     finally:

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 from pydantic import ValidationError
 
+from protocol.redis_urls import shown_url
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m worker", description=__doc__.splitlines()[0])
@@ -98,7 +100,7 @@ def main(argv: Sequence[str] | None = None, reexec: bool = False) -> int:
     try:
         redis.ping()
     except RedisConnectionError as exc:
-        logging.error("cannot reach Redis at %s: %s", settings.redis_url, exc)
+        logging.error("cannot reach Redis at %s: %s", shown_url(settings.redis_url), exc)
         return 1
     try:
         engine = Engine(settings.engine_config())
