@@ -10,7 +10,15 @@ from typing import Any
 
 from api.context import AppContext
 from api.errors import NotFoundError
-from api.openai_choices import ChoiceJob, ChoiceResult, cancel_jobs, merged_events, summed_usage
+from api.openai_choices import (
+    ChoiceJob,
+    ChoiceResult,
+    cancel_jobs,
+    expired_message,
+    merged_events,
+    summed_usage,
+    unended_job,
+)
 from api.openai_chunks import openai_finish_reason, usage_dict
 from api.openai_logprobs import LogprobsFormatter, token_text_of, vllm_prompt_logprobs
 from api.openai_schemas import ChatCompletionRequest, CompletionRequest
@@ -52,10 +60,9 @@ async def wait_for_results(ctx: AppContext, jobs: list[ChoiceJob],
                                                event.entry, tuple(tokens))
             elif not job.prompt_only:  # (the token run to score a prompt is never shown)
                 pieces[job.index].append(event.entry)
-    if len(done) < len(jobs):
-        # A job's keys expired while we waited (retention shorter than the job): nothing to show.
-        missing = next(job.job_id for job in jobs if job.index not in done)
-        raise NotFoundError(f"Job '{missing}' expired before it ended", code="job_expired")
+    missing = unended_job(jobs, set(done))
+    if missing is not None:  # nothing to show
+        raise NotFoundError(expired_message(missing.job_id), code="job_expired")
     return [done[job.index] for job in jobs]
 
 

@@ -114,6 +114,18 @@ async def merged_events(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def unended_job(jobs: list[ChoiceJob], ended: set[int]) -> ChoiceJob | None:
+    """The first of `jobs` whose stream ended without its final entry (`ended`: the indexes of
+    those that had one): its keys went first (a retention shorter than the job, or a Redis that
+    lost its data), so no final entry will come."""
+    return next((job for job in jobs if job.index not in ended), None)
+
+
+def expired_message(job_id: str) -> str:
+    """What every route says of such a job, streamed or not."""
+    return f"Job '{job_id}' expired before it ended"
+
+
 async def cancel_jobs(ctx: AppContext, jobs: list[ChoiceJob]) -> None:
     """Cancel the jobs of a client that left (or of a request one of whose choices failed)."""
     for job in jobs:

@@ -17,7 +17,15 @@ import redis.exceptions
 from api.context import AppContext
 from api.errors import openai_error_body
 from api.openai_answer import prompt_ids_of, prompt_logprobs_of
-from api.openai_choices import ChoiceJob, ChoiceResult, cancel_jobs, merged_events, summed_usage
+from api.openai_choices import (
+    ChoiceJob,
+    ChoiceResult,
+    cancel_jobs,
+    expired_message,
+    merged_events,
+    summed_usage,
+    unended_job,
+)
 from api.openai_chunks import ChunkWriter, openai_finish_reason, usage_dict
 from api.openai_logprobs import LogprobsFormatter
 from api.tool_parsers import CallIds, StreamingToolParser, ToolParser, tool_finish_reason
@@ -167,13 +175,11 @@ async def chunk_payloads(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
                                     reason_name=reason_name, **take_unsent(job),
                                     prompt_token_ids=prompt_ids(job))
             else:
-                ended = {result.job.index for result in results}
-                gone = next((job for job in jobs if job.index not in ended), None)
+                gone = unended_job(jobs, {result.job.index for result in results})
                 if gone is not None:
-                    # Its keys went before it ended (a retention shorter than the job, or a Redis
-                    # that lost its data): said as the answer without `stream` says it, not a
-                    # stream that stops short as if it were whole.
-                    yield openai_error_body(f"Job '{gone.job_id}' expired before it ended",
+                    # Said as the answer without `stream` says it, not a stream that stops short
+                    # as if it were whole.
+                    yield openai_error_body(expired_message(gone.job_id),
                                             "invalid_request_error", None, "job_expired")
                 elif writer.include_usage:
                     yield writer.usage(*summed_usage(results))

@@ -16,7 +16,7 @@ import redis.exceptions
 from tokenizers import Tokenizer
 
 from api.context import AppContext
-from api.openai_choices import ChoiceJob, ChoiceResult, merged_events
+from api.openai_choices import ChoiceJob, ChoiceResult, expired_message, merged_events
 from api.openai_logprobs import token_text_of
 from api.sse import SSE_KEEPALIVE
 from api.tgi_schemas import GenerateParameters
@@ -147,8 +147,8 @@ async def stream_events(ctx: AppContext, job: ChoiceJob, params: GenerateParamet
                 else:
                     yield event(held, entry)
                 return
-        # Its keys went before it ended (see openai_stream): no final entry will come.
-        yield _error(f"Job '{job.job_id}' expired before it ended", "incomplete_generation")
+        # Its keys went before it ended (openai_choices.unended_job): no final entry will come.
+        yield _error(expired_message(job.job_id), "incomplete_generation")
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
         log.warning("Redis lost while streaming job %s: %s", job.job_id, exc)
         yield _error("Redis became unreachable while streaming; the job goes on: follow it at "
