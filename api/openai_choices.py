@@ -12,8 +12,6 @@ import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-import redis.exceptions
-
 from api.context import AppContext
 from api.errors import JobFailedError
 from api.idempotency_key import REPLAYED_HEADER
@@ -21,6 +19,7 @@ from api.job_service import AcceptedJob
 from api.job_stream import StreamEvent
 from api.stream_outages import follow_through_outages
 from protocol import FinishReason, StreamEntry
+from protocol.redis_errors import REDIS_UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +132,7 @@ async def cancel_jobs(ctx: AppContext, jobs: list[ChoiceJob]) -> None:
             status = await ctx.jobs.cancel_unowned(job.job_id)
             log.info("client left before job %s ended: canceled (status now %s)", job.job_id,
                      status.value if status else "gone")
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-                redis.exceptions.OutOfMemoryError) as exc:  # (a Redis at its maxmemory)
+        except REDIS_UNAVAILABLE as exc:
             log.warning("could not cancel abandoned job %s: %s", job.job_id, exc)
 
 

@@ -12,8 +12,6 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-import redis.exceptions
-
 from api.context import AppContext
 from api.errors import openai_error_body
 from api.openai_answer import prompt_ids_of, prompt_logprobs_of
@@ -30,6 +28,7 @@ from api.openai_chunks import ChunkWriter, openai_finish_reason, usage_dict
 from api.openai_logprobs import LogprobsFormatter
 from api.tool_parsers import CallIds, StreamingToolParser, ToolParser, tool_finish_reason
 from protocol import FinishReason, StreamEntry
+from protocol.redis_errors import REDIS_UNREACHABLE
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +182,7 @@ async def chunk_payloads(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWr
                                             "invalid_request_error", None, "job_expired")
                 elif writer.include_usage:
                     yield writer.usage(*summed_usage(results))
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+    except REDIS_UNREACHABLE as exc:
         # Headers are long sent: say it in the stream, as OpenAI does for mid-stream failures.
         job_ids = ", ".join(job.job_id for job in jobs)
         log.warning("Redis lost while streaming jobs %s: %s", job_ids, exc)

@@ -16,8 +16,6 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-import redis.exceptions
-
 from api.context import AppContext
 from api.errors import InvalidRequestError, NotFoundError
 from api.openai_chunks import ChunkWriter
@@ -29,6 +27,7 @@ from api.responses_schemas import ResponsesRequest
 from api.responses_store import StoredResponse
 from api.sse import SSE_KEEPALIVE, typed_event
 from protocol import JobState
+from protocol.redis_errors import REDIS_UNREACHABLE
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +78,7 @@ async def response_events(ctx: AppContext, stored: StoredResponse, reading: JobR
             reading.base["id"], stored.owner))).response
     except NotFoundError:
         pass  # deleted meanwhile: the events' own
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+    except REDIS_UNREACHABLE as exc:
         log.warning("could not settle response %s: %s", reading.base["id"], exc)
     for line in wanted([*closing[:-1], {**closing[-1], "response": response}]):
         yield line

@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Annotated, Any
 
-import redis.exceptions
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
 
@@ -40,6 +39,7 @@ from api.openai_logprobs import token_text_of, vllm_prompt_logprobs
 from api.sse import EventStreamResponse, sse_comment, sse_event
 from api.stream_outages import follow_through_outages
 from protocol import JobState, JobStatus, StreamEntry
+from protocol.redis_errors import REDIS_UNREACHABLE
 from protocol.stream_ids import STREAM_START, entry_id_key, is_entry_id
 
 log = logging.getLogger(__name__)
@@ -254,7 +254,7 @@ async def _job_events(ctx: AppContext, stream: JobStream, after: str,
                 continue
             last_sent = time.monotonic()
             yield _sse_for(event)
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+    except REDIS_UNREACHABLE as exc:
         # Redis stayed out past CARPOOL_STREAM_OUTAGE_S. Ending the response makes an
         # EventSource reconnect with Last-Event-ID: nothing is lost.
         log.warning("Redis lost while streaming job %s: %s", stream.job_id, exc)

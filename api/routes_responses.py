@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Annotated, Any
 
-import redis.exceptions
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
 
@@ -54,6 +53,7 @@ from api.responses_schemas import (
 from api.sse import SSE_KEEPALIVE, EventStreamResponse, typed_event
 from api.tool_parsers import ToolParser, get_parser
 from api.webhook_urls import webhook_url_of
+from protocol.redis_errors import REDIS_UNAVAILABLE
 
 log = logging.getLogger(__name__)
 
@@ -201,8 +201,7 @@ async def _stream(ctx: AppContext, jobs: list[ChoiceJob], writer: ChunkWriter,
     closing, response = events.end()
     try:
         await keep(response)
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-            redis.exceptions.OutOfMemoryError) as exc:  # (a Redis at its maxmemory)
+    except REDIS_UNAVAILABLE as exc:
         log.warning("could not store response %s: %s", response["id"], exc)
     for event in closing:
         yield typed_event(event)

@@ -57,6 +57,7 @@ from redis.asyncio.connection import Connection
 
 from protocol.job_reader import XReadReply
 from protocol.keys import Keys
+from protocol.redis_errors import REDIS_UNREACHABLE
 from protocol.stream_ids import STREAM_START, entry_id_key, next_entry_id, token_entry_id
 from protocol.stream_steps import note_fields, notified_final, notified_streams, notified_tokens
 from protocol.token_runs import RawEntry
@@ -365,7 +366,7 @@ class StreamHub:
                     await asyncio.sleep(self._min_interval_s - (time.monotonic() - started))
         except Exception as exc:
             # Every subscriber ends as a failed XREAD of its own would have ended it.
-            if not isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)):
+            if not isinstance(exc, REDIS_UNREACHABLE):
                 log.exception("stream hub reader failed")
             self._fail_all(exc)
             # Its connection for reads sat idle through whatever broke the subscription (a Redis

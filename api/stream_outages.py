@@ -27,9 +27,9 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-import redis.exceptions
 
 from api.job_stream import JobStream, StreamEvent
+from protocol.redis_errors import REDIS_UNREACHABLE
 from protocol.stream_ids import STREAM_START
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 _FIRST_RETRY_S = 0.1
 _MAX_RETRY_S = 1.0
 
-REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
 
 
 @dataclass(slots=True)
@@ -92,7 +91,7 @@ async def _ping_until_answered(client: aioredis.Redis, waiting: Callable[[], int
             log.warning("Redis at %s answers again: %d open streams resume", _address(client),
                         waiting())
             return
-        except REDIS_ERRORS:
+        except REDIS_UNREACHABLE:
             await asyncio.sleep(delay_s * random.uniform(0.5, 1.0))
             delay_s = min(2 * delay_s, _MAX_RETRY_S)
 
@@ -119,7 +118,7 @@ async def follow_through_outages(stream: JobStream, grace_s: float, recovery: Re
                         last_id = event.entry_id
                     yield event
             return
-        except REDIS_ERRORS as exc:
+        except REDIS_UNREACHABLE as exc:
             now = time.monotonic()
             if failing_since is None:
                 failing_since = now

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-import redis.exceptions
 from tokenizers import Tokenizer
 
 from api.context import AppContext
@@ -21,6 +20,7 @@ from api.openai_logprobs import token_text_of
 from api.sse import SSE_KEEPALIVE
 from api.tgi_schemas import GenerateParameters
 from protocol import FinishReason, StreamEntry
+from protocol.redis_errors import REDIS_UNREACHABLE
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ async def stream_events(ctx: AppContext, job: ChoiceJob, params: GenerateParamet
                 return
         # Its keys went before it ended (openai_choices.unended_job): no final entry will come.
         yield _error(expired_message(job.job_id), "incomplete_generation")
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+    except REDIS_UNREACHABLE as exc:
         log.warning("Redis lost while streaming job %s: %s", job.job_id, exc)
         yield _error("Redis became unreachable while streaming; the job goes on: follow it at "
                      f"/v1/jobs/{job.job_id}/stream", "unavailable")

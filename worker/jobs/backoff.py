@@ -5,15 +5,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
-# What a worker waits out and sends again: Redis out of reach, or refusing writes at its
-# maxmemory (a policy that evicts nothing, as a job queue should run), whose memory comes back as
-# finished jobs' keys expire. A worker that died on the first refusal took its batch with it.
-REDIS_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, RedisOutOfMemoryError)
-
 
 @dataclass(slots=True)
 class Backoff:

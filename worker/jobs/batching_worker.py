@@ -42,10 +42,11 @@ from protocol.generation_defaults import generation_defaults
 from protocol.job_submission import cancel_job
 from protocol.keys import Keys
 from protocol.messages import JobSpec, JobStatus, ModelCard, Priority, WorkerStats
+from protocol.redis_errors import REDIS_UNAVAILABLE
 from protocol.stream_shards import shard_urls
 from worker.engine.config import BatchingMode
 from worker.engine.outputs import StepOutput, StepStats
-from worker.jobs.backoff import REDIS_UNAVAILABLE, Backoff
+from worker.jobs.backoff import Backoff
 from worker.jobs.job_queue import ClaimedJob, JobQueue, WorkersSuspended
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.rq_commands import RQCommands

@@ -17,8 +17,8 @@ from redis.exceptions import ResponseError
 from redis.typing import EncodableT
 
 from protocol.keys import Keys
+from protocol.redis_errors import REDIS_UNAVAILABLE
 from protocol.stream_steps import encode_tokens, notify_steps
-from worker.jobs.backoff import REDIS_UNAVAILABLE
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.running_job import RunningJob
 from worker.jobs.script_calls import EndMarker, ScriptCall, retry_missing_scripts, token_args

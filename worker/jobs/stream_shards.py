@@ -13,9 +13,9 @@ from redis.typing import EncodableT
 
 from protocol.job_reader import parse_entries
 from protocol.keys import Keys
+from protocol.redis_errors import REDIS_UNAVAILABLE
 from protocol.rq_keys import KeyTemplate
 from protocol.stream_shards import placed_shard
-from worker.jobs.backoff import REDIS_UNAVAILABLE
 from worker.jobs.job_queue import ClaimedJob
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.lease import Lease
