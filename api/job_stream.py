@@ -19,6 +19,7 @@ from api.state_reads import SharedStateReads, end_if_taken_away_by_rq, read_stat
 from api.stream_hub import StreamHub, Subscription
 from protocol import FinishReason, JobState, JobStatus, Keys, StreamEntry
 from protocol.job_reader import XReadReply
+from protocol.redis_errors import REDIS_UNREACHABLE
 from protocol.rq_keys import RQKeys
 from protocol.stream_ids import STREAM_START, entry_id_key, next_entry_id
 from protocol.stream_shards import started_shard
@@ -66,7 +67,11 @@ class JobStream:
 
     `unplaced`: the stream shards, for a job not started yet: the worker that starts it picks
     the shard (protocol/stream_shards.py), so `follow` waits for its stream on all of them and
-    stays on the one its first entries come from (or its state names)."""
+    stays on the one its first entries come from (or its state names). A shard that fails
+    meanwhile is left out of the wait rather than ending the reader: its workers cannot start
+    the job's stream while it is out, and one that started the job there anyway (it came back)
+    has named it in the job's state, which the reader looks at every block interval. Only with
+    every shard out does the reader fail (and ride the outage out: api/stream_outages.py)."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, job_id: str, block_ms: int,
                  hub: StreamHub | None = None, stream_redis: aioredis.Redis | None = None,
@@ -82,12 +87,19 @@ class JobStream:
         self._hub = hub  # None: this reader blocks on an XREAD (and a connection) of its own
         self._shards = unplaced
         self._placed = not unplaced
+        # The shards whose hubs failed while this job was not placed (api/stream_outages.py waits
+        # for the others only).
+        self._shards_out: set[int] = set()
 
     def redis_clients(self) -> list[aioredis.Redis]:
         """The servers this reader reads: the main Redis (the job's state) and its stream's shard
         (every shard while the job is not placed)."""
-        servers = [self._redis, self._streams] if self._placed or self._shards is None \
-            else [self._redis, *(shard.redis for shard in self._shards)]
+        if self._placed or self._shards is None:
+            servers = [self._redis, self._streams]
+        else:
+            shards = [shard for index, shard in enumerate(self._shards)
+                      if index not in self._shards_out] or self._shards
+            servers = [self._redis, *(shard.redis for shard in shards)]
         return list({id(server): server for server in servers}.values())
 
     async def last_event(self) -> StreamEvent | None:
@@ -126,6 +138,7 @@ class JobStream:
         waiting: dict[int, Subscription] = {}
         if not self._placed:
             assert self._shards is not None
+            self._shards_out.clear()  # (a new try after an outage: each shard again)
             for index, shard in enumerate(self._shards):
                 if shard.hub is not None:
                     waiting[index] = await shard.hub.subscribe(key, after_id, fresh_since)
@@ -176,9 +189,12 @@ class JobStream:
                                             len(self._shards))
                     if started is not None:
                         self._place(started)
-                        # Its hub has followed the stream from this reader's position all along.
+                        # Its hub has followed the stream from this reader's position all along
+                        # (unless it failed meanwhile: followed again from here).
                         subscription = waiting.pop(started, None)
                         self._leave(waiting)
+                        if subscription is None and self._hub is not None:
+                            subscription = await self._hub.subscribe(key, last_id)
                         continue
                 if state.status.is_final and not self._placed:
                     # Ended before any worker started it (canceled while queued).
@@ -225,25 +241,48 @@ class JobStream:
                     return index, []
                 await asyncio.sleep(_PLACEMENT_POLL_S)
             return None, []
-        for index, subscription in waiting.items():
+        for index, subscription in list(waiting.items()):
             if subscription.catch_up_to is not None:
                 # Its hub followed the stream past this reader already (the reader catches up
                 # there), unless another reader's position is all it had (no stream there).
-                if await self._shards[index].redis.exists(self._keys.stream(self.job_id)):
-                    return index, []
+                try:
+                    if await self._shards[index].redis.exists(self._keys.stream(self.job_id)):
+                        return index, []
+                except REDIS_UNREACHABLE as exc:
+                    self._shard_failed(index, waiting, exc)
+                    continue
                 subscription.take_catch_up()
         nexts = {asyncio.ensure_future(subscription.next(self._block_ms / 1000)): index
                  for index, subscription in waiting.items()}
+        if not nexts:  # every shard failed at its catch-up: the state names the one to follow
+            return None, []
         done, pending = await asyncio.wait(nexts, return_when=asyncio.FIRST_COMPLETED)
         for task in pending:
             task.cancel()  # its subscription keeps anything delivered meanwhile
         await asyncio.gather(*pending, return_exceptions=True)
         found: tuple[int | None, list[RawEntry]] = (None, [])
         for task in done:
-            entries = task.result()  # a hub's failure ends the reader, as when placed
+            try:
+                entries = task.result()
+            except REDIS_UNREACHABLE as exc:
+                self._shard_failed(nexts[task], waiting, exc)
+                continue
             if entries:
                 found = (nexts[task], entries)
         return found
+
+    def _shard_failed(self, index: int, waiting: dict[int, Subscription],
+                      error: BaseException) -> None:
+        """Leave shard `index` out of the wait for a job not placed yet; with every shard out,
+        the reader fails as a placed one does when its shard fails."""
+        assert self._shards is not None
+        subscription = waiting.pop(index)
+        hub = self._shards[index].hub
+        if hub is not None:
+            hub.unsubscribe(subscription)
+        self._shards_out.add(index)
+        if len(self._shards_out) == len(self._shards):
+            raise error
 
     async def _next_from_hub(self, subscription: Subscription, key: str,
                              last_id: str) -> list[RawEntry]:

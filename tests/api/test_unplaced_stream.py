@@ -9,6 +9,7 @@ import time
 
 import fakeredis
 import pytest
+import redis.exceptions
 
 from api.job_stream import JobStream, StreamEvent, StreamShard
 from api.state_reads import SharedStateReads
@@ -169,5 +170,57 @@ async def test_an_unplaced_stream_has_nothing_to_replay() -> None:
         stream = fleet.stream()
         assert await stream.last_event() is None
         assert await stream.read_all() == []
+    finally:
+        await fleet.close()
+
+
+async def test_a_shard_that_fails_before_the_start_is_left_out_of_the_wait() -> None:
+    # Shard 0 goes out while the job is queued: the job starts on shard 1, and its reader,
+    # which waited on both, follows it there to its end instead of failing with shard 0.
+    fleet = Fleet()
+    try:
+        stream, reader = await fleet.follow_queued()
+        assert len(stream.redis_clients()) == 3
+        fleet.shards[0].connection_pool.connection_kwargs["server"].connected = False
+        await _until(lambda: fleet.hubs[0].num_streams == 0)  # type: ignore[union-attr]
+        await _until(lambda: len(stream.redis_clients()) == 2)
+        assert stream.redis_clients() == [fleet.main, fleet.shards[1]]  # what an outage waits on
+        await fleet.start(1, 0, 2)
+        await fleet.finish(1, 2)
+        assert await asyncio.wait_for(reader, 5) == [
+            ("0-1", "token", 100), ("0-2", "token", 101), ("0-3", "done", -1)]
+    finally:
+        await fleet.close()
+
+
+async def test_a_job_placed_on_a_shard_that_failed_is_followed_there_once_it_answers() -> None:
+    # Shard 1 is out when the job is queued; a worker starts it there once shard 1 is back: the
+    # state names the shard, and the reader follows it through shard 1's hub again.
+    fleet = Fleet()
+    try:
+        _, reader = await fleet.follow_queued()
+        fleet.shards[1].connection_pool.connection_kwargs["server"].connected = False
+        await _until(lambda: fleet.hubs[1].num_streams == 0)  # type: ignore[union-attr]
+        fleet.shards[1].connection_pool.connection_kwargs["server"].connected = True
+        await fleet.main.hset(KEYS.state(JOB), mapping={"status": "running",
+                                                        "started_at": "1000.0",
+                                                        "stream_shard": "1"})
+        await _until(lambda: fleet.hubs[1].num_streams == 1)  # type: ignore[union-attr]
+        assert fleet.hubs[0].num_streams == 0  # type: ignore[union-attr]
+        await fleet.start(1, 0, 1)
+        await fleet.finish(1, 1)
+        assert await asyncio.wait_for(reader, 5) == [("0-1", "token", 100), ("0-2", "done", -1)]
+    finally:
+        await fleet.close()
+
+
+async def test_with_every_shard_out_the_reader_fails() -> None:
+    fleet = Fleet()
+    try:
+        _, reader = await fleet.follow_queued()
+        for shard in fleet.shards:
+            shard.connection_pool.connection_kwargs["server"].connected = False
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await asyncio.wait_for(reader, 5)
     finally:
         await fleet.close()
