@@ -68,10 +68,11 @@ class JobStream:
     `unplaced`: the stream shards, for a job not started yet: the worker that starts it picks
     the shard (protocol/stream_shards.py), so `follow` waits for its stream on all of them and
     stays on the one its first entries come from (or its state names). A shard that fails
-    meanwhile is left out of the wait rather than ending the reader: its workers cannot start
-    the job's stream while it is out, and one that started the job there anyway (it came back)
-    has named it in the job's state, which the reader looks at every block interval. Only with
-    every shard out does the reader fail (and ride the outage out: api/stream_outages.py)."""
+    meanwhile is left out of the wait rather than ending the reader: its workers start their
+    jobs on another shard while it is out (worker/jobs/stream_shards.py), and the job's state,
+    which the reader looks at every block interval, names the shard it started on. The reader
+    fails, as a placed one whose shard fails, when that is a shard out, or every shard is out
+    (api/stream_outages.py rides the outage out and follows again)."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, job_id: str, block_ms: int,
                  hub: StreamHub | None = None, stream_redis: aioredis.Redis | None = None,
@@ -87,9 +88,9 @@ class JobStream:
         self._hub = hub  # None: this reader blocks on an XREAD (and a connection) of its own
         self._shards = unplaced
         self._placed = not unplaced
-        # The shards whose hubs failed while this job was not placed (api/stream_outages.py waits
-        # for the others only).
-        self._shards_out: set[int] = set()
+        # The shards whose hubs failed while this job was not placed, with their errors
+        # (api/stream_outages.py waits for the others only).
+        self._shards_out: dict[int, BaseException] = {}
 
     def redis_clients(self) -> list[aioredis.Redis]:
         """The servers this reader reads: the main Redis (the job's state) and its stream's shard
@@ -187,14 +188,17 @@ class JobStream:
                     assert self._shards is not None
                     started = started_shard(self.job_id, state.stream_shard, state.started_at,
                                             len(self._shards))
+                    if started in self._shards_out:
+                        # On a shard that failed under this reader: it fails as a placed one
+                        # would, and the outage's retry looks again. (A worker that claimed the
+                        # job onto its shard as the shard went puts it back unplaced: then it
+                        # is waited for on the others again.)
+                        raise self._shards_out[started]
                     if started is not None:
                         self._place(started)
-                        # Its hub has followed the stream from this reader's position all along
-                        # (unless it failed meanwhile: followed again from here).
+                        # Its hub has followed the stream from this reader's position all along.
                         subscription = waiting.pop(started, None)
                         self._leave(waiting)
-                        if subscription is None and self._hub is not None:
-                            subscription = await self._hub.subscribe(key, last_id)
                         continue
                 if state.status.is_final and not self._placed:
                     # Ended before any worker started it (canceled while queued).
@@ -280,7 +284,7 @@ class JobStream:
         hub = self._shards[index].hub
         if hub is not None:
             hub.unsubscribe(subscription)
-        self._shards_out.add(index)
+        self._shards_out[index] = error
         if len(self._shards_out) == len(self._shards):
             raise error
 

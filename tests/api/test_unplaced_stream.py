@@ -14,6 +14,7 @@ import redis.exceptions
 from api.job_stream import JobStream, StreamEvent, StreamShard
 from api.state_reads import SharedStateReads
 from api.stream_hub import StreamHub
+from api.stream_outages import RedisRecovery, follow_through_outages
 from protocol import FinishReason, JobState, JobStatus, Keys, StreamEntry, stream_ids
 from protocol.stream_steps import encode_tokens
 
@@ -181,7 +182,7 @@ async def test_a_shard_that_fails_before_the_start_is_left_out_of_the_wait() -> 
     try:
         stream, reader = await fleet.follow_queued()
         assert len(stream.redis_clients()) == 3
-        fleet.shards[0].connection_pool.connection_kwargs["server"].connected = False
+        _connected(fleet.shards[0], False)
         await _until(lambda: fleet.hubs[0].num_streams == 0)  # type: ignore[union-attr]
         await _until(lambda: len(stream.redis_clients()) == 2)
         assert stream.redis_clients() == [fleet.main, fleet.shards[1]]  # what an outage waits on
@@ -193,23 +194,66 @@ async def test_a_shard_that_fails_before_the_start_is_left_out_of_the_wait() -> 
         await fleet.close()
 
 
+async def _collect_through_outages(stream: JobStream) -> list[tuple[str, str, int]]:
+    events: list[tuple[str, str, int]] = []
+    async for event in follow_through_outages(stream, 5.0, RedisRecovery(),
+                                              fresh_since=time.monotonic(), tick_s=0.1):
+        if isinstance(event, StreamEvent):
+            events.append((event.entry_id, event.entry.kind, event.entry.token_id))
+    return events
+
+
+def _connected(client, up: bool) -> None:  # type: ignore[no-untyped-def]
+    client.connection_pool.connection_kwargs["server"].connected = up
+
+
 async def test_a_job_placed_on_a_shard_that_failed_is_followed_there_once_it_answers() -> None:
-    # Shard 1 is out when the job is queued; a worker starts it there once shard 1 is back: the
-    # state names the shard, and the reader follows it through shard 1's hub again.
+    # Shard 1 fails while the job is queued, and a worker starts it there: the reader fails on
+    # it as a placed one would, rides the outage out, and follows it there once shard 1 is back.
     fleet = Fleet()
     try:
-        _, reader = await fleet.follow_queued()
-        fleet.shards[1].connection_pool.connection_kwargs["server"].connected = False
+        await fleet.queue()
+        stream = fleet.stream()
+        reader = asyncio.create_task(_collect_through_outages(stream))
+        await _until(lambda: all(hub.num_streams == 1 for hub in fleet.hubs if hub))
+        _connected(fleet.shards[1], False)
         await _until(lambda: fleet.hubs[1].num_streams == 0)  # type: ignore[union-attr]
-        fleet.shards[1].connection_pool.connection_kwargs["server"].connected = True
         await fleet.main.hset(KEYS.state(JOB), mapping={"status": "running",
                                                         "started_at": "1000.0",
                                                         "stream_shard": "1"})
+        await asyncio.sleep(BLOCK_MS / 1000 * 1.5)  # the reader has read the state
+        assert not reader.done()
+        _connected(fleet.shards[1], True)
         await _until(lambda: fleet.hubs[1].num_streams == 1)  # type: ignore[union-attr]
-        assert fleet.hubs[0].num_streams == 0  # type: ignore[union-attr]
         await fleet.start(1, 0, 1)
         await fleet.finish(1, 1)
         assert await asyncio.wait_for(reader, 5) == [("0-1", "token", 100), ("0-2", "done", -1)]
+        assert fleet.hubs[0].num_streams == 0  # type: ignore[union-attr]
+    finally:
+        await fleet.close()
+
+
+async def test_a_job_put_back_unplaced_after_its_shard_failed_is_followed_where_it_starts() -> None:
+    # The worker claimed the job onto shard 1 as shard 1 went, and puts it back unplaced (its
+    # state as before any start); another worker starts it on shard 0.
+    fleet = Fleet()
+    try:
+        await fleet.queue()
+        stream = fleet.stream()
+        reader = asyncio.create_task(_collect_through_outages(stream))
+        await _until(lambda: all(hub.num_streams == 1 for hub in fleet.hubs if hub))
+        _connected(fleet.shards[1], False)
+        await fleet.main.hset(KEYS.state(JOB), mapping={"status": "running",
+                                                        "started_at": "1000.0",
+                                                        "stream_shard": "1"})
+        await asyncio.sleep(BLOCK_MS / 1000 * 1.5)
+        await fleet.main.hset(KEYS.state(JOB), "status", "queued")
+        await fleet.main.hdel(KEYS.state(JOB), "stream_shard", "started_at")
+        await asyncio.sleep(0.2)
+        await fleet.start(0, 0, 2)
+        await fleet.finish(0, 2)
+        assert await asyncio.wait_for(reader, 5) == [
+            ("0-1", "token", 100), ("0-2", "token", 101), ("0-3", "done", -1)]
     finally:
         await fleet.close()
 
@@ -219,7 +263,7 @@ async def test_with_every_shard_out_the_reader_fails() -> None:
     try:
         _, reader = await fleet.follow_queued()
         for shard in fleet.shards:
-            shard.connection_pool.connection_kwargs["server"].connected = False
+            _connected(shard, False)
         with pytest.raises(redis.exceptions.ConnectionError):
             await asyncio.wait_for(reader, 5)
     finally:

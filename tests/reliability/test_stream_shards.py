@@ -6,6 +6,8 @@ Every job must finish with every token exactly once, in order, in its subscriber
 stream must be on the shard of the worker that started it (its state records which) and nowhere
 else. With CARPOOL_STREAM_OUTAGE_S the API rides the restart out and no subscriber reconnects;
 with 0 it ends the streams the restart hit, and their subscribers reconnect with Last-Event-ID.
+
+And a shard lost for good before the jobs come: every job starts on the shard that answers.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from redis import Redis
 
@@ -36,7 +39,7 @@ SEATS = 8
 STEP_S = 0.02
 
 
-def _start_workers(main_url: str, shard_urls: list[str], stream_interval_ms: float
+def _start_workers(main_url: str, shard_urls: list[str], stream_interval_ms: float = 0
                    ) -> list[tuple[BatchingWorker, threading.Thread]]:
     workers = []
     for number in range(2):
@@ -167,6 +170,62 @@ def test_streams_on_two_shards_survive_a_shard_restart(tmp_path: Path, stream_in
               f"shard {victim} killed and restarted, the API riding it out for "
               f"{stream_outage_s:g} s; {sum(reconnects.values())} reconnects, "
               f"every token once, 0 lost")
+    finally:
+        if api is not None:
+            api.stop()
+        for worker, _ in workers:
+            worker.request_stop(0, None)
+        for _, thread in workers:
+            thread.join(timeout=30)
+        for server in [main, *shards]:
+            stop_redis(server)
+
+
+def test_jobs_start_on_the_shard_that_answers_while_the_other_is_lost(tmp_path: Path) -> None:
+    # Shard 1 dies before any job is submitted and does not come back. The worker whose shard it
+    # was claims jobs onto it until a call there fails: those go back to their queue unplaced,
+    # and from then on it starts its jobs on shard 0 too. Before, every job it claimed was
+    # placed on shard 1 for good (then stuck, each chat request a 503 after the stream grace).
+    main = start_redis(tmp_path / "main", appendonly=True)
+    shards = [start_redis(tmp_path / f"shard-{i}") for i in range(2)]
+    workers: list[tuple[BatchingWorker, threading.Thread]] = []
+    api = None
+    try:
+        shard_urls = [shard.url for shard in shards]
+        workers = _start_workers(main.url, shard_urls)
+        api = ApiProcess.start(main.url, tmp_path / "api.log", stream_redis_urls=",".join(shard_urls),
+                               stream_outage_s="3")
+        api.wait_healthy()
+        main_redis = Redis.from_url(main.url)
+        deadline = time.monotonic() + 60
+        while not main_redis.hexists(KEYS.models(), "synthetic") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        shards[1].kill()
+
+        async def ask(client: openai.AsyncOpenAI, number: int) -> str:
+            messages = [{"role": "user", "content": f"question {number}"}]
+            if number % 2:
+                stream = await client.chat.completions.create(
+                    model="synthetic", messages=messages, max_tokens=20,  # type: ignore[arg-type]
+                    stream=True)
+                return "".join([chunk.choices[0].delta.content or "" async for chunk in stream
+                                if chunk.choices])
+            answer = await client.chat.completions.create(
+                model="synthetic", messages=messages, max_tokens=20)  # type: ignore[arg-type]
+            return answer.choices[0].message.content or ""
+
+        async def ask_all() -> list[str]:
+            async with openai.AsyncOpenAI(base_url=f"{api.url}/v1", api_key="none",
+                                          max_retries=0, timeout=60) as client:
+                return await asyncio.gather(*(ask(client, number) for number in range(2 * SEATS)))
+
+        assert asyncio.run(ask_all()) == [SYNTHETIC_TEXT * 20] * (2 * SEATS)
+        state_prefix = KEYS.state("")
+        job_ids = [key.decode().removeprefix(state_prefix)
+                   for key in main_redis.scan_iter(KEYS.state("*"))]
+        homes = [JobReader(main_redis).state(job_id).stream_shard
+                 for job_id in job_ids if ":" not in job_id]  # (not its stream, lease...)
+        assert homes == [0] * (2 * SEATS)
     finally:
         if api is not None:
             api.stop()

@@ -261,6 +261,12 @@ class BatchingWorker:
                 or (self._last_stats is not None and self._last_stats.num_waiting)):
             return []
         budget = self.engine.num_free_kv_blocks() if self.engine.has_unfinished() else None
+        if self.queue.home_shard is not None:
+            # Its shard, or another while that one is out of reach (StreamShards.home_for_claims).
+            home = self.shards.home_for_claims()
+            if home is None:
+                return []  # no shard answers: a job started now could not stream
+            self.queue.home_shard = home
         try:
             claims = self.queue.claim(free_slots, budget)
         except WorkersSuspended:
@@ -381,12 +387,14 @@ class BatchingWorker:
 
     # Boundary: jobs in.
     def _admit(self, claims: list[ClaimedJob]) -> None:
-        for claim in self.shards.adopt(claims, self.name):
-            job = RunningJob(lease=claim.lease, spec=claim.spec, state=claim.state,
-                             result_ttl=claim.result_ttl, failure_ttl=claim.failure_ttl,
-                             num_prompt_tokens=claim.state.prompt_tokens,
-                             token_ids=[t.token_id for t in claim.tokens],
-                             texts=[t.text for t in claim.tokens], claimed_at=claim.claimed_at)
+        unstarted: list[ClaimedJob] = []
+        adopted = self.shards.adopt(claims, self.name, unstarted)
+        for claim in unstarted:
+            # Claimed for their first start onto a shard that turned out to be out of reach:
+            # back to the front of their queue, unplaced, with the next publish.
+            self.publisher.requeue(_running(claim), count_as_preemption=False, unplace=True)
+        for claim in adopted:
+            job = _running(claim)
             if claim.is_canceled:
                 self._end_later(job, JobEnd(JobStatus.CANCELED, FinishReason.CANCELED))
             elif claim.spec is None:
@@ -635,6 +643,14 @@ class BatchingWorker:
             max_num_seqs=self.engine.limits.max_num_seqs, updated_at=now,
             num_jobs=0 if drained else len(self.jobs) + len(self._pending),
             suspended=self.suspension.is_held)
+
+
+def _running(claim: ClaimedJob) -> RunningJob:
+    return RunningJob(lease=claim.lease, spec=claim.spec, state=claim.state,
+                      result_ttl=claim.result_ttl, failure_ttl=claim.failure_ttl,
+                      num_prompt_tokens=claim.state.prompt_tokens,
+                      token_ids=[t.token_id for t in claim.tokens],
+                      texts=[t.text for t in claim.tokens], claimed_at=claim.claimed_at)
 
 
 def _has_started(claim: ClaimedJob) -> bool:

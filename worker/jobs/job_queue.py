@@ -62,6 +62,9 @@ class ClaimedJob:
     # An ended job that rq's requeue put back runs again from its start: the stream_shard its
     # old stream was placed by (-1: none recorded), which goes before it starts; None otherwise.
     restarted_from_shard: int | None = None
+    # This claim placed the job on this worker's stream shard (its first start): nothing of it
+    # is on any shard yet, so it can go back unplaced if that shard is out of reach.
+    placed_now: bool = False
 
 
 class WorkersSuspended(Exception):
@@ -172,7 +175,7 @@ class JobQueue:
 
     def _claimed(self, row: list[Any], now: float) -> ClaimedJob:
         job_id, queue_index, fence, execution_id, data, result_ttl, failure_ttl, state_flat, \
-            entries, canceled, restarted = row
+            entries, canceled, restarted, placed = row
         job_id = _text(job_id)
         state_fields = dict(zip(state_flat[::2], state_flat[1::2]))
         try:
@@ -197,7 +200,8 @@ class JobQueue:
                           result_ttl=_ttl(result_ttl, DEFAULT_RESULT_TTL),
                           failure_ttl=_ttl(failure_ttl, DEFAULT_FAILURE_TTL), error=error,
                           claimed_at=now,
-                          restarted_from_shard=int(_text(restarted)) if restarted else None)
+                          restarted_from_shard=int(_text(restarted)) if restarted else None,
+                          placed_now=bool(int(placed)))
 
 
 def _ttl(raw: Any, default: int) -> int:

@@ -80,7 +80,9 @@ end
 # Returns, per claimed job: {job_id, queue_index, fence, execution_id, rq data, result_ttl,
 #       failure_ttl, JobState fields (flat), stream entries, is_canceled, restarted: '' or, for
 #       an ended job that rq's requeue put back (run again from its start), the stream_shard its
-#       old stream was placed by ('-1': none recorded)}; or CLAIM_SUSPENDED,
+#       old stream was placed by ('-1': none recorded), placed: 1 when this claim recorded the
+#       job's stream shard (its first start: it has no stream anywhere yet), else 0}; or
+#       CLAIM_SUSPENDED,
 #       taking nothing, while `rq suspend` holds.
 CLAIM_SUSPENDED = "suspended"
 CLAIM = _COMMON + """
@@ -196,6 +198,7 @@ local function claim(job_id, qi)
              'worker_name', ARGV[1])
   redis.call('PERSIST', rq_job)
   local updates = {'status', 'running', 'worker', ARGV[1], 'execution', composite}
+  local placed = 0
   if (tonumber(fields.started_at or '0') or 0) == 0 then
     updates[#updates + 1] = 'started_at'
     updates[#updates + 1] = ARGV[10]
@@ -204,6 +207,7 @@ local function claim(job_id, qi)
     if ARGV[29] ~= '' then
       updates[#updates + 1] = 'stream_shard'
       updates[#updates + 1] = ARGV[29]
+      placed = 1
     end
   end
   if not fields.job_id then  -- a job enqueued without submit_job
@@ -221,7 +225,7 @@ local function claim(job_id, qi)
   claimed[#claimed + 1] = {job_id, qi, fence, execution_id, rq_fields[1],
                            rq_fields[2] or '', rq_fields[3] or '', flat,
                            redis.call('XRANGE', key(15, job_id), '-', '+'),
-                           is_canceled(job_id), restarted}
+                           is_canceled(job_id), restarted, placed}
 end
 
 if ARGV[6] ~= '' then
@@ -453,7 +457,9 @@ return outcome
 #       rq executions, worker executions, stream, the queue's wake-up list, its owners set
 #       (Keys.queue_owners).
 # ARGV: token, job_id, composite, execution_id, prompt_tokens, count_as_preemption (1|0),
-#       num_tokens (what the job's stream holds, wherever it lives).
+#       num_tokens (what the job's stream holds, wherever it lives), unplace ('1': a job whose
+#       first start this was, and whose stream shard could not be reached: it goes back as never
+#       started, for the next claim to place it on its own worker's shard; absent: '0').
 # Returns 1 (back at the queue's front), 0 (refused: not the lease holder).
 REQUEUE = _COMMON + """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
@@ -461,6 +467,7 @@ local status = 'queued'
 if redis.call('XLEN', KEYS[10]) > 0 or tonumber(ARGV[7]) > 0 then status = 'preempted' end
 redis.call('HSET', KEYS[3], 'status', status, 'prompt_tokens', ARGV[5], 'execution', '')
 if ARGV[6] == '1' then redis.call('HINCRBY', KEYS[3], 'num_preemptions', 1) end
+if ARGV[8] == '1' then redis.call('HDEL', KEYS[3], 'stream_shard', 'started_at') end
 redis.call('HSET', KEYS[4], 'status', 'queued')
 drop_execution(KEYS[7], KEYS[6], KEYS[8], KEYS[9], ARGV[3], ARGV[4])
 redis.call('DEL', KEYS[1])

@@ -83,8 +83,12 @@ class ShardPublisher:
             for call in calls:
                 self.scripts.call(pipe, call.name, call.keys, call.args)
             notify_steps(pipe, self.keys, [marker.job_id for marker in ends_by_shard[shard]])
-            replies = retry_missing_scripts(self.scripts, client, calls,
-                                            pipe.execute(raise_on_error=False))
+            try:
+                replies = retry_missing_scripts(self.scripts, client, calls,
+                                                pipe.execute(raise_on_error=False))
+            except REDIS_UNAVAILABLE:
+                self.shards.mark_out(shard)  # the jobs this worker starts go elsewhere meanwhile
+                raise
             for call, reply in zip(calls, replies):
                 if call.kind == "append":
                     refused |= self._read_append(self._ids[shard], live_by_shard[shard],

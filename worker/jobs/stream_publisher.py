@@ -310,8 +310,10 @@ class StreamPublisher:
         if end.status == JobStatus.FINISHED and state.created_at:
             self.observe("e2e_latency_seconds", now - state.created_at)
 
-    def requeue(self, job: RunningJob, count_as_preemption: bool) -> None:
-        """Back to the FRONT of its queue (preempted, or unfinished at the end of a drain)."""
+    def requeue(self, job: RunningJob, count_as_preemption: bool, unplace: bool = False) -> None:
+        """Back to the FRONT of its queue (preempted, or unfinished at the end of a drain).
+        `unplace`: a job claimed for its first start whose stream shard was out of reach goes
+        back as never started (REQUEUE), and is not counted as preempted."""
         self._append_unpublished(job)
         lease = job.lease
         keys = [self.keys.lease(lease.job_id), self.keys.leases(), self.keys.state(lease.job_id),
@@ -323,9 +325,10 @@ class StreamPublisher:
                 self.keys.queue_owners(lease.queue_name)]
         args: list[EncodableT] = [lease.token, lease.job_id, lease.composite, lease.execution_id,
                                   job.num_prompt_tokens, 1 if count_as_preemption else 0,
-                                  job.num_tokens]
+                                  job.num_tokens, 1 if unplace else 0]
         self._calls.append(ScriptCall("requeue", lease.job_id, "requeue", keys, args))
-        self._counters["jobs_preempted_total"] += 1
+        if not unplace:
+            self._counters["jobs_preempted_total"] += 1
 
     def _append_unpublished(self, job: RunningJob) -> None:
         """A job leaving the batch takes its tokens not yet in its stream along (a worker with a

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any, cast
 
-from redis import Redis
+from redis import ConnectionPool, Redis
 from redis.exceptions import NoScriptError
 from redis.typing import EncodableT
 
@@ -16,6 +17,7 @@ from protocol.keys import Keys
 from protocol.redis_errors import REDIS_UNAVAILABLE
 from protocol.rq_keys import KeyTemplate
 from protocol.stream_shards import placed_shard
+from worker.jobs.backoff import Backoff
 from worker.jobs.job_queue import ClaimedJob
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.lease import Lease
@@ -25,6 +27,9 @@ log = logging.getLogger(__name__)
 # How long an adopted stream and its fence copy outlive a job that never ends (abandoned for
 # good); the job's end sets its result TTL instead.
 STREAM_KEEP_MS = 24 * 3600 * 1000
+# How long a look at whether a shard that was out of reach answers again may hold up the worker's
+# step loop (a stopped shard takes the connection but never answers).
+_PROBE_TIMEOUT_S = 0.2
 
 
 class StreamShards:
@@ -40,6 +45,14 @@ class StreamShards:
         journal, fence = KeyTemplate.of(keys.live_journal("\x00")), KeyTemplate.of(
             keys.live_fence("\x00"))
         self._live_templates = [journal.prefix, journal.suffix, fence.prefix, fence.suffix]
+        # This worker's own shard (choose_home), and the one the jobs it starts go to now: another
+        # that answers while its own is out of reach; None while none does.
+        self._own_home: int | None = None
+        self.home: int | None = None
+        self._out: set[int] = set()  # shards a call failed on, until one answers again
+        self._probes: dict[int, Redis] = {}
+        self._probe_backoff = Backoff(base_s=0.5, cap_s=5.0)
+        self._probe_at = 0.0  # (monotonic) the next look at the shards out
 
     def remote(self, lease: Lease) -> int | None:
         """The shard index of the leased job's stream, or None when it is on the main Redis."""
@@ -55,9 +68,65 @@ class StreamShards:
         if len(self.clients) <= 1:
             return None
         if pinned >= 0:
-            return pinned % len(self.clients)
-        turn = int(self.main.incr(self.keys.stream_shard_turns()))
-        return (turn - 1) % len(self.clients)
+            self._own_home = pinned % len(self.clients)
+        else:
+            turn = int(self.main.incr(self.keys.stream_shard_turns()))
+            self._own_home = (turn - 1) % len(self.clients)
+        self.home = self._own_home
+        return self._own_home
+
+    def mark_out(self, index: int) -> None:
+        """A call to shard `index` failed: the jobs this worker starts go elsewhere until it
+        answers again (home_for_claims)."""
+        if self.clients[index] is not self.main and index not in self._out:
+            self._out.add(index)
+            self._probe_at = 0.0  # the next claim looks for a home at once
+
+    def home_for_claims(self) -> int | None:
+        """The shard the jobs this worker claims now stream to (the claim records it in their
+        state, for good: a job stays on the shard its stream is on). Its own, or while that one
+        is out of reach the next in turn that answers, so that the jobs it claims while its
+        shard is lost do not stick there with it; back to its own once that answers again.
+        None while no shard answers: no job could stream, and none should be claimed. Shards
+        out are looked at with a short PING, at growing intervals (0.5 s up to 5 s)."""
+        if self._own_home is None or not self._out:
+            return self.home
+        now = time.monotonic()
+        if now >= self._probe_at:
+            for index in list(self._out):
+                if self._answers(index):
+                    self._out.discard(index)
+            self._probe_at = now + self._probe_backoff.next_delay()
+            if not self._out:
+                self._probe_backoff.reset()
+            size = len(self.clients)
+            turn = [(self._own_home + step) % size for step in range(size)]
+            home = next((index for index in turn if index not in self._out), None)
+            if home != self.home:
+                if home is None:
+                    log.warning("every stream shard is out of reach: no job is claimed until "
+                                "one answers")
+                elif home == self._own_home:
+                    log.warning("stream shard %d answers again: the jobs this worker starts "
+                                "stream to it again", home)
+                else:
+                    log.warning("stream shard %d out of reach: the jobs this worker starts "
+                                "stream to shard %d meanwhile", self._own_home, home)
+                self.home = home
+        return self.home if self.home not in self._out else None
+
+    def _answers(self, index: int) -> bool:
+        probe = self._probes.get(index)
+        if probe is None:
+            pool = self.clients[index].connection_pool
+            probe = self._probes[index] = Redis(connection_pool=ConnectionPool(
+                connection_class=pool.connection_class,
+                **{**pool.connection_kwargs, "socket_timeout": _PROBE_TIMEOUT_S,
+                   "socket_connect_timeout": _PROBE_TIMEOUT_S}))
+        try:
+            return bool(probe.ping())
+        except REDIS_UNAVAILABLE:
+            return False
 
     @property
     def has_remote(self) -> bool:
@@ -90,6 +159,7 @@ class StreamShards:
         try:
             self.clients[index].delete(self.keys.stream(claim.lease.job_id))
         except REDIS_UNAVAILABLE as exc:
+            self.mark_out(index)
             log.warning("stream shard %d unreachable, job %s (requeued by rq) left to recovery: "
                         "%s", index, claim.lease.job_id, exc)
             return False
@@ -103,12 +173,16 @@ class StreamShards:
             self.scripts.load(client)  # the shard restarted (or its script cache was flushed)
             return self.scripts.call(client, name, keys, args)
 
-    def adopt(self, claims: list[ClaimedJob], worker_name: str) -> list[ClaimedJob]:
+    def adopt(self, claims: list[ClaimedJob], worker_name: str,
+              unstarted: list[ClaimedJob] | None = None) -> list[ClaimedJob]:
         """Raise each sharded claim's fence on its shard, with the previous owner's live tokens
         written into its stream there, and read the stream (what a resumed job continues after);
         `worker_name` (the claimer) is recorded as the stream's owner. A claim whose shard cannot
         be reached, or whose stream a newer claim adopted, is left out: its lease lapses and
-        recovery hands it on."""
+        recovery hands it on. Except, when `unstarted` is given, a claim that placed its job on
+        that shard (its first start: nothing of it is anywhere yet): it goes into `unstarted`,
+        for the caller to put back on its queue unplaced (StreamPublisher.requeue), so that a
+        worker whose shard answers starts it now, not after a lease."""
         claims = [claim for claim in claims if self._drop_old_stream(claim)]
         by_shard: dict[int, list[int]] = {}
         for position, claim in enumerate(claims):
@@ -130,9 +204,16 @@ class StreamShards:
             try:
                 replies = cast("list[list[Any]]", self.call(index, "shard_adopt", keys, args))
             except REDIS_UNAVAILABLE as exc:
-                log.warning("stream shard %d unreachable, %d claimed jobs left to recovery: %s",
-                            index, len(positions), exc)
+                self.mark_out(index)
+                given_back = [position for position in positions
+                              if unstarted is not None and claims[position].placed_now]
+                log.warning("stream shard %d unreachable: %d claimed jobs put back unplaced, "
+                            "%d left to recovery: %s", index, len(given_back),
+                            len(positions) - len(given_back), exc)
                 for position in positions:
+                    if position in given_back:
+                        assert unstarted is not None
+                        unstarted.append(claims[position])
                     adopted[position] = None
                 continue
             for position, (is_adopted, entries) in zip(positions, replies):

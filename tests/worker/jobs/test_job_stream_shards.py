@@ -13,6 +13,7 @@ from rq.registry import CanceledJobRegistry
 from rq.serializers import JSONSerializer
 
 from protocol import FinishReason, JobReader, JobStatus, StreamEntry, cancel_job
+from protocol.rq_keys import RQKeys
 from protocol.stream_shards import placed_shard, shard_urls, started_shard, stream_shard
 from protocol.token_runs import expand_runs
 from tests.step_notes import notes_of
@@ -353,3 +354,86 @@ def test_a_sharded_job_rq_requeued_after_its_end_starts_over_with_a_new_stream()
     assert [(i, e.kind, e.token_id) for i, e in _stream(shard, "job-1")] == [
         ("0-1", "token", 21), ("0-2", "done", -1)]
     assert JobReader(main).state("job-1").token_ids == (21,)
+
+
+def _two_shard_worker(main, shards_out: list[fakeredis.FakeServer] | None = None):
+    """A worker whose own shard is shard 0 of two (fakeredis servers): (queue, shards, publisher,
+    the two servers)."""
+    servers = [fakeredis.FakeServer(), fakeredis.FakeServer()]
+    clients = [fakeredis.FakeRedis(server=server) for server in servers]
+    queue = make_queue(main)
+    shards = StreamShards(main, clients, queue.scripts, KEYS)
+    shards.load_scripts()
+    queue.home_shard = shards.choose_home(0)
+    publisher = StreamPublisher(main, queue.scripts, KEYS, "w1", 10_000, shards=shards)
+    return queue, shards, publisher, servers
+
+
+def test_a_worker_whose_shard_is_out_starts_jobs_on_the_next_that_answers_then_on_its_own() -> None:
+    main = fake_redis()
+    _, shards, _, servers = _two_shard_worker(main)
+    assert (shards.home, shards.home_for_claims()) == (0, 0)
+    servers[0].connected = False
+    shards.mark_out(0)  # a call to it failed
+    assert shards.home_for_claims() == 1
+    servers[1].connected = False
+    shards.mark_out(1)
+    assert shards.home_for_claims() is None  # none answers: nothing is claimed
+    servers[0].connected = servers[1].connected = True
+    assert shards.home_for_claims() is None  # looked at again only after a while...
+    time.sleep(1.05)  # (0.25-0.5 s after the first look, then 0.5-1 s: Backoff)
+    assert shards.home_for_claims() == 0  # ...then back to its own
+    assert shards.home == 0
+    shards.mark_out(0)  # out, and answering at the next look: back at once
+    assert shards.home_for_claims() == 0
+
+
+def test_a_job_placed_on_a_shard_out_of_reach_goes_back_unplaced_and_starts_on_one_that_answers(
+) -> None:
+    main = fake_redis()
+    queue, shards, pub, servers = _two_shard_worker(main)
+    submit(main, "job-1")
+    servers[0].connected = False  # not known yet: the claim places the job on shard 0
+    (claim,) = queue.claim(1)
+    assert (claim.placed_now, JobReader(main).state("job-1").stream_shard) == (True, 0)
+    unstarted: list = []
+    assert shards.adopt([claim], "w1", unstarted) == []
+    assert unstarted == [claim]
+    pub.requeue(running(claim), count_as_preemption=False, unplace=True)
+    assert pub.flush().requeued == {"job-1"}
+    state = JobReader(main).state("job-1")
+    assert (state.status, state.stream_shard, state.started_at, state.num_preemptions) == (
+        JobStatus.QUEUED, -1, 0.0, 0)
+    assert main.lrange(RQKeys.queue(claim.lease.queue_name), 0, -1) == [b"job-1"]  # its front
+    # The next claim goes to the shard that answers, and the job streams there.
+    queue.home_shard = shards.home_for_claims()
+    assert queue.home_shard == 1
+    (claim,) = queue.claim(1)
+    assert (claim.placed_now, JobReader(main).state("job-1").stream_shard) == (True, 1)
+    (job,) = [running(c) for c in shards.adopt([claim], "w1", unstarted)]
+    generate(job, 11)
+    pub.append(job)
+    pub.flush()
+    client_1 = fakeredis.FakeRedis(server=servers[1])
+    assert [(i, e.token_id) for i, e in _stream(client_1, "job-1")] == [("0-1", 11)]
+
+
+def test_a_started_job_whose_shard_is_out_of_reach_waits_for_it() -> None:
+    # Its stream is there: it is left to recovery (its lease lapses) as before, not unplaced.
+    main = fake_redis()
+    queue, shards, pub, servers = _two_shard_worker(main)
+    submit(main, "job-1")
+    (job,) = [running(c) for c in shards.adopt(queue.claim(1), "w1")]
+    generate(job, 11)
+    pub.append(job)
+    pub.flush()
+    expire_lease(main, "job-1")
+    pub.recover()
+    assert pub.flush().recovered == ["job-1"]
+    servers[0].connected = False
+    (claim,) = queue.claim(1)
+    assert not claim.placed_now
+    unstarted: list = []
+    assert shards.adopt([claim], "w1", unstarted) == []
+    assert unstarted == []
+    assert JobReader(main).state("job-1").stream_shard == 0
