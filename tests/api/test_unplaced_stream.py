@@ -50,19 +50,26 @@ class Fleet:
     async def queue(self) -> None:
         await self.main.hset(KEYS.state(JOB), mapping=JobState(JOB, JobStatus.QUEUED).to_fields())
 
-    async def follow_queued(self) -> tuple[JobStream, asyncio.Task[list[tuple[str, str, int]]]]:
+    async def follow_queued(self, through_outages: bool = False
+                            ) -> tuple[JobStream, asyncio.Task[list[tuple[str, str, int]]]]:
         """The job queued, and a reader following it from before its start (every hub watching
-        its stream once there are hubs)."""
+        its stream once there are hubs); `through_outages`: riding outages out, as the routes'
+        readers do (api/stream_outages.py)."""
         await self.queue()
         stream = self.stream()
-        reader = asyncio.create_task(_collect(stream))
+        reader = asyncio.create_task(
+            _collect_through_outages(stream) if through_outages else _collect(stream))
         await _until(lambda: all(hub.num_streams == 1 for hub in self.hubs if hub))
         return stream, reader
 
-    async def start(self, shard: int, start: int, stop: int) -> None:
-        """The claim's record, then tokens start..stop-1 on `shard` with their notification."""
+    async def claim_onto(self, shard: int) -> None:
+        """The claim's record: the job started, its stream on `shard`."""
         await self.main.hset(KEYS.state(JOB), mapping={
             "status": "running", "started_at": "1000.0", "stream_shard": str(shard)})
+
+    async def start(self, shard: int, start: int, stop: int) -> None:
+        """The claim's record, then tokens start..stop-1 on `shard` with their notification."""
+        await self.claim_onto(shard)
         values = []
         for index in range(start, stop):
             await self.shards[shard].xadd(KEYS.stream(JOB), _token(index),
@@ -132,9 +139,7 @@ async def test_a_started_jobs_state_places_its_reader_before_any_token() -> None
         _, reader = await fleet.follow_queued()
         # Claimed on shard 1, no token yet: the reader's state check (after a block interval
         # with nothing) places it there.
-        await fleet.main.hset(KEYS.state(JOB), mapping={"status": "running",
-                                                        "started_at": "1000.0",
-                                                        "stream_shard": "1"})
+        await fleet.claim_onto(1)
         await _until(lambda: fleet.hubs[0].num_streams == 0)  # type: ignore[union-attr]
         await fleet.start(1, 0, 1)
         await fleet.finish(1, 1)
@@ -212,15 +217,10 @@ async def test_a_job_placed_on_a_shard_that_failed_is_followed_there_once_it_ans
     # it as a placed one would, rides the outage out, and follows it there once shard 1 is back.
     fleet = Fleet()
     try:
-        await fleet.queue()
-        stream = fleet.stream()
-        reader = asyncio.create_task(_collect_through_outages(stream))
-        await _until(lambda: all(hub.num_streams == 1 for hub in fleet.hubs if hub))
+        _, reader = await fleet.follow_queued(through_outages=True)
         _connected(fleet.shards[1], False)
         await _until(lambda: fleet.hubs[1].num_streams == 0)  # type: ignore[union-attr]
-        await fleet.main.hset(KEYS.state(JOB), mapping={"status": "running",
-                                                        "started_at": "1000.0",
-                                                        "stream_shard": "1"})
+        await fleet.claim_onto(1)
         await asyncio.sleep(BLOCK_MS / 1000 * 1.5)  # the reader has read the state
         assert not reader.done()
         _connected(fleet.shards[1], True)
@@ -238,14 +238,9 @@ async def test_a_job_put_back_unplaced_after_its_shard_failed_is_followed_where_
     # state as before any start); another worker starts it on shard 0.
     fleet = Fleet()
     try:
-        await fleet.queue()
-        stream = fleet.stream()
-        reader = asyncio.create_task(_collect_through_outages(stream))
-        await _until(lambda: all(hub.num_streams == 1 for hub in fleet.hubs if hub))
+        _, reader = await fleet.follow_queued(through_outages=True)
         _connected(fleet.shards[1], False)
-        await fleet.main.hset(KEYS.state(JOB), mapping={"status": "running",
-                                                        "started_at": "1000.0",
-                                                        "stream_shard": "1"})
+        await fleet.claim_onto(1)
         await asyncio.sleep(BLOCK_MS / 1000 * 1.5)
         await fleet.main.hset(KEYS.state(JOB), "status", "queued")
         await fleet.main.hdel(KEYS.state(JOB), "stream_shard", "started_at")

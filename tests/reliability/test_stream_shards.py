@@ -55,6 +55,24 @@ def _start_workers(main_url: str, shard_urls: list[str], stream_interval_ms: flo
     return workers
 
 
+def _wait_for_model(main_redis: Redis) -> None:
+    deadline = time.monotonic() + 60
+    while not main_redis.hexists(KEYS.models(), "synthetic") and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _stop(api: ApiProcess | None, workers: list[tuple[BatchingWorker, threading.Thread]],
+          servers: list[RedisServer]) -> None:
+    if api is not None:
+        api.stop()
+    for worker, _ in workers:
+        worker.request_stop(0, None)
+    for _, thread in workers:
+        thread.join(timeout=30)
+    for server in servers:
+        stop_redis(server)
+
+
 async def _follow(client: httpx.AsyncClient, job_id: str, reconnects: dict[str, int]
                   ) -> list[dict[str, str]]:
     """Every event of the job's stream, reconnecting after the last id it got, as EventSource."""
@@ -131,9 +149,7 @@ def test_streams_on_two_shards_survive_a_shard_restart(tmp_path: Path, stream_in
                                max_queue_depth="1000", stream_outage_s=str(stream_outage_s))
         api.wait_healthy()
         main_redis = Redis.from_url(main.url)
-        deadline = time.monotonic() + 60
-        while not main_redis.hexists(KEYS.models(), "synthetic") and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_for_model(main_redis)
         results, reconnects, victim = asyncio.run(_run(api, shards, main.url))
 
         reader = JobReader(main_redis)
@@ -171,14 +187,7 @@ def test_streams_on_two_shards_survive_a_shard_restart(tmp_path: Path, stream_in
               f"{stream_outage_s:g} s; {sum(reconnects.values())} reconnects, "
               f"every token once, 0 lost")
     finally:
-        if api is not None:
-            api.stop()
-        for worker, _ in workers:
-            worker.request_stop(0, None)
-        for _, thread in workers:
-            thread.join(timeout=30)
-        for server in [main, *shards]:
-            stop_redis(server)
+        _stop(api, workers, [main, *shards])
 
 
 def test_jobs_start_on_the_shard_that_answers_while_the_other_is_lost(tmp_path: Path) -> None:
@@ -197,9 +206,7 @@ def test_jobs_start_on_the_shard_that_answers_while_the_other_is_lost(tmp_path: 
                                stream_outage_s="3")
         api.wait_healthy()
         main_redis = Redis.from_url(main.url)
-        deadline = time.monotonic() + 60
-        while not main_redis.hexists(KEYS.models(), "synthetic") and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait_for_model(main_redis)
         shards[1].kill()
 
         async def ask(client: openai.AsyncOpenAI, number: int) -> str:
@@ -227,11 +234,4 @@ def test_jobs_start_on_the_shard_that_answers_while_the_other_is_lost(tmp_path: 
                  for job_id in job_ids if ":" not in job_id]  # (not its stream, lease...)
         assert homes == [0] * (2 * SEATS)
     finally:
-        if api is not None:
-            api.stop()
-        for worker, _ in workers:
-            worker.request_stop(0, None)
-        for _, thread in workers:
-            thread.join(timeout=30)
-        for server in [main, *shards]:
-            stop_redis(server)
+        _stop(api, workers, [main, *shards])
