@@ -37,7 +37,8 @@ class StructuredOutputParams(BaseModel):
                           "Text Generation Inference's, with the constraint in 'value': "
                           "{'type': 'json' (or 'json_object'), 'value': {schema}}, {'type': "
                           "'json_schema', 'value': {'name': ..., 'schema': {...}}}, {'type': "
-                          "'regex', 'value': pattern}.")
+                          "'regex', 'value': pattern}; or Together AI's and Fireworks', "
+                          "{'type': 'json_object', 'schema': {...}}.")
     structured_outputs: dict[str, Any] | None = Field(
         None, description="vLLM's: exactly one of json (a schema), regex, choice (a list of "
                           "strings), grammar (Lark or GBNF), or json_object: true.")
@@ -117,6 +118,13 @@ def _from_response_format(value: dict[str, Any]) -> StructuredOutput | None:
     if kind == "text":
         return None
     if kind == "json_object":
+        if value.get("schema") is not None:
+            # Together AI's, Fireworks' and Anyscale's form, a schema beside the type (what
+            # instructor's JSON_SCHEMA mode sends): held to it, not left to any object.
+            if "json_schema" in value:
+                raise InvalidRequestError("'response_format' has both 'schema' and 'json_schema'; "
+                                          "give one", param="response_format.schema")
+            return _json_schema(value["schema"], "response_format.schema")
         return StructuredOutput(StructuredOutputKind.JSON_SCHEMA, ANY_JSON_OBJECT)
     if kind == "json_schema":
         spec = value.get("json_schema")

@@ -53,6 +53,10 @@ def _spec(harness: Harness, job_id: str) -> dict[str, Any]:
     # Text Generation Inference's forms, the constraint in `value` (huggingface_hub's
     # InferenceClient sends OpenAI's json_schema as json_object with the schema in `value`).
     ({"response_format": {"type": "json_object", "value": SCHEMA}}, {"kind": "json_schema", "spec": SCHEMA_TEXT}),
+    # Together AI's, Fireworks' and Anyscale's: the schema beside the type (instructor's
+    # JSON_SCHEMA mode).
+    ({"response_format": {"type": "json_object", "schema": SCHEMA}}, {"kind": "json_schema", "spec": SCHEMA_TEXT}),
+    ({"response_format": {"type": "json_object", "schema": None}}, ANY_OBJECT),
     ({"response_format": {"type": "json", "value": SCHEMA_TEXT}}, {"kind": "json_schema", "spec": SCHEMA_TEXT}),
     ({"response_format": {"type": "json_schema", "value": {"name": "a", "schema": SCHEMA}}},
      {"kind": "json_schema", "spec": SCHEMA_TEXT}),
@@ -116,6 +120,14 @@ def _queued(harness: Harness) -> int:
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA},
                           "value": {"schema": SCHEMA}}}, "response_format.value", "give one"),
     ({"response_format": {"type": "xml", "value": "a"}}, "response_format.type", "got 'xml'"),
+    ({"response_format": {"type": "json_object", "schema": {"type": "frob"}}},
+     "response_format.schema", "does not compile to a grammar"),
+    ({"response_format": {"type": "json_object", "schema": "x"}}, "response_format.schema",
+     "is not valid JSON"),
+    ({"response_format": {"type": "json_object", "schema": [1]}}, "response_format.schema",
+     "must be a JSON schema"),
+    ({"response_format": {"type": "json_object", "schema": SCHEMA, "json_schema": {"schema": SCHEMA}}},
+     "response_format.schema", "give one"),
 ])
 async def test_openai_routes_refuse_bad_constraints_before_queueing(
         harness: Harness, client: httpx.AsyncClient, fields: dict[str, Any], param: str, words: str) -> None:
