@@ -39,7 +39,6 @@ import uuid
 from typing import Any
 
 import anyio.to_thread
-import redis.exceptions
 
 from api.batch_files import OUTPUT_PURPOSE, BatchInputLine, FileStore, parse_batch_input
 from api.batch_store import ERROR, OUTPUT, BatchRecord, BatchStatus, BatchStore, LineJobs
@@ -66,6 +65,7 @@ from api.responses_schemas import ResponsesRequest
 from api.tool_parsers import get_parser
 from api.webhook_urls import webhook_url_of
 from protocol import JobState, JobStatus, Priority
+from protocol.redis_errors import REDIS_REFUSES_WRITES, REDIS_UNREACHABLE
 
 log = logging.getLogger(__name__)
 
@@ -115,11 +115,11 @@ class BatchRunner:
         while True:
             try:
                 await self.tick()
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            except REDIS_UNREACHABLE as exc:
                 log.warning("batch runner: Redis unreachable (%s); retrying", exc)
-            except redis.exceptions.OutOfMemoryError as exc:
-                log.warning("batch runner: Redis refuses writes at its maxmemory (%s); retrying",
-                            exc)
+            except REDIS_REFUSES_WRITES as exc:
+                log.warning("batch runner: Redis refuses writes (at its maxmemory, or unable to "
+                            "save to disk: %s); retrying", exc)
             except Exception:  # a bug must not stop every batch of this process for good
                 log.exception("batch runner: tick failed")
             # A cancel (the API shutting down) that reached a Redis call as it failed may come

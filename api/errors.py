@@ -22,6 +22,8 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from protocol.redis_errors import RedisCannotPersistError
+
 log = logging.getLogger(__name__)
 
 _Model = TypeVar("_Model", bound=BaseModel)
@@ -421,6 +423,14 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
             "Redis is out of memory (its maxmemory is reached) and takes no new jobs; try again "
             "shortly", retry_after_s))
 
+    async def on_redis_cannot_persist(request: Request, exc: Exception) -> JSONResponse:
+        # MISCONF: Redis' last save to disk failed (a full disk, its directory gone) and it
+        # refuses writes until one succeeds; reads still work.
+        log.warning("Redis refused a write: it cannot save to disk (MISCONF): %s", exc)
+        return error_response(request, ServiceUnavailableError(
+            "Redis cannot save to disk (its last save failed: see its log) and takes no new jobs; "
+            "try again shortly", retry_after_s))
+
     async def on_bug(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         error = ApiError("Internal server error (logged on the server)", code="internal_error")
@@ -432,6 +442,7 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     app.add_exception_handler(redis.exceptions.ConnectionError, on_redis_down)
     app.add_exception_handler(redis.exceptions.TimeoutError, on_redis_down)
     app.add_exception_handler(redis.exceptions.OutOfMemoryError, on_redis_full)
+    app.add_exception_handler(RedisCannotPersistError, on_redis_cannot_persist)
     app.add_exception_handler(Exception, on_bug)
 
 

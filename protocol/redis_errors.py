@@ -7,12 +7,37 @@ a refusal that trying again does not mend.
 
 from __future__ import annotations
 
+from typing import Any
+
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+
+class RedisCannotPersistError(ResponseError):
+    """MISCONF: Redis refuses writes because it cannot save to disk (an RDB snapshot or an
+    append-only write failed: a full disk, its directory gone or not writable), as its
+    `stop-writes-on-bgsave-error` (on by default) asks. Writes are taken again once a save
+    succeeds; reads go on meanwhile."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # (status_code= on redis-py >= 6)
+        super().__init__(*args, **kwargs)
+
+
+def _register_misconf() -> None:
+    # redis-py names its error classes by the reply's first word (OOM, READONLY, ...) but has
+    # none for MISCONF, which it raises as a bare ResponseError, the class of a bug's errors.
+    from redis._parsers.base import BaseParser  # (both parsers, hiredis' too, go through it)
+
+    BaseParser.EXCEPTION_CLASSES.setdefault("MISCONF", RedisCannotPersistError)
+
+
+_register_misconf()
 
 # Redis out of reach: restarting, stopped, across a network that dropped.
 REDIS_UNREACHABLE = (RedisConnectionError, RedisTimeoutError)
-# ...or refusing writes at its maxmemory (a policy that evicts nothing, as a job queue should run),
-# whose memory comes back as finished jobs' keys expire. Reads still succeed there.
-REDIS_UNAVAILABLE = (*REDIS_UNREACHABLE, RedisOutOfMemoryError)
+# Redis refusing writes for now: at its maxmemory (a policy that evicts nothing, as a job queue
+# should run; memory comes back as finished jobs' keys expire), or unable to save to disk.
+REDIS_REFUSES_WRITES = (RedisOutOfMemoryError, RedisCannotPersistError)
+REDIS_UNAVAILABLE = (*REDIS_UNREACHABLE, *REDIS_REFUSES_WRITES)

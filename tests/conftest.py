@@ -112,6 +112,43 @@ def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url
 
 
+@pytest.fixture()
+def unsaving_redis(redis_server: RedisServer, redis_url: str) -> Iterator[UnsavingRedis]:
+    """The session's real Redis, which refuses writes with MISCONF once `fail_saves` ran, as a
+    Redis whose disk filled up does; `allow_writes` (and the end of the test) lifts it."""
+    unsaving = UnsavingRedis(redis_server)
+    try:
+        yield unsaving
+    finally:
+        unsaving.allow_writes()
+
+
+class UnsavingRedis:
+    def __init__(self, server: RedisServer) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(server.url)
+        dump_name = self.client.config_get("dbfilename")["dbfilename"]
+        self._dump = server.directory / dump_name
+
+    def fail_saves(self) -> None:
+        """A save point, and a save that fails: its file cannot replace a directory of its
+        name. Redis' `stop-writes-on-bgsave-error` (on by default) then refuses every write."""
+        self._dump.mkdir()
+        self.client.config_set("save", "3600 1")
+        self.client.bgsave()
+        deadline = time.monotonic() + 10
+        while self.client.info("persistence")["rdb_last_bgsave_status"] != "err":
+            assert time.monotonic() < deadline, "the failing save did not fail"
+            time.sleep(0.02)
+
+    def allow_writes(self) -> None:
+        """No save point: a failed save refuses nothing (as after a save succeeds)."""
+        self.client.config_set("save", "")
+        if self._dump.is_dir():
+            self._dump.rmdir()
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     # Build the C++ CPU kernels once, here, before any test starts worker processes: a worker that a
     # test SIGKILLs in the middle of that first build would leave its build lock behind.

@@ -22,12 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
 
 from redis import Redis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.typing import EncodableT, FieldT, StreamIdT
 
 from protocol.keys import Keys
+from protocol.redis_errors import REDIS_UNAVAILABLE
 from protocol.webhook_events import DeadLetter, WebhookEvent
 from webhooks.sender import Delivery, WebhookSender
 from webhooks.settings import DispatcherSettings
@@ -80,13 +79,25 @@ class WebhookDispatcher:
                 raise
 
     def run(self, stop: threading.Event) -> None:
-        self.ensure_group()
+        has_group = False
         while not stop.is_set():
             try:
+                if not has_group:
+                    self.ensure_group()
+                    has_group = True
                 self.step()
-            except (RedisConnectionError, RedisTimeoutError) as exc:
-                log.warning("Redis unreachable (%s); retrying in 1 s", exc)
+            except REDIS_UNAVAILABLE as exc:  # out of reach, or refusing writes for now
+                log.warning("Redis unavailable (%s: %s); retrying in 1 s", type(exc).__name__,
+                            exc)
                 stop.wait(1.0)
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                # A Redis that came back without its data: the group (and its pending events)
+                # went with it; the events written from now on are delivered.
+                log.warning("the webhook consumer group is gone from Redis (%s): creating it "
+                            "again", exc)
+                has_group = False
 
     def step(self, block_ms: int = 1000) -> int:
         """One round: due retries, events of dead consumers, then new events (blocking up to

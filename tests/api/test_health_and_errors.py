@@ -17,6 +17,7 @@ from api.context import REDIS_RETRIES, AppContext
 from api.settings import ApiSettings
 from protocol import Keys, ModelCard
 from protocol.rq_keys import RQKeys
+from tests.conftest import UnsavingRedis
 
 pytestmark = pytest.mark.anyio
 
@@ -95,15 +96,20 @@ async def test_redis_down_answers_503_with_retry_after(redis_down_app: httpx.Asy
         assert (await client.get("/metrics")).status_code == 503
 
 
+def _register_model(client: redis.Redis) -> None:
+    """The model card and tokenizer a worker of MODEL writes at its start."""
+    card = ModelCard(name=MODEL, max_model_len=CONTEXT, eos_token="<|im_end|>", created_at=1.0,
+                     chat_template=CHAT_TEMPLATE)
+    client.hset(Keys().models(), MODEL, card.to_json())
+    client.set(Keys().model_tokenizer(MODEL), word_tokenizer().to_str())
+
+
 @pytest.fixture
 def full_redis(redis_url: str) -> Iterator[redis.Redis]:
     """The session's real Redis at its maxmemory, evicting nothing (as a queue's should run):
     every write is refused with OOM, reads still work."""
     client = redis.Redis.from_url(redis_url)
-    card = ModelCard(name=MODEL, max_model_len=CONTEXT, eos_token="<|im_end|>", created_at=1.0,
-                     chat_template=CHAT_TEMPLATE)
-    client.hset(Keys().models(), MODEL, card.to_json())
-    client.set(Keys().model_tokenizer(MODEL), word_tokenizer().to_str())
+    _register_model(client)
     policy = client.config_get("maxmemory-policy")["maxmemory-policy"]
     client.config_set("maxmemory-policy", "noeviction")
     client.config_set("maxmemory", 1)  # 1 byte: under what any Redis holds
@@ -134,6 +140,31 @@ async def test_a_redis_at_its_maxmemory_answers_503_not_500(full_redis: redis.Re
                 "code": "service_unavailable"}})
         # Reads still work.
         assert (await client.get("/v1/jobs/none-such")).status_code == 404
+
+
+async def test_a_redis_that_cannot_save_answers_503_not_500(unsaving_redis: UnsavingRedis,
+                                                            redis_url: str) -> None:
+    # MISCONF: its last save to disk failed (a full disk), and it refuses writes until one works.
+    _register_model(unsaving_redis.client)
+    unsaving_redis.fail_saves()
+    settings = ApiSettings(redis_url=redis_url, retry_after_s=3, batch_runner=False)
+    app = create_app(settings, AppContext.build(settings))
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    unsaved = ("Redis cannot save to disk (its last save failed: see its log) and takes no new "
+               "jobs; try again shortly")
+    async with httpx.AsyncClient(transport=transport, base_url="http://carpool.test") as client:
+        submit = await client.post("/v1/jobs", json={"prompt": "hello"})
+        assert (submit.status_code, submit.headers["retry-after"], submit.json()) == (
+            503, "3", {"detail": unsaved})
+        for stream in (False, True):
+            chat = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hello"}], "stream": stream})
+            assert (chat.status_code, chat.json()) == (503, {"error": {
+                "message": unsaved, "type": "server_error", "param": None,
+                "code": "service_unavailable"}})
+        assert (await client.get("/v1/jobs/none-such")).status_code == 404  # reads still work
+        unsaving_redis.allow_writes()
+        assert (await client.post("/v1/jobs", json={"prompt": "hello"})).status_code == 202
 
 
 async def test_a_bug_answers_a_clean_500(harness: Harness, client: httpx.AsyncClient,

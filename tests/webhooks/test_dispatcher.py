@@ -5,6 +5,7 @@ allow-list applied at delivery (to the address it connects to)."""
 from __future__ import annotations
 
 import ipaddress
+import threading
 import time
 from collections.abc import Iterator
 
@@ -13,6 +14,7 @@ from redis import Redis
 
 from protocol import Keys
 from protocol.webhook_events import DeadLetter, emit_event
+from tests.conftest import UnsavingRedis
 from tests.webhooks.receiver import SECRET, Receiver, running_receiver
 from webhooks.dispatcher import WebhookDispatcher, backoff_s
 from webhooks.sender import WebhookSender
@@ -173,3 +175,54 @@ def test_backoff_doubles_up_to_the_cap_with_jitter() -> None:
 def test_settings_refuse_a_claim_time_a_slow_delivery_could_outlive() -> None:
     with pytest.raises(ValueError, match="CARPOOL_WEBHOOK_CLAIM_IDLE_S"):
         settings(webhook_timeout_s=10.0, webhook_claim_idle_s=15.0)
+
+
+def test_the_dispatcher_waits_out_a_redis_that_refuses_writes(
+        unsaving_redis: UnsavingRedis, receiver: Receiver) -> None:
+    # A Redis that cannot save to disk refuses writes (MISCONF), its consumer group's reads too:
+    # the dispatcher waits, then delivers. Before, its thread ended on the first refusal.
+    redis = unsaving_redis.client
+    d = dispatcher(redis)
+    emit_event(redis, "job.completed", DATA, receiver.url("/hook"))
+    unsaving_redis.fail_saves()
+    stop = threading.Event()
+    thread = threading.Thread(target=d.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.5)
+        assert thread.is_alive() and receiver.on("/hook") == []
+        unsaving_redis.allow_writes()
+        deadline = time.monotonic() + 10
+        while not receiver.on("/hook"):
+            assert time.monotonic() < deadline, "not delivered once Redis took writes again"
+            time.sleep(0.05)
+        assert receiver.on("/hook")[0].payload["data"] == DATA
+    finally:
+        stop.set()
+        thread.join(10)
+        d.close()
+
+
+def test_the_dispatcher_creates_its_group_again_after_redis_lost_its_data(
+        redis: Redis, receiver: Receiver) -> None:
+    # A Redis restarted without its data (or flushed) has no consumer group: the dispatcher's
+    # reads answered NOGROUP, which ended its thread. It makes the group again and delivers
+    # what comes next.
+    d = dispatcher(redis)
+    stop = threading.Event()
+    thread = threading.Thread(target=d.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        redis.flushall()
+        time.sleep(0.3)
+        emit_event(redis, "job.completed", DATA, receiver.url("/hook"))
+        deadline = time.monotonic() + 10
+        while not receiver.on("/hook"):
+            assert thread.is_alive(), "the dispatcher's thread ended"
+            assert time.monotonic() < deadline, "not delivered after the flush"
+            time.sleep(0.05)
+        assert receiver.on("/hook")[0].payload["data"] == DATA
+    finally:
+        stop.set()
+        thread.join(10)
+        d.close()

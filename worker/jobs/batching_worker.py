@@ -42,7 +42,7 @@ from protocol.generation_defaults import generation_defaults
 from protocol.job_submission import cancel_job
 from protocol.keys import Keys
 from protocol.messages import JobSpec, JobStatus, ModelCard, Priority, WorkerStats
-from protocol.redis_errors import REDIS_UNAVAILABLE
+from protocol.redis_errors import REDIS_UNAVAILABLE, RedisCannotPersistError
 from protocol.stream_shards import shard_urls
 from worker.engine.config import BatchingMode
 from worker.engine.outputs import StepOutput, StepStats
@@ -376,6 +376,9 @@ class BatchingWorker:
         if isinstance(exc, RedisOutOfMemoryError):
             log.warning("Redis refused a write while %s: out of memory (maxmemory; %s): retry %d "
                         "in %.2fs", doing, exc, self._backoff.attempts, delay)
+        elif isinstance(exc, RedisCannotPersistError):
+            log.warning("Redis refused a write while %s: it cannot save to disk (MISCONF; %s): "
+                        "retry %d in %.2fs", doing, exc, self._backoff.attempts, delay)
         else:
             log.warning("Redis unreachable while %s (%s: %s): retry %d in %.2fs", doing,
                         type(exc).__name__, exc, self._backoff.attempts, delay)

@@ -12,6 +12,7 @@ from redis.exceptions import NoScriptError
 from redis.typing import EncodableT
 
 from protocol.generation import TokenEntry
+from protocol.redis_errors import REDIS_REFUSES_WRITES
 from worker.jobs.job_scripts import JobScripts
 
 
@@ -47,6 +48,16 @@ def token_args(tokens: list[TokenEntry]) -> list[str]:
         logprobs = token.logprobs.encode() if token.logprobs is not None else ""
         args += [str(token.index), str(token.token_id), token.text, logprobs]
     return args
+
+
+def raise_refused_writes(replies: list[Any]) -> None:
+    """A script that Redis stopped at its first write, refusing writes for now (at its maxmemory,
+    or unable to save to disk: protocol/redis_errors.py), is no bug of the script's: the error is
+    raised, and the flush waited out and sent again whole, as when Redis is out of reach. (Every
+    write of a transaction is refused alike, so nothing of it was written.)"""
+    for reply in replies:
+        if isinstance(reply, REDIS_REFUSES_WRITES):
+            raise reply
 
 
 def retry_missing_scripts(scripts: JobScripts, client: Redis, calls: list[ScriptCall],

@@ -21,7 +21,13 @@ from protocol.redis_errors import REDIS_UNAVAILABLE
 from protocol.stream_steps import encode_tokens, notify_steps
 from worker.jobs.job_scripts import JobScripts
 from worker.jobs.running_job import RunningJob
-from worker.jobs.script_calls import EndMarker, ScriptCall, retry_missing_scripts, token_args
+from worker.jobs.script_calls import (
+    EndMarker,
+    ScriptCall,
+    raise_refused_writes,
+    retry_missing_scripts,
+    token_args,
+)
 from worker.jobs.stream_shards import StreamShards
 
 log = logging.getLogger(__name__)
@@ -86,6 +92,7 @@ class ShardPublisher:
             try:
                 replies = retry_missing_scripts(self.scripts, client, calls,
                                                 pipe.execute(raise_on_error=False))
+                raise_refused_writes(replies)
             except REDIS_UNAVAILABLE:
                 self.shards.mark_out(shard)  # the jobs this worker starts go elsewhere meanwhile
                 raise

@@ -53,7 +53,13 @@ from worker.jobs.job_scripts import JobScripts
 from worker.jobs.lease import Lease
 from worker.jobs.rq_presence import RQPresence
 from worker.jobs.running_job import RunningJob
-from worker.jobs.script_calls import EndMarker, ScriptCall, retry_missing_scripts, token_args
+from worker.jobs.script_calls import (
+    EndMarker,
+    ScriptCall,
+    raise_refused_writes,
+    retry_missing_scripts,
+    token_args,
+)
 from worker.jobs.shard_publisher import ShardPublisher
 from worker.jobs.stream_shards import StreamShards
 
@@ -517,6 +523,7 @@ class StreamPublisher:
         # next flush resends the whole iteration (its appends are idempotent; its finishes and
         # requeues are refused if they ran; only metric counters may count twice).
         replies = retry_missing_scripts(self.scripts, self.redis, calls, replies)
+        raise_refused_writes(replies)  # (before the reset: the whole flush is sent again)
         if renew and append_ids:
             self._renewed_at = started
         carried = list(self._carried.values())
