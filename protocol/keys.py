@@ -94,6 +94,12 @@ class Keys:
         of blocking on every stream it follows."""
         return f"{self.prefix}:stream-steps"
 
+    def shard_probe(self, prober: str) -> str:
+        """String with a 1 s TTL, on a stream shard: the write by which a worker (`prober`, an
+        id of its own) looks whether a shard that failed takes writes again
+        (worker/jobs/stream_shards.py)."""
+        return f"{self.prefix}:shard-probe:{prober}"
+
     def stream_shard_turns(self) -> str:
         """Counter on the main Redis: worker starts that took a stream shard in turn (each
         takes the next; protocol/stream_shards.py)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import uuid
 from typing import Any, cast
 
 from redis import ConnectionPool, Redis
@@ -53,6 +54,7 @@ class StreamShards:
         self._probes: dict[int, Redis] = {}
         self._probe_backoff = Backoff(base_s=0.5, cap_s=5.0)
         self._probe_at = 0.0  # (monotonic) the next look at the shards out
+        self._probe_key = keys.shard_probe(uuid.uuid4().hex[:12])
 
     def remote(self, lease: Lease) -> int | None:
         """The shard index of the leased job's stream, or None when it is on the main Redis."""
@@ -88,7 +90,8 @@ class StreamShards:
         is out of reach the next in turn that answers, so that the jobs it claims while its
         shard is lost do not stick there with it; back to its own once that answers again.
         None while no shard answers: no job could stream, and none should be claimed. Shards
-        out are looked at with a short PING, at growing intervals (0.5 s up to 5 s)."""
+        out are looked at with a short write (a shard that answers a PING may still refuse
+        writes: at its maxmemory, or unable to save), at growing intervals (0.5 s up to 5 s)."""
         if self._own_home is None or not self._out:
             return self.home
         now = time.monotonic()
@@ -124,7 +127,7 @@ class StreamShards:
                 **{**pool.connection_kwargs, "socket_timeout": _PROBE_TIMEOUT_S,
                    "socket_connect_timeout": _PROBE_TIMEOUT_S}))
         try:
-            return bool(probe.ping())
+            return bool(probe.set(self._probe_key, 1, px=1000))
         except REDIS_UNAVAILABLE:
             return False
 

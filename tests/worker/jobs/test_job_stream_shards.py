@@ -8,6 +8,7 @@ import time
 
 import fakeredis
 import pytest
+import redis
 from pydantic import ValidationError
 from rq.registry import CanceledJobRegistry
 from rq.serializers import JSONSerializer
@@ -437,3 +438,26 @@ def test_a_started_job_whose_shard_is_out_of_reach_waits_for_it() -> None:
     assert shards.adopt([claim], "w1", unstarted) == []
     assert unstarted == []
     assert JobReader(main).state("job-1").stream_shard == 0
+
+
+def test_a_shard_that_answers_but_refuses_writes_stays_out(redis_url: str) -> None:
+    # At its maxmemory a shard (here the session's real Redis) answers PING but refuses every
+    # write: claiming onto it would put each claim back at once, step after step. The look at
+    # it is a write.
+    main = fake_redis()
+    own = redis.Redis.from_url(redis_url)
+    shards = StreamShards(main, [own, fake_redis()], None, KEYS)  # type: ignore[arg-type]
+    assert shards.choose_home(0) == 0
+    policy = own.config_get("maxmemory-policy")["maxmemory-policy"]
+    own.config_set("maxmemory-policy", "noeviction")
+    own.config_set("maxmemory", 1)
+    try:
+        shards.mark_out(0)
+        assert own.ping()
+        assert shards.home_for_claims() == 1
+        own.config_set("maxmemory", 0)
+        time.sleep(0.55)
+        assert shards.home_for_claims() == 0
+    finally:
+        own.config_set("maxmemory", 0)
+        own.config_set("maxmemory-policy", policy)
