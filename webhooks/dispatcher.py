@@ -91,7 +91,8 @@ class WebhookDispatcher:
                             exc)
                 stop.wait(1.0)
             except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
+                # NOGROUP, or UNBLOCKED when the stream went under a blocked read.
+                if not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
                     raise
                 # A Redis that came back without its data: the group (and its pending events)
                 # went with it; the events written from now on are delivered.

@@ -213,8 +213,9 @@ def test_the_dispatcher_creates_its_group_again_after_redis_lost_its_data(
     thread = threading.Thread(target=d.run, args=(stop,), daemon=True)
     thread.start()
     try:
-        redis.flushall()
-        time.sleep(0.3)
+        _until_blocked_reading(redis)
+        redis.flushall()  # under its blocked read: UNBLOCKED (a read after it: NOGROUP)
+        _until_blocked_reading(redis)
         emit_event(redis, "job.completed", DATA, receiver.url("/hook"))
         deadline = time.monotonic() + 10
         while not receiver.on("/hook"):
@@ -226,3 +227,10 @@ def test_the_dispatcher_creates_its_group_again_after_redis_lost_its_data(
         stop.set()
         thread.join(10)
         d.close()
+
+
+def _until_blocked_reading(redis: Redis) -> None:
+    deadline = time.monotonic() + 10
+    while not any(client.get("cmd") == "xreadgroup" for client in redis.client_list()):
+        assert time.monotonic() < deadline, "the dispatcher did not block on its read"
+        time.sleep(0.01)
