@@ -258,7 +258,7 @@ class JobStream:
                 subscription.take_catch_up()
         nexts = {asyncio.ensure_future(subscription.next(self._block_ms / 1000)): index
                  for index, subscription in waiting.items()}
-        if not nexts:  # every shard failed at its catch-up: the state names the one to follow
+        if not nexts:  # (none left: _shard_failed raised at the last; asyncio.wait takes no empty set)
             return None, []
         done, pending = await asyncio.wait(nexts, return_when=asyncio.FIRST_COMPLETED)
         for task in pending:
