@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -104,67 +103,49 @@ def _register_model(client: redis.Redis) -> None:
     client.set(Keys().model_tokenizer(MODEL), word_tokenizer().to_str())
 
 
-@pytest.fixture
-def full_redis(redis_url: str) -> Iterator[redis.Redis]:
-    """The session's real Redis at its maxmemory, evicting nothing (as a queue's should run):
-    every write is refused with OOM, reads still work."""
-    client = redis.Redis.from_url(redis_url)
-    _register_model(client)
-    policy = client.config_get("maxmemory-policy")["maxmemory-policy"]
-    client.config_set("maxmemory-policy", "noeviction")
-    client.config_set("maxmemory", 1)  # 1 byte: under what any Redis holds
+FULL = "Redis is out of memory (its maxmemory is reached) and takes no new jobs; try again shortly"
+UNSAVED = ("Redis cannot save to disk (its last save failed: see its log) and takes no new jobs; "
+           "try again shortly")
+
+
+@pytest.mark.parametrize("refusal", ["maxmemory", "cannot save"])
+async def test_a_redis_that_refuses_writes_answers_503_not_500(
+        unsaving_redis: UnsavingRedis, redis_url: str, refusal: str) -> None:
+    # The session's real Redis refuses every write and still serves reads: at its maxmemory,
+    # evicting nothing (as a queue's should run: OOM), or because its last save to disk failed
+    # (a full disk: MISCONF).
+    own = unsaving_redis.client
+    _register_model(own)
+    policy = own.config_get("maxmemory-policy")["maxmemory-policy"]
+    if refusal == "maxmemory":
+        own.config_set("maxmemory-policy", "noeviction")
+        own.config_set("maxmemory", 1)  # 1 byte: under what any Redis holds
+        message = FULL
+    else:
+        unsaving_redis.fail_saves()
+        message = UNSAVED
+    settings = ApiSettings(redis_url=redis_url, retry_after_s=3, batch_runner=False)
+    app = create_app(settings, AppContext.build(settings))
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     try:
-        yield client
+        async with httpx.AsyncClient(transport=transport,
+                                     base_url="http://carpool.test") as client:
+            submit = await client.post("/v1/jobs", json={"prompt": "hello"})
+            assert (submit.status_code, submit.headers["retry-after"], submit.json()) == (
+                503, "3", {"detail": message})
+            for stream in (False, True):
+                chat = await client.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hello"}], "stream": stream})
+                assert (chat.status_code, chat.json()) == (503, {"error": {
+                    "message": message, "type": "server_error", "param": None,
+                    "code": "service_unavailable"}})
+            assert (await client.get("/v1/jobs/none-such")).status_code == 404  # reads work
+            own.config_set("maxmemory", 0)
+            unsaving_redis.allow_writes()
+            assert (await client.post("/v1/jobs", json={"prompt": "hello"})).status_code == 202
     finally:
-        client.config_set("maxmemory", 0)
-        client.config_set("maxmemory-policy", policy)
-        client.close()
-
-
-async def test_a_redis_at_its_maxmemory_answers_503_not_500(full_redis: redis.Redis,
-                                                            redis_url: str) -> None:
-    settings = ApiSettings(redis_url=redis_url, retry_after_s=3, batch_runner=False)
-    app = create_app(settings, AppContext.build(settings))
-    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-    full = ("Redis is out of memory (its maxmemory is reached) and takes no new jobs; try again "
-            "shortly")
-    async with httpx.AsyncClient(transport=transport, base_url="http://carpool.test") as client:
-        submit = await client.post("/v1/jobs", json={"prompt": "hello"})
-        assert (submit.status_code, submit.headers["retry-after"], submit.json()) == (
-            503, "3", {"detail": full})
-        for stream in (False, True):
-            chat = await client.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "hello"}], "stream": stream})
-            assert (chat.status_code, chat.json()) == (503, {"error": {
-                "message": full, "type": "server_error", "param": None,
-                "code": "service_unavailable"}})
-        # Reads still work.
-        assert (await client.get("/v1/jobs/none-such")).status_code == 404
-
-
-async def test_a_redis_that_cannot_save_answers_503_not_500(unsaving_redis: UnsavingRedis,
-                                                            redis_url: str) -> None:
-    # MISCONF: its last save to disk failed (a full disk), and it refuses writes until one works.
-    _register_model(unsaving_redis.client)
-    unsaving_redis.fail_saves()
-    settings = ApiSettings(redis_url=redis_url, retry_after_s=3, batch_runner=False)
-    app = create_app(settings, AppContext.build(settings))
-    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-    unsaved = ("Redis cannot save to disk (its last save failed: see its log) and takes no new "
-               "jobs; try again shortly")
-    async with httpx.AsyncClient(transport=transport, base_url="http://carpool.test") as client:
-        submit = await client.post("/v1/jobs", json={"prompt": "hello"})
-        assert (submit.status_code, submit.headers["retry-after"], submit.json()) == (
-            503, "3", {"detail": unsaved})
-        for stream in (False, True):
-            chat = await client.post("/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "hello"}], "stream": stream})
-            assert (chat.status_code, chat.json()) == (503, {"error": {
-                "message": unsaved, "type": "server_error", "param": None,
-                "code": "service_unavailable"}})
-        assert (await client.get("/v1/jobs/none-such")).status_code == 404  # reads still work
-        unsaving_redis.allow_writes()
-        assert (await client.post("/v1/jobs", json={"prompt": "hello"})).status_code == 202
+        own.config_set("maxmemory", 0)
+        own.config_set("maxmemory-policy", policy)
 
 
 async def test_a_bug_answers_a_clean_500(harness: Harness, client: httpx.AsyncClient,

@@ -8,6 +8,7 @@ import ipaddress
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from redis import Redis
@@ -185,22 +186,11 @@ def test_the_dispatcher_waits_out_a_redis_that_refuses_writes(
     d = dispatcher(redis)
     emit_event(redis, "job.completed", DATA, receiver.url("/hook"))
     unsaving_redis.fail_saves()
-    stop = threading.Event()
-    thread = threading.Thread(target=d.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
+    with running(d) as thread:
         time.sleep(0.5)
         assert thread.is_alive() and receiver.on("/hook") == []
         unsaving_redis.allow_writes()
-        deadline = time.monotonic() + 10
-        while not receiver.on("/hook"):
-            assert time.monotonic() < deadline, "not delivered once Redis took writes again"
-            time.sleep(0.05)
-        assert receiver.on("/hook")[0].payload["data"] == DATA
-    finally:
-        stop.set()
-        thread.join(10)
-        d.close()
+        _until_delivered(receiver, thread)
 
 
 def test_the_dispatcher_creates_its_group_again_after_redis_lost_its_data(
@@ -208,25 +198,35 @@ def test_the_dispatcher_creates_its_group_again_after_redis_lost_its_data(
     # A Redis restarted without its data (or flushed) has no consumer group: the dispatcher's
     # reads answered NOGROUP, which ended its thread. It makes the group again and delivers
     # what comes next.
-    d = dispatcher(redis)
-    stop = threading.Event()
-    thread = threading.Thread(target=d.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
+    with running(dispatcher(redis)) as thread:
         _until_blocked_reading(redis)
         redis.flushall()  # under its blocked read: UNBLOCKED (a read after it: NOGROUP)
         _until_blocked_reading(redis)
         emit_event(redis, "job.completed", DATA, receiver.url("/hook"))
-        deadline = time.monotonic() + 10
-        while not receiver.on("/hook"):
-            assert thread.is_alive(), "the dispatcher's thread ended"
-            assert time.monotonic() < deadline, "not delivered after the flush"
-            time.sleep(0.05)
-        assert receiver.on("/hook")[0].payload["data"] == DATA
+        _until_delivered(receiver, thread)
+
+
+@contextmanager
+def running(d: WebhookDispatcher) -> Iterator[threading.Thread]:
+    """The dispatcher's `run` loop on a thread of its own, as `python -m webhooks` runs it."""
+    stop = threading.Event()
+    thread = threading.Thread(target=d.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield thread
     finally:
         stop.set()
         thread.join(10)
         d.close()
+
+
+def _until_delivered(receiver: Receiver, thread: threading.Thread) -> None:
+    deadline = time.monotonic() + 10
+    while not receiver.on("/hook"):
+        assert thread.is_alive(), "the dispatcher's thread ended"
+        assert time.monotonic() < deadline, "not delivered"
+        time.sleep(0.05)
+    assert receiver.on("/hook")[0].payload["data"] == DATA
 
 
 def _until_blocked_reading(redis: Redis) -> None:
