@@ -127,6 +127,15 @@ class AppContext:
                          self.shard_hubs[index], stream_redis=self.shard_clients[index],
                          state_reads=self.state_reads)
 
+    async def drop_idle_connections(self) -> None:
+        """Connections to a server a failover demoted stay there, refused every write: each
+        client's next command opens a new one, to the primary its address leads to now (those
+        in use, streams' reads among them, go on: a replica serves reads)."""
+        clients = {id(client): client for client in [self.aio, *self.shard_clients]}
+        for client in clients.values():
+            await client.connection_pool.disconnect(inuse_connections=False)
+        self.sync.connection_pool.disconnect(inuse_connections=False)
+
     async def close(self) -> None:
         hubs = self.shard_hubs or [self.hub]
         for hub in hubs:

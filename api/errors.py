@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from protocol.redis_errors import RedisCannotPersistError
+from protocol.redis_errors import RedisCannotPersistError, RedisReadOnlyError
 
 log = logging.getLogger(__name__)
 
@@ -431,6 +431,16 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
             "Redis cannot save to disk (its last save failed: see its log) and takes no new jobs; "
             "try again shortly", retry_after_s))
 
+    async def on_redis_read_only(request: Request, exc: Exception) -> JSONResponse:
+        # READONLY: a failover demoted the server this process is connected to.
+        log.warning("Redis refused a write: it is a read-only replica now (READONLY): %s", exc)
+        context = getattr(request.app.state, "context", None)
+        if context is not None:
+            await context.drop_idle_connections()
+        return error_response(request, ServiceUnavailableError(
+            "Redis is a read-only replica now (a failover is under way) and takes no new jobs; "
+            "try again shortly", retry_after_s))
+
     async def on_bug(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
         error = ApiError("Internal server error (logged on the server)", code="internal_error")
@@ -443,6 +453,7 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     app.add_exception_handler(redis.exceptions.TimeoutError, on_redis_down)
     app.add_exception_handler(redis.exceptions.OutOfMemoryError, on_redis_full)
     app.add_exception_handler(RedisCannotPersistError, on_redis_cannot_persist)
+    app.add_exception_handler(RedisReadOnlyError, on_redis_read_only)
     app.add_exception_handler(Exception, on_bug)
 
 

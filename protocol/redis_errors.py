@@ -11,6 +11,7 @@ from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
+from redis.exceptions import ReadOnlyError as RedisReadOnlyError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -38,6 +39,10 @@ _register_misconf()
 # Redis out of reach: restarting, stopped, across a network that dropped.
 REDIS_UNREACHABLE = (RedisConnectionError, RedisTimeoutError)
 # Redis refusing writes for now: at its maxmemory (a policy that evicts nothing, as a job queue
-# should run; memory comes back as finished jobs' keys expire), or unable to save to disk.
-REDIS_REFUSES_WRITES = (RedisOutOfMemoryError, RedisCannotPersistError)
+# should run; memory comes back as finished jobs' keys expire), unable to save to disk, or a
+# read-only replica (READONLY: a failover demoted the server these connections reach; the
+# client drops its idle connections, so that new ones find the primary its name leads to now).
+REDIS_REFUSES_WRITES = (RedisOutOfMemoryError, RedisCannotPersistError, RedisReadOnlyError)
 REDIS_UNAVAILABLE = (*REDIS_UNREACHABLE, *REDIS_REFUSES_WRITES)
+__all__ = ["REDIS_REFUSES_WRITES", "REDIS_UNAVAILABLE", "REDIS_UNREACHABLE",
+           "RedisCannotPersistError", "RedisReadOnlyError"]

@@ -42,7 +42,7 @@ from protocol.generation_defaults import generation_defaults
 from protocol.job_submission import cancel_job
 from protocol.keys import Keys
 from protocol.messages import JobSpec, JobStatus, ModelCard, Priority, WorkerStats
-from protocol.redis_errors import REDIS_UNAVAILABLE, RedisCannotPersistError
+from protocol.redis_errors import REDIS_UNAVAILABLE, RedisCannotPersistError, RedisReadOnlyError
 from protocol.stream_shards import shard_urls
 from worker.engine.config import BatchingMode
 from worker.engine.outputs import StepOutput, StepStats
@@ -379,10 +379,24 @@ class BatchingWorker:
         elif isinstance(exc, RedisCannotPersistError):
             log.warning("Redis refused a write while %s: it cannot save to disk (MISCONF; %s): "
                         "retry %d in %.2fs", doing, exc, self._backoff.attempts, delay)
+        elif isinstance(exc, RedisReadOnlyError):
+            log.warning("Redis refused a write while %s: it is a read-only replica now (READONLY, "
+                        "a failover?): retry %d in %.2fs on new connections", doing,
+                        self._backoff.attempts, delay)
+            self._drop_idle_connections()
         else:
             log.warning("Redis unreachable while %s (%s: %s): retry %d in %.2fs", doing,
                         type(exc).__name__, exc, self._backoff.attempts, delay)
         time.sleep(delay)
+
+    def _drop_idle_connections(self) -> None:
+        """Connections to a server a failover demoted stay there, refused every write: the next
+        command of each client opens a new one, to the primary its address leads to now."""
+        clients = [self.redis, *self.shards.clients]
+        if self.presence is not None:
+            clients.append(self.presence.redis)
+        for client in {id(client): client for client in clients}.values():
+            client.connection_pool.disconnect(inuse_connections=False)
 
     def _redis_reachable(self) -> None:
         if self._backoff.attempts:
