@@ -26,7 +26,7 @@ from redis.exceptions import ResponseError
 from redis.typing import EncodableT, FieldT, StreamIdT
 
 from protocol.keys import Keys
-from protocol.redis_errors import REDIS_UNAVAILABLE
+from protocol.redis_errors import REDIS_UNAVAILABLE, RedisReadOnlyError
 from protocol.webhook_events import DeadLetter, WebhookEvent
 from webhooks.sender import Delivery, WebhookSender
 from webhooks.settings import DispatcherSettings
@@ -89,6 +89,9 @@ class WebhookDispatcher:
             except REDIS_UNAVAILABLE as exc:  # out of reach, or refusing writes for now
                 log.warning("Redis unavailable (%s: %s); retrying in 1 s", type(exc).__name__,
                             exc)
+                if isinstance(exc, RedisReadOnlyError):
+                    # A failover demoted the server: new connections reach the new primary.
+                    self.redis.connection_pool.disconnect(inuse_connections=False)
                 stop.wait(1.0)
             except ResponseError as exc:
                 # NOGROUP, or UNBLOCKED when the stream went under a blocked read.

@@ -2,11 +2,12 @@
 a replica of the one promoted, and its address (here a TCP forwarder standing in for the DNS
 name) leads to the new primary from then on, while connections made before stay on the old one.
 
-There every write is refused (READONLY). The API answers 503, the worker waits it out, and both
-drop their idle connections, so that new ones reach the new primary: the running job goes on
-there and ends with every token once, and the next requests are answered. Before, the API
-answered 500 (a chat request a reset connection) and the worker died; their pooled connections
-would have stayed on the old primary for good.
+There every write is refused (READONLY). The API answers 503, the worker and the webhook
+dispatcher wait it out, and each drops its idle connections, so that new ones reach the new
+primary: the running job goes on there and ends with every token once, its webhook is delivered,
+and the next requests are answered. Before, the API answered 500 (a chat request a reset
+connection) and the worker and the dispatcher died; their pooled connections would have stayed
+on the old primary for good.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from redis import Redis
 from protocol import JobReader, JobStatus, Keys
 from tests.conftest import RedisServer
 from tests.reliability.api_support import ApiProcess, start_redis, stop_redis
+from tests.webhooks.receiver import SECRET, running_receiver
+from webhooks.dispatcher import WebhookDispatcher
+from webhooks.settings import DispatcherSettings
 from worker.engine.synthetic_engine import SyntheticEngine, synthetic_token_id
 from worker.jobs.batching_worker import BatchingWorker
 from worker.jobs.settings import WorkerSettings
@@ -124,7 +128,15 @@ def test_a_failover_to_a_new_primary_under_a_running_job(
                             Redis.from_url(forwarder.url))
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
-    api = ApiProcess.start(forwarder.url, tmp_path / "api.log", retry_after_s="2")
+    dispatcher = WebhookDispatcher(Redis.from_url(forwarder.url), DispatcherSettings(
+        webhook_secret=SECRET, webhook_allowed_hosts=["127.0.0.1"]), "d1")
+    stop_dispatching = threading.Event()
+    dispatching = threading.Thread(target=dispatcher.run, args=(stop_dispatching,), daemon=True)
+    dispatching.start()
+    api = ApiProcess.start(forwarder.url, tmp_path / "api.log", retry_after_s="2",
+                           webhook_allowed_hosts="127.0.0.1")
+    receiving = running_receiver()
+    receiver = receiving.__enter__()
     try:
         api.wait_healthy()
         deadline = time.monotonic() + 60
@@ -132,8 +144,10 @@ def test_a_failover_to_a_new_primary_under_a_running_job(
             assert time.monotonic() < deadline, "the worker did not register"
             time.sleep(0.05)
         with httpx.Client(base_url=api.url, timeout=30) as client:
-            job_id = client.post("/v1/jobs", json={"prompt": "hi", "max_tokens": NUM_TOKENS}
-                                 ).json()["job_id"]
+            submitted = client.post("/v1/jobs", json={
+                "prompt": "hi", "max_tokens": NUM_TOKENS, "webhook_url": receiver.url("/hook")})
+            assert submitted.status_code == 202, submitted.text
+            job_id = submitted.json()["job_id"]
             deadline = time.monotonic() + 30
             while not JobReader(old).state(job_id).first_token_at:
                 assert time.monotonic() < deadline, "no first token"
@@ -170,8 +184,20 @@ def test_a_failover_to_a_new_primary_under_a_running_job(
             (i, synthetic_token_id(i)) for i in range(NUM_TOKENS)]
         assert read.is_done
         assert old.info("replication")["role"] == "slave"  # nothing of it came from the old one
+        deadline = time.monotonic() + 30
+        while not receiver.on("/hook"):
+            assert dispatching.is_alive(), "the dispatcher's thread ended"
+            assert time.monotonic() < deadline, "the job's webhook was not delivered"
+            time.sleep(0.05)
+        (hook,) = receiver.on("/hook")
+        assert (hook.verified, hook.payload["type"], hook.payload["data"]["id"]) == (
+            True, "job.completed", job_id)
     finally:
+        receiving.__exit__(None, None, None)
         api.stop()
         worker.request_stop(0, None)
         thread.join(30)
+        stop_dispatching.set()
+        dispatching.join(10)
+        dispatcher.close()
         forwarder.close()
