@@ -183,7 +183,12 @@ async def test_readers_waiting_for_redis_share_one_ping_at_a_time(
     recovery = RedisRecovery()
     readers = [asyncio.create_task(_collect(stream, grace_s=10, recovery=recovery))
                for stream in streams]
-    await asyncio.sleep(0.5)  # Redis out: every reader has failed and waits
+    # Redis out: every reader has failed and waits. (Until the probe has pinged a few times,
+    # however long a loaded machine takes: CI once saw no PING within a fixed 0.5 s.)
+    deadline = time.monotonic() + 20
+    while server.pings < 3:
+        assert time.monotonic() < deadline, "no probe pinged"
+        await asyncio.sleep(0.01)
     assert all(len(stream.calls) == 1 for stream in streams)
     # One probe, one PING at a time (backing off: 10-20 ms apart here), not 200 readers each.
     assert server.most_in_flight == 1
