@@ -1,4 +1,4 @@
-"""Fair shares with a real worker: two keys, one submitting ten times more jobs, all of its jobs
+"""Fair shares with a real worker: two keys, one submitting four times more jobs, all of its jobs
 queued ahead of the other's. While both have jobs queued, the tokens generated split as the
 keys' weights say (FIFO would give the light key nothing until the heavy key's burst is through).
 """
@@ -13,7 +13,10 @@ from tests.integration.conftest import KEYS, Fleet, new_id
 
 pytestmark = pytest.mark.slow
 
-LIGHT_JOBS = 8
+# The light key's jobs last 5-8 rounds of seats: a contended window of 80-130 steps, which a
+# sampler starved for a second by a loaded CI still sees most of (with 8, CI once measured a
+# window of one step: 3 tokens each).
+LIGHT_JOBS = 16
 MAX_TOKENS = 16
 # Six seats: 3 + 3 at equal weights, 4 + 2 at 2:1.
 WORKER_ARGS = ["--max-num-seqs", "6", "--num-threads", "1", "--idle-block-seconds", "0.2"]
@@ -35,7 +38,7 @@ def _specs(model: str, owner: str, count: int) -> list[JobSpec]:
 
 def _contended_split(fleet: Fleet, heavy: str, light: str) -> dict[str, int]:
     model = fleet.model_dir.name
-    specs = _specs(model, heavy, LIGHT_JOBS * 10) + _specs(model, light, LIGHT_JOBS)
+    specs = _specs(model, heavy, LIGHT_JOBS * 4) + _specs(model, light, LIGHT_JOBS)
     meter = FairShareMeter(fleet.redis, KEYS, {spec.job_id: spec.owner for spec in specs})
     submit_jobs(fleet.redis, specs)  # one transaction: the heavy key's burst first in the queue
     samples = meter.run(interval_s=0.002, timeout_s=240)
