@@ -65,7 +65,7 @@ from api.responses_schemas import ResponsesRequest
 from api.tool_parsers import get_parser
 from api.webhook_urls import webhook_url_of
 from protocol import JobState, JobStatus, Priority
-from protocol.redis_errors import REDIS_REFUSES_WRITES, REDIS_UNREACHABLE
+from protocol.redis_errors import REDIS_REFUSES_WRITES, REDIS_UNREACHABLE, why_writes_are_refused
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +118,8 @@ class BatchRunner:
             except REDIS_UNREACHABLE as exc:
                 log.warning("batch runner: Redis unreachable (%s); retrying", exc)
             except REDIS_REFUSES_WRITES as exc:
-                log.warning("batch runner: Redis refuses writes (at its maxmemory, or unable to "
-                            "save to disk: %s); retrying", exc)
+                log.warning("batch runner: Redis refuses writes: %s (%s); retrying",
+                            why_writes_are_refused(exc), exc)
             except Exception:  # a bug must not stop every batch of this process for good
                 log.exception("batch runner: tick failed")
             # A cancel (the API shutting down) that reached a Redis call as it failed may come

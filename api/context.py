@@ -28,6 +28,7 @@ from api.stream_hub import StreamHub
 from api.stream_outages import RedisRecovery
 from api.tokenizer_cache import TokenizerCache
 from protocol import JobState, Keys
+from protocol.redis_errors import drop_idle_connections
 from protocol.stream_shards import shard_urls, started_shard
 
 # No retries, pinned: Redis down answers 503 at once and a hung Redis after one socket timeout.
@@ -128,13 +129,11 @@ class AppContext:
                          state_reads=self.state_reads)
 
     async def drop_idle_connections(self) -> None:
-        """Connections to a server a failover demoted stay there, refused every write: each
-        client's next command opens a new one, to the primary its address leads to now (those
-        in use, streams' reads among them, go on: a replica serves reads)."""
+        """protocol.redis_errors.drop_idle_connections, for the async clients too."""
         clients = {id(client): client for client in [self.aio, *self.shard_clients]}
         for client in clients.values():
             await client.connection_pool.disconnect(inuse_connections=False)
-        self.sync.connection_pool.disconnect(inuse_connections=False)
+        drop_idle_connections([self.sync])
 
     async def close(self) -> None:
         hubs = self.shard_hubs or [self.hub]

@@ -22,11 +22,27 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from protocol.redis_errors import RedisCannotPersistError, RedisReadOnlyError
+from protocol.redis_errors import (
+    REDIS_REFUSES_WRITES,
+    RedisCannotPersistError,
+    RedisReadOnlyError,
+    why_writes_are_refused,
+)
 
 log = logging.getLogger(__name__)
 
 _Model = TypeVar("_Model", bound=BaseModel)
+
+# What a client is told when Redis refuses writes (REDIS_REFUSES_WRITES), each kind by its cause.
+_WRITES_REFUSED: dict[type[Exception], str] = {
+    # At its maxmemory with a policy that evicts nothing (as a queue's should): memory comes
+    # back as finished jobs' keys expire.
+    redis.exceptions.OutOfMemoryError: "Redis is out of memory (its maxmemory is reached)",
+    # MISCONF: its last save to disk failed (a full disk, its directory gone).
+    RedisCannotPersistError: "Redis cannot save to disk (its last save failed: see its log)",
+    # READONLY: a failover demoted the server this process is connected to.
+    RedisReadOnlyError: "Redis is a read-only replica now (a failover is under way)",
+}
 
 # Routes tagged with this answer errors in OpenAI's shape.
 OPENAI_TAG = "openai"
@@ -415,31 +431,15 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
         return error_response(request, ServiceUnavailableError(
             "Redis is unreachable; the job queue is unavailable, try again shortly", retry_after_s))
 
-    async def on_redis_full(request: Request, exc: Exception) -> JSONResponse:
-        # A Redis at its maxmemory with a policy that evicts nothing (as a queue's should) refuses
-        # writes; reads still work, and memory comes back as finished jobs' keys expire.
-        log.warning("Redis refused a write: %s", exc)
-        return error_response(request, ServiceUnavailableError(
-            "Redis is out of memory (its maxmemory is reached) and takes no new jobs; try again "
-            "shortly", retry_after_s))
-
-    async def on_redis_cannot_persist(request: Request, exc: Exception) -> JSONResponse:
-        # MISCONF: Redis' last save to disk failed (a full disk, its directory gone) and it
-        # refuses writes until one succeeds; reads still work.
-        log.warning("Redis refused a write: it cannot save to disk (MISCONF): %s", exc)
-        return error_response(request, ServiceUnavailableError(
-            "Redis cannot save to disk (its last save failed: see its log) and takes no new jobs; "
-            "try again shortly", retry_after_s))
-
-    async def on_redis_read_only(request: Request, exc: Exception) -> JSONResponse:
-        # READONLY: a failover demoted the server this process is connected to.
-        log.warning("Redis refused a write: it is a read-only replica now (READONLY): %s", exc)
+    async def on_redis_refusing_writes(request: Request, exc: Exception) -> JSONResponse:
+        # Redis refuses writes for now (protocol/redis_errors.py); reads still work.
+        log.warning("Redis refused a write: %s (%s)", why_writes_are_refused(exc), exc)
         context = getattr(request.app.state, "context", None)
-        if context is not None:
+        if isinstance(exc, RedisReadOnlyError) and context is not None:
             await context.drop_idle_connections()
+        what = next(text for kind, text in _WRITES_REFUSED.items() if isinstance(exc, kind))
         return error_response(request, ServiceUnavailableError(
-            "Redis is a read-only replica now (a failover is under way) and takes no new jobs; "
-            "try again shortly", retry_after_s))
+            f"{what} and takes no new jobs; try again shortly", retry_after_s))
 
     async def on_bug(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
@@ -451,9 +451,8 @@ def install_error_handlers(app: FastAPI, retry_after_s: int) -> None:
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(redis.exceptions.ConnectionError, on_redis_down)
     app.add_exception_handler(redis.exceptions.TimeoutError, on_redis_down)
-    app.add_exception_handler(redis.exceptions.OutOfMemoryError, on_redis_full)
-    app.add_exception_handler(RedisCannotPersistError, on_redis_cannot_persist)
-    app.add_exception_handler(RedisReadOnlyError, on_redis_read_only)
+    for refusal in REDIS_REFUSES_WRITES:
+        app.add_exception_handler(refusal, on_redis_refusing_writes)
     app.add_exception_handler(Exception, on_bug)
 
 

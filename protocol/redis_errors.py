@@ -7,8 +7,10 @@ a refusal that trying again does not mend.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
+from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
 from redis.exceptions import ReadOnlyError as RedisReadOnlyError
@@ -44,5 +46,25 @@ REDIS_UNREACHABLE = (RedisConnectionError, RedisTimeoutError)
 # client drops its idle connections, so that new ones find the primary its name leads to now).
 REDIS_REFUSES_WRITES = (RedisOutOfMemoryError, RedisCannotPersistError, RedisReadOnlyError)
 REDIS_UNAVAILABLE = (*REDIS_UNREACHABLE, *REDIS_REFUSES_WRITES)
+
+
+def why_writes_are_refused(refusal: BaseException) -> str:
+    """A REDIS_REFUSES_WRITES error's cause, in a few words for a log line."""
+    if isinstance(refusal, RedisReadOnlyError):
+        return "it is a read-only replica now (READONLY: a failover?)"
+    if isinstance(refusal, RedisCannotPersistError):
+        return "it cannot save to disk (MISCONF)"
+    return "it is at its maxmemory (OOM)"
+
+
+def drop_idle_connections(clients: Iterable[Redis]) -> None:
+    """After READONLY: connections to a server a failover demoted stay there, refused every
+    write. Each client's next command opens a new one, to the primary its address leads to now
+    (connections in use go on: a replica serves reads)."""
+    for client in {id(client): client for client in clients}.values():
+        client.connection_pool.disconnect(inuse_connections=False)
+
+
 __all__ = ["REDIS_REFUSES_WRITES", "REDIS_UNAVAILABLE", "REDIS_UNREACHABLE",
-           "RedisCannotPersistError", "RedisReadOnlyError"]
+           "RedisCannotPersistError", "RedisReadOnlyError", "drop_idle_connections",
+           "why_writes_are_refused"]

@@ -26,7 +26,7 @@ from redis.exceptions import ResponseError
 from redis.typing import EncodableT, FieldT, StreamIdT
 
 from protocol.keys import Keys
-from protocol.redis_errors import REDIS_UNAVAILABLE, RedisReadOnlyError
+from protocol.redis_errors import REDIS_UNAVAILABLE, RedisReadOnlyError, drop_idle_connections
 from protocol.webhook_events import DeadLetter, WebhookEvent
 from webhooks.sender import Delivery, WebhookSender
 from webhooks.settings import DispatcherSettings
@@ -90,8 +90,7 @@ class WebhookDispatcher:
                 log.warning("Redis unavailable (%s: %s); retrying in 1 s", type(exc).__name__,
                             exc)
                 if isinstance(exc, RedisReadOnlyError):
-                    # A failover demoted the server: new connections reach the new primary.
-                    self.redis.connection_pool.disconnect(inuse_connections=False)
+                    drop_idle_connections([self.redis])
                 stop.wait(1.0)
             except ResponseError as exc:
                 # NOGROUP, or UNBLOCKED when the stream went under a blocked read.

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 from redis import Redis
 from redis.backoff import NoBackoff
-from redis.exceptions import OutOfMemoryError as RedisOutOfMemoryError
 from redis.retry import Retry
 from rq.worker import WorkerStatus
 
@@ -42,7 +41,13 @@ from protocol.generation_defaults import generation_defaults
 from protocol.job_submission import cancel_job
 from protocol.keys import Keys
 from protocol.messages import JobSpec, JobStatus, ModelCard, Priority, WorkerStats
-from protocol.redis_errors import REDIS_UNAVAILABLE, RedisCannotPersistError, RedisReadOnlyError
+from protocol.redis_errors import (
+    REDIS_REFUSES_WRITES,
+    REDIS_UNAVAILABLE,
+    RedisReadOnlyError,
+    drop_idle_connections,
+    why_writes_are_refused,
+)
 from protocol.stream_shards import shard_urls
 from worker.engine.config import BatchingMode
 from worker.engine.outputs import StepOutput, StepStats
@@ -373,30 +378,17 @@ class BatchingWorker:
 
     def _redis_unreachable(self, doing: str, exc: Exception) -> None:
         delay = self._backoff.next_delay()
-        if isinstance(exc, RedisOutOfMemoryError):
-            log.warning("Redis refused a write while %s: out of memory (maxmemory; %s): retry %d "
-                        "in %.2fs", doing, exc, self._backoff.attempts, delay)
-        elif isinstance(exc, RedisCannotPersistError):
-            log.warning("Redis refused a write while %s: it cannot save to disk (MISCONF; %s): "
-                        "retry %d in %.2fs", doing, exc, self._backoff.attempts, delay)
-        elif isinstance(exc, RedisReadOnlyError):
-            log.warning("Redis refused a write while %s: it is a read-only replica now (READONLY, "
-                        "a failover?): retry %d in %.2fs on new connections", doing,
-                        self._backoff.attempts, delay)
-            self._drop_idle_connections()
+        if isinstance(exc, REDIS_REFUSES_WRITES):
+            log.warning("Redis refused a write while %s: %s (%s): retry %d in %.2fs", doing,
+                        why_writes_are_refused(exc), exc, self._backoff.attempts, delay)
+            if isinstance(exc, RedisReadOnlyError):
+                clients = [self.redis, *self.shards.clients]
+                drop_idle_connections(clients if self.presence is None
+                                      else [*clients, self.presence.redis])
         else:
             log.warning("Redis unreachable while %s (%s: %s): retry %d in %.2fs", doing,
                         type(exc).__name__, exc, self._backoff.attempts, delay)
         time.sleep(delay)
-
-    def _drop_idle_connections(self) -> None:
-        """Connections to a server a failover demoted stay there, refused every write: the next
-        command of each client opens a new one, to the primary its address leads to now."""
-        clients = [self.redis, *self.shards.clients]
-        if self.presence is not None:
-            clients.append(self.presence.redis)
-        for client in {id(client): client for client in clients}.values():
-            client.connection_pool.disconnect(inuse_connections=False)
 
     def _redis_reachable(self) -> None:
         if self._backoff.attempts:
