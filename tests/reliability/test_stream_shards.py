@@ -7,7 +7,8 @@ stream must be on the shard of the worker that started it (its state records whi
 else. With CARPOOL_STREAM_OUTAGE_S the API rides the restart out and no subscriber reconnects;
 with 0 it ends the streams the restart hit, and their subscribers reconnect with Last-Event-ID.
 
-And a shard lost for good before the jobs come: every job starts on the shard that answers.
+And a shard lost for good before the jobs come: every job starts on the shard that answers. And
+one lost mid-stream under a worker whose jobs stream to both: only the jobs streaming there wait.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import asyncio
 import json
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -23,7 +25,7 @@ import openai
 import pytest
 from redis import Redis
 
-from protocol import JobReader, JobStatus, Keys
+from protocol import JobReader, JobSpec, JobState, JobStatus, Keys, submit_job
 from tests.conftest import RedisServer
 from tests.reliability.api_support import ApiProcess, start_redis, stop_redis
 from worker.engine.synthetic_engine import SYNTHETIC_TEXT, SyntheticEngine, synthetic_token_id
@@ -237,3 +239,93 @@ def test_jobs_start_on_the_shard_that_answers_while_the_other_is_lost(tmp_path: 
               f"whole ({2 * SEATS * 20} tokens), every job on the shard that answers")
     finally:
         _stop(api, workers, [main, *shards])
+
+
+LEASE_S = 8.0  # the batch waits a quarter of it for a shard that does not answer
+
+
+def _pinned_worker(main_url: str, shard_urls: list[str], name: str, shard: int
+                   ) -> tuple[BatchingWorker, threading.Thread]:
+    settings = WorkerSettings(model="synthetic", redis_url=main_url, name=name,
+                              stream_redis_urls=shard_urls, stream_shard=shard, max_num_seqs=SEATS,
+                              drain_seconds=0, lease_seconds=LEASE_S, redis_timeout_seconds=1)
+    worker = BatchingWorker(settings, SyntheticEngine(SEATS, STEP_S),  # type: ignore[arg-type]
+                            Redis.from_url(main_url), register_presence=False)
+    thread = threading.Thread(target=worker.run, name=name, daemon=True)
+    thread.start()
+    return worker, thread
+
+
+
+def _submit(main_redis: Redis, number: int, max_tokens: int) -> list[str]:
+    job_ids = [f"job-{uuid.uuid4().hex[:12]}" for _ in range(number)]
+    for job_id in job_ids:
+        submit_job(main_redis, JobSpec.from_dict(dict(
+            job_id=job_id, model="synthetic", prompt="hello", max_tokens=max_tokens,
+            temperature=0.0, created_at=time.time())))
+    return job_ids
+
+
+def _wait_for_tokens(shard: Redis, job_ids: list[str], least: int) -> None:
+    reader = JobReader(shard)
+    deadline = time.monotonic() + 30
+    while any(reader.num_tokens(job_id) < least for job_id in job_ids):
+        assert time.monotonic() < deadline, [reader.num_tokens(job_id) for job_id in job_ids]
+        time.sleep(0.05)
+
+
+def _assert_whole(shard: Redis, main_redis: Redis, job_id: str, num_tokens: int) -> JobState:
+    read = JobReader(shard).read(job_id)
+    assert [(t.index, t.token_id) for t in read.tokens] == [
+        (i, synthetic_token_id(i)) for i in range(num_tokens)], job_id
+    assert (read.is_done, read.last_id) == (True, f"0-{num_tokens + 1}"), job_id
+    state = JobReader(main_redis).state(job_id)
+    assert (state.status, state.completion_tokens) == (JobStatus.FINISHED, num_tokens), job_id
+    return state
+
+
+def test_a_shard_lost_mid_stream_holds_up_only_the_jobs_streaming_there(tmp_path: Path) -> None:
+    # One worker runs jobs on both shards: four it took over from a worker of shard 1 that drained
+    # (they stay on the shard their streams are on) and four of its own on shard 0. Shard 1 dies
+    # mid-stream. Its jobs wait for it (left to recovery); the others go on to their ends while
+    # it is down, each token once, never preempted. Before, the whole batch waited on shard 1
+    # for a lease and was then dropped: no job ended while it was down.
+    main = start_redis(tmp_path / "main", appendonly=True)
+    shards = [start_redis(tmp_path / "shard-0"), start_redis(tmp_path / "shard-1", appendonly=True)]
+    workers: list[tuple[BatchingWorker, threading.Thread]] = []
+    try:
+        shard_urls = [shard.url for shard in shards]
+        main_redis = Redis.from_url(main.url)
+        shard_redis = [Redis.from_url(url) for url in shard_urls]
+        first = _pinned_worker(main.url, shard_urls, "synthetic-of-shard-1", 1)
+        long_jobs = _submit(main_redis, 4, max_tokens=300)
+        _wait_for_tokens(shard_redis[1], long_jobs, 20)
+        _stop(None, [first], [])
+        workers = [_pinned_worker(main.url, shard_urls, "synthetic-of-shard-0", 0)]
+        short_jobs = _submit(main_redis, 4, max_tokens=100)
+        _wait_for_tokens(shard_redis[0], short_jobs, 10)
+        _wait_for_tokens(shard_redis[1], long_jobs, 40)  # taken over: going on there
+        shards[1].kill()
+        killed_at = time.monotonic()
+        reader = JobReader(main_redis)
+        while any(reader.state(job_id).status != JobStatus.FINISHED for job_id in short_jobs):
+            assert time.monotonic() - killed_at < LEASE_S - 1, "shard 0's jobs held up"
+            time.sleep(0.05)
+        short_done_s = time.monotonic() - killed_at
+        for job_id in short_jobs:
+            assert _assert_whole(shard_redis[0], main_redis, job_id, 100).num_preemptions == 0
+        assert all(reader.state(job_id).status == JobStatus.RUNNING for job_id in long_jobs)
+        # Back (its append-only file: the streams whole): recovery hands its jobs on once their
+        # leases lapse, and each resumes after what its stream holds.
+        shards[1].start(appendonly=True)
+        deadline = time.monotonic() + 60
+        while any(reader.state(job_id).status != JobStatus.FINISHED for job_id in long_jobs):
+            assert time.monotonic() < deadline, [reader.state(j).status for j in long_jobs]
+            time.sleep(0.1)
+        for job_id in long_jobs:
+            _assert_whole(shard_redis[1], main_redis, job_id, 300)
+        print(f"RELIABILITY a stream shard lost mid-stream: the worker's 4 jobs streaming "
+              f"elsewhere ended whole {short_done_s:.1f} s after, while it was down; its 4 "
+              f"jobs waited for it and resumed whole {time.monotonic() - killed_at:.1f} s after")
+    finally:
+        _stop(None, workers, [main, *shards])

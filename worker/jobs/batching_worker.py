@@ -16,6 +16,8 @@ worker commands (rq.command) arrive at iteration boundaries: shutdown drains as 
 stop-job cancels the job (worker/jobs/rq_commands.py).
 Redis unreachable (restart, failover, network): every Redis step retries with capped exponential
 backoff and jitter, logging each retry; jobs are dropped only once their leases must have lapsed.
+A stream shard out of reach holds the batch up for a quarter of a lease; then only the jobs
+streaming there leave it (to recovery), and the others go on.
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ if TYPE_CHECKING:  # the engine (torch) is handed in by worker.__main__, never i
 log = logging.getLogger(__name__)
 
 _REDIS_DOWN = REDIS_UNAVAILABLE  # waited out: a write is sent again, for a lease at most
+# How long the whole batch waits for a stream shard that does not answer (a quarter of the lease)
+# before the jobs streaming there are left to recovery and the others go on: long enough to ride
+# out a shard's restart (an append-only redis-server is back within a second or two), short
+# enough that the others' leases, renewed every eighth of one, never come near lapsing.
+_SHARD_HOLD_LEASES = 0.25
 
 
 @dataclass(slots=True)
@@ -564,13 +571,20 @@ class BatchingWorker:
     def _flush(self) -> PublishReport:
         """Send the iteration; while Redis is unreachable retry with backoff, for at most a lease
         (after that the leases have lapsed and recovery hands the jobs on: drop them; their
-        streams hold everything published so far)."""
+        streams hold everything published so far). A stream shard out of reach for a quarter of
+        a lease costs only its own jobs (_leave_shard)."""
         pub = self.publisher
-        deadline = time.monotonic() + self.settings.lease_seconds
+        started = time.monotonic()
+        deadline = started + self.settings.lease_seconds
         while True:
             try:
                 report = pub.flush()
             except _REDIS_DOWN as exc:
+                shard = pub.unreachable_shard
+                if shard is not None and (time.monotonic() - started
+                                          >= _SHARD_HOLD_LEASES * self.settings.lease_seconds):
+                    self._leave_shard(shard, exc)
+                    continue  # the rest at once
                 if time.monotonic() < deadline:
                     self._redis_unreachable("publishing", exc)
                     continue
@@ -584,6 +598,21 @@ class BatchingWorker:
                 return PublishReport()
             self._redis_reachable()
             return report
+
+    def _leave_shard(self, shard: int, exc: Exception) -> None:
+        """Stream shard `shard` has not answered for a while: its jobs leave this worker's batch
+        (their leases lapse; recovery hands them on once it answers, to resume after what their
+        streams hold), and the jobs streaming elsewhere go on. Before, the whole batch waited on
+        that one shard, for a lease, then was dropped."""
+        left = self.publisher.leave_shard(shard)
+        for job_id, job in list(self.jobs.items()):
+            if job_id in left or self.shards.remote(job.lease) == shard:
+                left.add(job_id)
+                self.engine.abort(job_id)
+                del self.jobs[job_id]
+        log.warning("stream shard %d unreachable (%s): its %d jobs left to recovery, which hands "
+                    "them on once it answers; the %d others go on", shard, exc, len(left),
+                    len(self.jobs))
 
     def _act_on(self, report: PublishReport, pending: list[_Pending]) -> None:
         lengths = report.queue_lengths

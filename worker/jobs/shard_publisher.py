@@ -45,6 +45,8 @@ class ShardPublisher:
         # Final entries owed to shards: kept across failed flushes (the end is already recorded
         # on the main Redis, so they are resent until a shard takes them).
         self.pending_ends: list[EndMarker] = []
+        # The shard the last flush could not reach (None: it reached every shard it wrote).
+        self.unreachable: int | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -69,8 +71,9 @@ class ShardPublisher:
         """Each shard's appends, the live tokens of `live` (every live job of the step; those
         streaming to shards go) and its owed final entries as one MULTI/EXEC; returns the jobs
         the shards refused. `carried`: the jobs whose tokens this flush writes to their streams
-        (their stream_complete is the shard's clock). Raises on a shard that cannot be reached,
-        keeping everything queued for the retry."""
+        (their stream_complete is the shard's clock). Raises on a shard that cannot be reached
+        while it has appends (`unreachable` names it), keeping everything queued for the retry;
+        final entries owed to a shard out of reach stay owed and hold nothing up."""
         ends_by_shard: dict[int, list[EndMarker]] = defaultdict(list)
         for marker in self.pending_ends:
             ends_by_shard[marker.shard].append(marker)
@@ -79,9 +82,13 @@ class ShardPublisher:
         started = time.monotonic()
         refused: set[str] = set()
         sent_ends: list[EndMarker] = []
+        self.unreachable = None
         for shard in sorted(set(self._ids) | set(live_by_shard) | set(ends_by_shard)):
             calls: list[ScriptCall] = []
-            if self._ids.get(shard) or live_by_shard[shard]:
+            has_appends = bool(self._ids.get(shard) or live_by_shard[shard])
+            if not has_appends and self.shards.still_out(shard):
+                continue  # only final entries owed: they wait until the shard answers again
+            if has_appends:
                 calls.append(self._append_call(shard, live_by_shard[shard], renew))
             calls += [self._end_call(marker) for marker in ends_by_shard[shard]]
             client = self.shards.clients[shard]
@@ -93,8 +100,15 @@ class ShardPublisher:
                 replies = retry_missing_scripts(self.scripts, client, calls,
                                                 pipe.execute(raise_on_error=False))
                 raise_refused_writes(replies)
-            except REDIS_UNAVAILABLE:
+            except REDIS_UNAVAILABLE as exc:
                 self.shards.mark_out(shard)  # the jobs this worker starts go elsewhere meanwhile
+                if not has_appends:
+                    # Owed final entries never hold the batch up (their ends are recorded: readers
+                    # see them in the jobs' states); they go once the shard answers again.
+                    log.warning("stream shard %d unreachable, %d final entries kept for when it "
+                                "answers: %s", shard, len(ends_by_shard[shard]), exc)
+                    continue
+                self.unreachable = shard
                 raise
             for call, reply in zip(calls, replies):
                 if call.kind == "append":
@@ -107,14 +121,19 @@ class ShardPublisher:
         self.pending_ends = [m for m in self.pending_ends if m not in sent_ends]
         return refused
 
+    def drop_appends(self, shard: int) -> set[str]:
+        """Forget this flush's appends to `shard` (the worker left its jobs to recovery); returns
+        the ids of the jobs they were for."""
+        job_ids = set(self._ids.pop(shard, []))
+        for queued in (self._keys, self._args, self._notified):
+            queued.pop(shard, None)
+        return job_ids
+
     def send_ends(self) -> None:
         """The final entries of sharded jobs that just ended; a shard out of reach gets them
-        with the next flush (meanwhile readers see the end in the job's state)."""
-        try:
-            self.flush([], [], renew=False)  # nothing else is queued: only the ends go
-        except REDIS_UNAVAILABLE as exc:
-            log.warning("stream shard unreachable, %d final entries kept for the next flush: %s",
-                        len(self.pending_ends), exc)
+        with a flush after it answers again (meanwhile readers see the end in the job's state).
+        Nothing else is queued, so this flush never raises (only appends do)."""
+        self.flush([], [], renew=False)
 
     def _by_shard(self, jobs: list[RunningJob]) -> dict[int, list[RunningJob]]:
         by_shard: dict[int, list[RunningJob]] = defaultdict(list)

@@ -559,6 +559,28 @@ class StreamPublisher:
             self._to_shards.send_ends()
         return report
 
+    @property
+    def unreachable_shard(self) -> int | None:
+        """The stream shard the last flush failed on, None if it failed elsewhere (or not)."""
+        return self._to_shards.unreachable
+
+    def leave_shard(self, shard: int) -> set[str]:
+        """Take out of the queued flush everything of the jobs whose streams are on `shard`
+        (which does not answer): their tokens, first-token state, lease renewals, finishes and
+        requeues, so that the rest goes without them. Their leases then lapse and recovery hands
+        them on once the shard answers; their streams end where they are, and a resumer
+        continues after them. Returns their ids: the worker drops those it still runs."""
+        on_shard = self._to_shards.drop_appends(shard)
+        on_shard |= {job_id for job_id, job in self._live.items()
+                     if self.shards.remote(job.lease) == shard}
+        for jobs in (self._live, self._carried):
+            for job_id in on_shard:
+                jobs.pop(job_id, None)
+        self._sharded = [sharded for sharded in self._sharded if sharded.job_id not in on_shard]
+        self._calls = [call for call in self._calls if call.job_id not in on_shard]
+        self._dropped_jobs = True  # recovery may need the live journal
+        return on_shard
+
     def _read_appends(self, job_ids: list[str], live: list[RunningJob],
                       carried: list[RunningJob], started: float, reply: object,
                       report: PublishReport) -> None:

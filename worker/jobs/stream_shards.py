@@ -84,6 +84,12 @@ class StreamShards:
             self._out.add(index)
             self._probe_at = 0.0  # the next claim looks for a home at once
 
+    def still_out(self, index: int) -> bool:
+        """Whether shard `index` is out of reach: a call there failed and it has not taken a
+        probe since (looked at again when due, as home_for_claims does)."""
+        self._look_again()
+        return index in self._out
+
     def home_for_claims(self) -> int | None:
         """The shard the jobs this worker claims now stream to (the claim records it in their
         state, for good: a job stays on the shard its stream is on). Its own, or while that one
@@ -94,29 +100,36 @@ class StreamShards:
         writes: at its maxmemory, or unable to save), at growing intervals (0.5 s up to 5 s)."""
         if self._own_home is None or not self._out:
             return self.home
-        now = time.monotonic()
-        if now >= self._probe_at:
-            for index in list(self._out):
-                if self._answers(index):
-                    self._out.discard(index)
-            self._probe_at = now + self._probe_backoff.next_delay()
-            if not self._out:
-                self._probe_backoff.reset()
-            size = len(self.clients)
-            turn = [(self._own_home + step) % size for step in range(size)]
-            home = next((index for index in turn if index not in self._out), None)
-            if home != self.home:
-                if home is None:
-                    log.warning("every stream shard is out of reach: no job is claimed until "
-                                "one answers")
-                elif home == self._own_home:
-                    log.warning("stream shard %d answers again: the jobs this worker starts "
-                                "stream to it again", home)
-                else:
-                    log.warning("stream shard %d out of reach: the jobs this worker starts "
-                                "stream to shard %d meanwhile", self._own_home, home)
-                self.home = home
+        self._look_again()
         return self.home if self.home not in self._out else None
+
+    def _look_again(self) -> None:
+        """Probe the shards out of reach, when due, and pick the home the answers leave."""
+        now = time.monotonic()
+        if not self._out or now < self._probe_at:
+            return
+        for index in list(self._out):
+            if self._answers(index):
+                self._out.discard(index)
+        self._probe_at = now + self._probe_backoff.next_delay()
+        if not self._out:
+            self._probe_backoff.reset()
+        if self._own_home is None:
+            return
+        size = len(self.clients)
+        turn = [(self._own_home + step) % size for step in range(size)]
+        home = next((index for index in turn if index not in self._out), None)
+        if home != self.home:
+            if home is None:
+                log.warning("every stream shard is out of reach: no job is claimed until "
+                            "one answers")
+            elif home == self._own_home:
+                log.warning("stream shard %d answers again: the jobs this worker starts "
+                            "stream to it again", home)
+            else:
+                log.warning("stream shard %d out of reach: the jobs this worker starts "
+                            "stream to shard %d meanwhile", self._own_home, home)
+            self.home = home
 
     def _answers(self, index: int) -> bool:
         probe = self._probes.get(index)

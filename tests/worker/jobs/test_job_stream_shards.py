@@ -461,3 +461,69 @@ def test_a_shard_that_answers_but_refuses_writes_stays_out(redis_url: str) -> No
     finally:
         own.config_set("maxmemory", 0)
         own.config_set("maxmemory-policy", policy)
+
+
+def _claim_on(queue: JobQueue, shards: StreamShards, job_id: str, shard: int):
+    """`job_id` submitted and claimed onto `shard` (the worker's home for that claim)."""
+    submit(queue.redis, job_id)
+    queue.home_shard = shard
+    (job,) = _claim(queue, shards)
+    assert JobReader(queue.redis).state(job_id).stream_shard == shard
+    return job
+
+
+def test_final_entries_owed_to_a_shard_out_of_reach_hold_no_flush_up() -> None:
+    main = fake_redis()
+    queue, shards, pub, servers = _two_shard_worker(main)
+    ended = _claim_on(queue, shards, "job-1", 0)
+    generate(ended, 11)
+    pub.append(ended)
+    pub.flush()
+    pub.finish(ended, JobEnd(JobStatus.FINISHED, FinishReason.STOP))
+    servers[0].connected = False
+    other = _claim_on(queue, shards, "job-2", 1)
+    generate(other, 12)
+    pub.append(other)
+    # job-1's end is recorded, its final entry cannot go (kept); job-2's tokens go to shard 1.
+    assert pub.flush().ended == {"job-1": JobStatus.FINISHED}
+    generate(other, 13)
+    pub.append(other)
+    assert pub.flush().refused == set()  # before, every flush raised while the entry was owed
+    client_0, client_1 = (fakeredis.FakeRedis(server=server) for server in servers)
+    assert [e.token_id for _, e in _stream(client_1, "job-2")] == [12, 13]
+    servers[0].connected = True
+    assert [e.kind for _, e in _stream(client_0, "job-1")] == ["token"]
+    pub.flush()  # not looked at again yet: the entry waits...
+    assert [e.kind for _, e in _stream(client_0, "job-1")] == ["token"]
+    time.sleep(0.55)  # (the next look 0.25-0.5 s after the last: Backoff)
+    pub.flush()  # ...until the shard takes a probe
+    assert [e.kind for _, e in _stream(client_0, "job-1")] == ["token", "done"]
+
+
+def test_leaving_a_shard_takes_only_its_jobs_out_of_the_flush() -> None:
+    main = fake_redis()
+    queue, shards, pub, servers = _two_shard_worker(main)
+    lost, kept = _claim_on(queue, shards, "job-1", 0), _claim_on(queue, shards, "job-2", 1)
+    for job, token in ((lost, 11), (kept, 21)):
+        generate(job, token)
+        pub.append(job)
+    pub.flush()
+    servers[0].connected = False
+    generate(lost, 12)
+    pub.append(lost)
+    pub.finish(lost, JobEnd(JobStatus.FINISHED, FinishReason.STOP))
+    generate(kept, 22)
+    pub.append(kept)
+    with pytest.raises(redis.ConnectionError):
+        pub.flush()
+    assert pub.unreachable_shard == 0
+    assert pub.leave_shard(0) == {"job-1"}
+    report = pub.flush()  # the rest goes
+    assert (report.ended, report.refused) == ({}, set())
+    client_0, client_1 = (fakeredis.FakeRedis(server=server) for server in servers)
+    assert [e.token_id for _, e in _stream(client_1, "job-2")] == [21, 22]
+    # job-1's end is not recorded: its last token is not in its stream. Its lease lapses, and
+    # recovery hands it on once its shard answers.
+    assert JobReader(main).state("job-1").status == JobStatus.RUNNING
+    servers[0].connected = True
+    assert [e.token_id for _, e in _stream(client_0, "job-1")] == [11]
