@@ -241,7 +241,7 @@ def test_jobs_start_on_the_shard_that_answers_while_the_other_is_lost(tmp_path: 
         _stop(api, workers, [main, *shards])
 
 
-LEASE_S = 8.0  # the batch waits a quarter of it for a shard that does not answer
+LEASE_S = 10.0  # the batch waits a quarter of it for a shard that does not answer
 
 
 def _pinned_worker(main_url: str, shard_urls: list[str], name: str, shard: int
@@ -314,7 +314,7 @@ def test_a_shard_lost_mid_stream_holds_up_only_the_jobs_streaming_there(tmp_path
         short_done_s = time.monotonic() - killed_at
         for job_id in short_jobs:
             assert _assert_whole(shard_redis[0], main_redis, job_id, 100).num_preemptions == 0
-        assert all(reader.state(job_id).status == JobStatus.RUNNING for job_id in long_jobs)
+        assert not any(reader.state(job_id).status == JobStatus.FINISHED for job_id in long_jobs)
         # Back (its append-only file: the streams whole): recovery hands its jobs on once their
         # leases lapse, and each resumes after what its stream holds.
         shards[1].start(appendonly=True)
