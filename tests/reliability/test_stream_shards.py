@@ -307,8 +307,11 @@ def test_a_shard_lost_mid_stream_holds_up_only_the_jobs_streaming_there(tmp_path
         _wait_for_tokens(shard_redis[1], long_jobs, 40)  # taken over: going on there
         shards[1].kill()
         killed_at = time.monotonic()
-        reader = JobReader(main_redis)
-        while any(reader.state(job_id).status != JobStatus.FINISHED for job_id in short_jobs):
+        reader, shard_0 = JobReader(main_redis), JobReader(shard_redis[0])
+        # Ended: recorded on the main Redis, and the final entry in the stream on shard 0 (it
+        # follows in the same flush).
+        while not all(reader.state(job_id).status == JobStatus.FINISHED
+                      and shard_0.read(job_id).is_done for job_id in short_jobs):
             assert time.monotonic() - killed_at < LEASE_S - 1, "shard 0's jobs held up"
             time.sleep(0.05)
         short_done_s = time.monotonic() - killed_at

@@ -4,12 +4,16 @@ the cancel flag and the job's records on the main Redis (two fakeredis servers).
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import time
 
 import fakeredis
 import pytest
 import redis
 from pydantic import ValidationError
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 from rq.registry import CanceledJobRegistry
 from rq.serializers import JSONSerializer
 
@@ -28,6 +32,7 @@ from tests.worker.jobs.job_support import (
     submit,
 )
 from worker.jobs.job_queue import JobQueue
+from worker.jobs.job_scripts import JobScripts
 from worker.jobs.lease import Lease
 from worker.jobs.stream_publisher import JobEnd, StreamPublisher
 from worker.jobs.stream_shards import StreamShards
@@ -527,3 +532,47 @@ def test_leaving_a_shard_takes_only_its_jobs_out_of_the_flush() -> None:
     assert JobReader(main).state("job-1").status == JobStatus.RUNNING
     servers[0].connected = True
     assert [e.token_id for _, e in _stream(client_0, "job-1")] == [11]
+
+
+class _SilentShard:
+    """A TCP port that takes connections and never answers: a stopped (SIGSTOPped, or cut off)
+    shard, as a client meets it. Counts the connections made to it."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self._listener.getsockname()[1]}/0"
+        self.connections: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                self.connections.append(self._listener.accept()[0])
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self._listener.close()
+        for connection in self.connections:
+            connection.close()
+
+
+def test_a_look_at_a_stopped_shard_waits_one_short_timeout_not_the_clients_retries() -> None:
+    # The worker's step loop waits for the look: the shard client's retry (worker._redis_client)
+    # made it 4 x 0.2 s on two connections.
+    silent = _SilentShard()
+    try:
+        stopped = redis.Redis.from_url(silent.url, socket_timeout=1, socket_connect_timeout=1,
+                                       retry=Retry(NoBackoff(), 1))
+        main = fake_redis()
+        shards = StreamShards(main, [fake_redis(), stopped], JobScripts(), KEYS)
+        shards.choose_home(1)
+        shards.mark_out(1)
+        assert shards.home_for_claims() == 0  # looked at shard 1: no answer
+        deadline = time.monotonic() + 5
+        while not silent.connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # (the port took every connection before the look returned)
+        assert len(silent.connections) == 1
+    finally:
+        silent.close()
