@@ -8,7 +8,6 @@ a refusal that trying again does not mend.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -23,9 +22,6 @@ class RedisCannotPersistError(ResponseError):
     append-only write failed: a full disk, its directory gone or not writable), as its
     `stop-writes-on-bgsave-error` (on by default) asks. Writes are taken again once a save
     succeeds; reads go on meanwhile."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # (status_code= on redis-py >= 6)
-        super().__init__(*args, **kwargs)
 
 
 def _register_misconf() -> None:

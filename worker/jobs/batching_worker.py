@@ -604,9 +604,9 @@ class BatchingWorker:
         (their leases lapse; recovery hands them on once it answers, to resume after what their
         streams hold), and the jobs streaming elsewhere go on. Before, the whole batch waited on
         that one shard, for a lease, then was dropped."""
-        left = self.publisher.leave_shard(shard)
+        left = self.publisher.leave_shard(shard)  # (those that ended too: their ends go unsent)
         for job_id, job in list(self.jobs.items()):
-            if job_id in left or self.shards.remote(job.lease) == shard:
+            if self.shards.remote(job.lease) == shard:
                 left.add(job_id)
                 self.engine.abort(job_id)
                 del self.jobs[job_id]
